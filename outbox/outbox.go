@@ -1,0 +1,186 @@
+package outbox
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/json"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/onceflow/onceflow/migrations"
+)
+
+// MessageIDHeader is the record header carrying an event's id. The relay sets
+// it on every record; it is reserved in Message.Headers.
+const MessageIDHeader = "message-id"
+
+// Message is one event to publish.
+type Message struct {
+	// ID is the event's id, published as the message-id header: a UUID in
+	// its text form. Empty lets the database choose a random one. Choose it
+	// yourself when the consumer should deduplicate on a business identity.
+	ID string
+	// Topic is the Kafka topic. Required.
+	Topic string
+	// Key decides the partition and the ordering: events with the same key
+	// are published in the order they were written. Nil publishes without a
+	// key (no ordering promise).
+	Key []byte
+	// Value is the record value; nil publishes a null value (a tombstone).
+	Value []byte
+	// Headers become record headers. "message-id" is reserved.
+	Headers map[string]string
+}
+
+// DB is what Write needs: pgx.Tx, *pgx.Conn and *pgxpool.Pool all satisfy it.
+// Pass the transaction that writes your business rows to get G1.
+type DB interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
+// Config configures a Writer. The zero value is usable.
+type Config struct {
+	// Schema holds onceflow's tables. Defaults to "onceflow".
+	Schema string
+}
+
+// Writer writes events into one schema's outbox. It is safe for concurrent
+// use and holds no connection.
+type Writer struct {
+	insertSQL string
+}
+
+// NewWriter returns a Writer; cfg may be nil.
+func NewWriter(cfg *Config) (*Writer, error) {
+	c := Config{}
+	if cfg != nil {
+		c = *cfg
+	}
+	if c.Schema == "" {
+		c.Schema = migrations.DefaultSchema
+	}
+	if err := migrations.ValidateSchema(c.Schema); err != nil {
+		return nil, fmt.Errorf("outbox: Config.Schema: %w", err)
+	}
+	table := pgx.Identifier{c.Schema, "outbox"}.Sanitize()
+	// unnest keeps the argument order, and WITH ORDINALITY … ORDER BY makes
+	// that explicit, so ids follow the order of msgs.
+	return &Writer{insertSQL: `INSERT INTO ` + table + ` (event_id, topic, key, value, headers)
+SELECT coalesce(m.event_id, gen_random_uuid()), m.topic, m.key, m.value, m.headers::jsonb
+FROM unnest($1::uuid[], $2::text[], $3::bytea[], $4::bytea[], $5::text[]) WITH ORDINALITY
+     AS m(event_id, topic, key, value, headers, n)
+ORDER BY m.n`}, nil
+}
+
+var defaultWriter, _ = NewWriter(nil)
+
+// Write inserts msgs into the "onceflow" schema's outbox with one statement
+// (one round trip, however many messages). With a transaction, the events
+// exist if and only if it commits, and the commit wakes the relay at once.
+// With a pool or a connection outside a transaction each call commits on its
+// own, so the events can outlive a business change that later fails.
+func Write(ctx context.Context, db DB, msgs ...Message) error {
+	return defaultWriter.Write(ctx, db, msgs...)
+}
+
+// Write inserts msgs into the Writer's outbox with one statement; see the
+// package-level Write.
+func (w *Writer) Write(ctx context.Context, db DB, msgs ...Message) error {
+	if len(msgs) == 0 {
+		return nil
+	}
+	ids := make([]*string, len(msgs))
+	topics := make([]string, len(msgs))
+	keys := make([][]byte, len(msgs))
+	values := make([][]byte, len(msgs))
+	headers := make([]*string, len(msgs))
+	for i, m := range msgs {
+		if err := validate(m); err != nil {
+			return fmt.Errorf("outbox: message %d: %w", i, err)
+		}
+		if m.ID != "" {
+			id := m.ID
+			ids[i] = &id
+		}
+		topics[i] = m.Topic
+		keys[i] = m.Key
+		values[i] = m.Value
+		if len(m.Headers) > 0 {
+			b, err := json.Marshal(m.Headers)
+			if err != nil {
+				return fmt.Errorf("outbox: message %d: encode headers: %w", i, err)
+			}
+			s := string(b)
+			headers[i] = &s
+		}
+	}
+	if _, err := db.Exec(ctx, w.insertSQL, ids, topics, keys, values, headers); err != nil {
+		return fmt.Errorf("outbox: write %d messages: %w", len(msgs), err)
+	}
+	return nil
+}
+
+// NewID returns a random (version 4) UUID for Message.ID.
+func NewID() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:])
+	b[6] = b[6]&0x0f | 0x40
+	b[8] = b[8]&0x3f | 0x80
+	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
+}
+
+// ErrInvalidMessage is wrapped by every validation error of Write.
+var ErrInvalidMessage = errors.New("invalid message")
+
+func validate(m Message) error {
+	if err := ValidateTopic(m.Topic); err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalidMessage, err)
+	}
+	if m.ID != "" && !isUUID(m.ID) {
+		return fmt.Errorf("%w: ID %q is not a UUID", ErrInvalidMessage, m.ID)
+	}
+	if _, ok := m.Headers[MessageIDHeader]; ok {
+		return fmt.Errorf("%w: header %q is reserved; set Message.ID instead", ErrInvalidMessage, MessageIDHeader)
+	}
+	return nil
+}
+
+// ValidateTopic checks a name against Kafka's topic rules.
+func ValidateTopic(topic string) error {
+	switch {
+	case topic == "":
+		return errors.New("topic is empty")
+	case len(topic) > 249:
+		return fmt.Errorf("topic %.20q… is longer than 249 characters", topic)
+	case topic == "." || topic == "..":
+		return fmt.Errorf("topic %q is not allowed", topic)
+	}
+	for _, r := range topic {
+		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '.' || r == '_' || r == '-') {
+			return fmt.Errorf("topic %q has %q; Kafka allows only ASCII letters, digits, '.', '_' and '-'", topic, r)
+		}
+	}
+	return nil
+}
+
+func isUUID(s string) bool {
+	if len(s) != 36 {
+		return false
+	}
+	for i, r := range s {
+		switch i {
+		case 8, 13, 18, 23:
+			if r != '-' {
+				return false
+			}
+		default:
+			if !(r >= '0' && r <= '9' || r >= 'a' && r <= 'f' || r >= 'A' && r <= 'F') {
+				return false
+			}
+		}
+	}
+	return true
+}

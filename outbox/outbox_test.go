@@ -1,0 +1,245 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceflow/onceflow/internal/pgtest"
+	"github.com/onceflow/onceflow/outbox"
+)
+
+type row struct {
+	id       int64
+	eventID  string
+	topic    string
+	key      []byte
+	value    []byte
+	headers  map[string]string
+	shard    int16
+	attempts int
+}
+
+func readOutbox(t *testing.T, db *pgxpool.Pool, schema string) []row {
+	t.Helper()
+	rows, err := db.Query(context.Background(), `SELECT id, event_id::text, topic, key, value, headers, shard, attempts FROM `+
+		pgx.Identifier{schema, "outbox"}.Sanitize()+` ORDER BY id`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []row
+	for rows.Next() {
+		var r row
+		if err := rows.Scan(&r.id, &r.eventID, &r.topic, &r.key, &r.value, &r.headers, &r.shard, &r.attempts); err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, r)
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func TestWriteKeepsOrderAndFields(t *testing.T) {
+	t.Parallel()
+	schema := pgtest.Schema(t)
+	db := pgtest.Pool(t)
+	w, err := outbox.NewWriter(&outbox.Config{Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	chosen := outbox.NewID()
+	msgs := []outbox.Message{
+		{Topic: "orders", Key: []byte("k1"), Value: []byte("v1"), Headers: map[string]string{"type": "created"}},
+		{Topic: "orders", Key: []byte("k1"), Value: []byte("v2"), ID: chosen},
+		{Topic: "payments", Value: []byte("v3")},
+		{Topic: "orders", Key: []byte("k2")},
+	}
+	if err := w.Write(context.Background(), db, msgs...); err != nil {
+		t.Fatal(err)
+	}
+	got := readOutbox(t, db, schema)
+	if len(got) != len(msgs) {
+		t.Fatalf("got %d rows, want %d", len(got), len(msgs))
+	}
+	for i, r := range got {
+		m := msgs[i]
+		if r.topic != m.Topic || string(r.key) != string(m.Key) || string(r.value) != string(m.Value) {
+			t.Errorf("row %d = %+v, want %+v", i, r, m)
+		}
+		if (r.key == nil) != (m.Key == nil) || (r.value == nil) != (m.Value == nil) {
+			t.Errorf("row %d: null key/value not kept: %+v", i, r)
+		}
+		if i > 0 && r.id <= got[i-1].id {
+			t.Errorf("ids not increasing: %d after %d", r.id, got[i-1].id)
+		}
+		if len(r.eventID) != 36 {
+			t.Errorf("row %d: event_id %q is not a UUID", i, r.eventID)
+		}
+		if r.attempts != 0 {
+			t.Errorf("row %d: attempts %d", i, r.attempts)
+		}
+	}
+	if got[1].eventID != chosen {
+		t.Errorf("chosen id: got %s want %s", got[1].eventID, chosen)
+	}
+	if got[0].headers["type"] != "created" || got[1].headers != nil {
+		t.Errorf("headers: %v, %v", got[0].headers, got[1].headers)
+	}
+	if got[0].shard != got[1].shard {
+		t.Errorf("same key, different shards: %d, %d", got[0].shard, got[1].shard)
+	}
+	if got[0].eventID == got[2].eventID {
+		t.Error("generated event ids repeat")
+	}
+}
+
+// G1: the event exists if and only if its transaction commits.
+func TestWriteFollowsTransaction(t *testing.T) {
+	t.Parallel()
+	schema := pgtest.Schema(t)
+	db := pgtest.Pool(t)
+	w, _ := outbox.NewWriter(&outbox.Config{Schema: schema})
+	ctx := context.Background()
+	boom := errors.New("business change failed")
+	err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+		if err := w.Write(ctx, tx, outbox.Message{Topic: "t", Value: []byte("rolled back")}); err != nil {
+			return err
+		}
+		return boom
+	})
+	if !errors.Is(err, boom) {
+		t.Fatalf("BeginFunc: %v", err)
+	}
+	if got := readOutbox(t, db, schema); len(got) != 0 {
+		t.Fatalf("rolled-back event is in the outbox: %+v", got)
+	}
+	err = pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+		return w.Write(ctx, tx, outbox.Message{Topic: "t", Value: []byte("committed")})
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := readOutbox(t, db, schema); len(got) != 1 || string(got[0].value) != "committed" {
+		t.Fatalf("after commit: %+v", got)
+	}
+}
+
+type countingTracer struct{ queries atomic.Int64 }
+
+func (c *countingTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	c.queries.Add(1)
+	return ctx
+}
+func (c *countingTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+func TestWriteManyIsOneStatement(t *testing.T) {
+	t.Parallel()
+	schema := pgtest.Schema(t)
+	cfg, err := pgx.ParseConfig(pgtest.URL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	tracer := &countingTracer{}
+	cfg.Tracer = tracer
+	conn, err := pgx.ConnectConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	w, _ := outbox.NewWriter(&outbox.Config{Schema: schema})
+	msgs := make([]outbox.Message, 500)
+	for i := range msgs {
+		msgs[i] = outbox.Message{Topic: "t", Key: []byte{byte(i)}, Value: []byte("x")}
+	}
+	before := tracer.queries.Load()
+	if err := w.Write(context.Background(), conn, msgs...); err != nil {
+		t.Fatal(err)
+	}
+	if n := tracer.queries.Load() - before; n != 1 {
+		t.Fatalf("Write of 500 messages ran %d statements, want 1", n)
+	}
+	if got := readOutbox(t, pgtest.Pool(t), schema); len(got) != 500 {
+		t.Fatalf("got %d rows", len(got))
+	}
+}
+
+func TestCommitNotifiesRelay(t *testing.T) {
+	t.Parallel()
+	schema := pgtest.Schema(t)
+	listener := pgtest.Conn(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if _, err := listener.Exec(ctx, "LISTEN onceflow_outbox"); err != nil {
+		t.Fatal(err)
+	}
+	w, _ := outbox.NewWriter(&outbox.Config{Schema: schema})
+	if err := pgx.BeginFunc(ctx, pgtest.Pool(t), func(tx pgx.Tx) error {
+		return w.Write(ctx, tx, outbox.Message{Topic: "t"})
+	}); err != nil {
+		t.Fatal(err)
+	}
+	// Other tests' schemas notify on the same channel; wait for ours.
+	for {
+		n, err := listener.WaitForNotification(ctx)
+		if err != nil {
+			t.Fatalf("no notification for schema %s: %v", schema, err)
+		}
+		if n.Payload == schema {
+			return
+		}
+	}
+}
+
+func TestPlainSQLInsert(t *testing.T) {
+	t.Parallel()
+	schema := pgtest.Schema(t)
+	db := pgtest.Pool(t)
+	table := pgx.Identifier{schema, "outbox"}.Sanitize()
+	_, err := db.Exec(context.Background(), `INSERT INTO `+table+` (topic, key, value, headers) VALUES ('orders', 'k1', 'v', '{"a":"b"}')`)
+	if err != nil {
+		t.Fatalf("plain SQL insert: %v", err)
+	}
+	got := readOutbox(t, db, schema)
+	if len(got) != 1 || got[0].headers["a"] != "b" || len(got[0].eventID) != 36 {
+		t.Fatalf("got %+v", got)
+	}
+	// Header values must be strings: Kafka headers are bytes, and a number
+	// would be ambiguous.
+	_, err = db.Exec(context.Background(), `INSERT INTO `+table+` (topic, headers) VALUES ('orders', '{"a":1}')`)
+	if err == nil {
+		t.Fatal("non-string header value was accepted")
+	}
+}
+
+func TestWriteRejectsBadMessages(t *testing.T) {
+	t.Parallel()
+	schema := pgtest.Schema(t)
+	db := pgtest.Pool(t)
+	w, _ := outbox.NewWriter(&outbox.Config{Schema: schema})
+	cases := map[string]outbox.Message{
+		"empty topic":     {},
+		"bad topic":       {Topic: "a topic"},
+		"long topic":      {Topic: string(make([]byte, 250))},
+		"bad id":          {Topic: "t", ID: "42"},
+		"reserved header": {Topic: "t", Headers: map[string]string{"message-id": "x"}},
+	}
+	for name, m := range cases {
+		err := w.Write(context.Background(), db, outbox.Message{Topic: "ok"}, m)
+		if !errors.Is(err, outbox.ErrInvalidMessage) {
+			t.Errorf("%s: err = %v, want ErrInvalidMessage", name, err)
+		}
+	}
+	if got := readOutbox(t, db, schema); len(got) != 0 {
+		t.Fatalf("a rejected call wrote rows: %+v", got)
+	}
+	if _, err := outbox.NewWriter(&outbox.Config{Schema: string(make([]byte, 64))}); err == nil {
+		t.Error("NewWriter accepted a 64-byte schema name")
+	}
+}
