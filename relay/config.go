@@ -1,0 +1,102 @@
+package relay
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"time"
+
+	"github.com/onceflow/onceflow/migrations"
+)
+
+// NumShards is the number of ordering shards; fixed by the schema.
+const NumShards = 256
+
+// Config configures a Relay. A nil *Config means all defaults.
+type Config struct {
+	// Schema holds onceflow's tables. Defaults to "onceflow".
+	Schema string
+	// InstanceID names this relay in relay_instances and shard leases; it
+	// must be unique among live relays. Defaults to host-pid-random.
+	InstanceID string
+	// BatchSize is the most events read and published per round.
+	// Defaults to 1000.
+	BatchSize int
+	// PollInterval is how often the relay looks for events when no
+	// notification arrives; notifications wake it at once. Defaults to 500ms.
+	PollInterval time.Duration
+	// LeaseDuration is how long a shard lease lasts without renewal; leases
+	// are renewed every third of it. A killed relay's shards are taken over
+	// within about LeaseDuration plus a third. Defaults to 6s.
+	LeaseDuration time.Duration
+	// UnknownTopicGrace is how long an event's unknown topic is retried
+	// before the event is dead-lettered. Defaults to 1m.
+	UnknownTopicGrace time.Duration
+	// MaxRetryBackoff caps the wait before a key whose event failed is tried
+	// again. Defaults to 10s.
+	MaxRetryBackoff time.Duration
+	// Logger receives Warn and Error logs (and Info for lifecycle events).
+	// Defaults to discarding.
+	Logger *slog.Logger
+	// Observer receives metrics events. Defaults to none.
+	Observer Observer
+}
+
+func (c *Config) withDefaults() (Config, error) {
+	out := Config{}
+	if c != nil {
+		out = *c
+	}
+	if out.Schema == "" {
+		out.Schema = migrations.DefaultSchema
+	}
+	if err := migrations.ValidateSchema(out.Schema); err != nil {
+		return out, fmt.Errorf("relay: Config.Schema: %w", err)
+	}
+	if out.InstanceID == "" {
+		host, _ := os.Hostname()
+		b := make([]byte, 3)
+		_, _ = rand.Read(b)
+		out.InstanceID = fmt.Sprintf("%s-%d-%s", host, os.Getpid(), hex.EncodeToString(b))
+	}
+	if out.BatchSize == 0 {
+		out.BatchSize = 1000
+	}
+	if out.BatchSize < 1 || out.BatchSize > 100_000 {
+		return out, fmt.Errorf("relay: Config.BatchSize must be between 1 and 100000, got %d", out.BatchSize)
+	}
+	if out.PollInterval == 0 {
+		out.PollInterval = 500 * time.Millisecond
+	}
+	if out.PollInterval < time.Millisecond {
+		return out, fmt.Errorf("relay: Config.PollInterval must be at least 1ms, got %s", out.PollInterval)
+	}
+	if out.LeaseDuration == 0 {
+		out.LeaseDuration = 6 * time.Second
+	}
+	if out.LeaseDuration < 300*time.Millisecond {
+		return out, fmt.Errorf("relay: Config.LeaseDuration must be at least 300ms, got %s", out.LeaseDuration)
+	}
+	if out.UnknownTopicGrace == 0 {
+		out.UnknownTopicGrace = time.Minute
+	}
+	if out.UnknownTopicGrace < 0 {
+		return out, fmt.Errorf("relay: Config.UnknownTopicGrace must not be negative, got %s", out.UnknownTopicGrace)
+	}
+	if out.MaxRetryBackoff == 0 {
+		out.MaxRetryBackoff = 10 * time.Second
+	}
+	if out.MaxRetryBackoff < 0 {
+		return out, fmt.Errorf("relay: Config.MaxRetryBackoff must not be negative, got %s", out.MaxRetryBackoff)
+	}
+	if out.Logger == nil {
+		out.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
+	if out.Observer == nil {
+		out.Observer = nopObserver{}
+	}
+	return out, nil
+}

@@ -1,0 +1,146 @@
+// Package kgopublisher is the relay's default Publisher, on franz-go's kgo
+// client: idempotent producer, acks=all, murmur2 key partitioning as the
+// Java client does, retries of passing errors without limit (a broker outage
+// is waited out, never turned into a refusal).
+package kgopublisher
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/onceflow/onceflow/relay"
+)
+
+// Config configures a Publisher. A nil *Config means all defaults.
+type Config struct {
+	// Linger is how long the client waits to fill a batch. Defaults to 0:
+	// the relay already hands over whole batches.
+	Linger time.Duration
+	// Opts are extra kgo options applied last (TLS, SASL, client id, …).
+	// Options that break the relay's guarantees (kgo.DisableIdempotentWrite,
+	// acks below all) are the caller's responsibility. Defaults to none.
+	Opts []kgo.Opt
+}
+
+// Publisher publishes through a kgo.Client. Publish is called by one relay
+// goroutine at a time; Close is idempotent.
+type Publisher struct {
+	cl    *kgo.Client
+	owned bool
+	once  sync.Once
+}
+
+var _ relay.Publisher = (*Publisher)(nil)
+
+// New connects to brokers. cfg may be nil.
+func New(brokers []string, cfg *Config) (*Publisher, error) {
+	if len(brokers) == 0 {
+		return nil, errors.New("kgopublisher: no brokers given")
+	}
+	c := Config{}
+	if cfg != nil {
+		c = *cfg
+	}
+	if c.Linger < 0 {
+		return nil, fmt.Errorf("kgopublisher: Config.Linger must not be negative, got %s", c.Linger)
+	}
+	opts := []kgo.Opt{
+		kgo.SeedBrokers(brokers...),
+		kgo.RequiredAcks(kgo.AllISRAcks()),
+		kgo.ProducerLinger(c.Linger),
+		// Unknown topics fail fast; the relay applies its own grace period.
+		kgo.UnknownTopicRetries(2),
+		kgo.RecordPartitioner(kgo.StickyKeyPartitioner(nil)),
+	}
+	cl, err := kgo.NewClient(append(opts, c.Opts...)...)
+	if err != nil {
+		return nil, fmt.Errorf("kgopublisher: %w", err)
+	}
+	return &Publisher{cl: cl, owned: true}, nil
+}
+
+// NewFromClient publishes through a client you configured. Keep it
+// idempotent with acks=all and murmur2 partitioning, or the relay's ordering
+// promise weakens. Close does not close a client passed here.
+func NewFromClient(cl *kgo.Client) *Publisher { return &Publisher{cl: cl} }
+
+// Publish produces records and waits for every acknowledgement, or for ctx.
+func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error {
+	errs := make([]error, len(records))
+	finished := make([]bool, len(records))
+	var mu sync.Mutex
+	pending := len(records)
+	done := make(chan struct{})
+	for i, rec := range records {
+		kr := &kgo.Record{Topic: rec.Topic, Key: rec.Key, Value: rec.Value}
+		if len(rec.Headers) > 0 {
+			kr.Headers = make([]kgo.RecordHeader, len(rec.Headers))
+			for j, h := range rec.Headers {
+				kr.Headers[j] = kgo.RecordHeader{Key: h.Key, Value: h.Value}
+			}
+		}
+		p.cl.Produce(ctx, kr, func(_ *kgo.Record, err error) {
+			mu.Lock()
+			defer mu.Unlock()
+			if errs == nil {
+				return // Publish already returned on ctx
+			}
+			errs[i] = classify(err)
+			finished[i] = true
+			pending--
+			if pending == 0 {
+				close(done)
+			}
+		})
+	}
+	select {
+	case <-done:
+		return errs
+	case <-ctx.Done():
+	}
+	// Records still in flight may yet land: the relay treats them as not
+	// acknowledged and publishes them again later (at least once).
+	mu.Lock()
+	defer mu.Unlock()
+	out := errs
+	errs = nil
+	for i := range out {
+		if !finished[i] {
+			out[i] = fmt.Errorf("kgopublisher: not acknowledged before shutdown: %w", ctx.Err())
+		}
+	}
+	return out
+}
+
+// Close closes the client if New created it.
+func (p *Publisher) Close() error {
+	p.once.Do(func() {
+		if p.owned {
+			p.cl.Close()
+		}
+	})
+	return nil
+}
+
+func classify(err error) error {
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, kerr.MessageTooLarge), errors.Is(err, kerr.RecordListTooLarge):
+		return fmt.Errorf("%w: %w", relay.ErrRecordTooLarge, err)
+	case errors.Is(err, kerr.TopicAuthorizationFailed), errors.Is(err, kerr.InvalidTopicException):
+		return fmt.Errorf("%w: %w", relay.ErrTopicForbidden, err)
+	case errors.Is(err, kerr.UnknownTopicOrPartition), errors.Is(err, kerr.UnknownTopicID):
+		return fmt.Errorf("%w: %w", relay.ErrUnknownTopic, err)
+	case errors.Is(err, kerr.InvalidRecord):
+		return fmt.Errorf("%w: %w", relay.ErrRecordInvalid, err)
+	default:
+		return err
+	}
+}

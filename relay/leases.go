@@ -1,0 +1,147 @@
+package relay
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"slices"
+	"sync"
+	"time"
+)
+
+// leases keeps this relay's share of the shards: it heartbeats the instance
+// row, renews its shard leases, takes free or expired shards up to its fair
+// share, and asks the publish loop to hand back shards above it.
+//
+// Shards are released only between publish rounds (the publish loop calls
+// releaseExcess), so a shard never changes hands while this relay has its
+// events in flight unless the relay stopped renewing — and even then the
+// delete re-checks ownership and the new owner republishes the pending
+// prefix in order.
+type leases struct {
+	st       *store
+	id       string
+	duration time.Duration
+	obs      Observer
+
+	mu         sync.Mutex
+	owned      []int16   // sorted
+	validUntil time.Time // local clock: when the leases may have lapsed
+	excess     int       // shards to hand back at the next chance
+	changed    chan struct{}
+}
+
+func newLeases(st *store, id string, duration time.Duration, obs Observer) *leases {
+	return &leases{st: st, id: id, duration: duration, obs: obs, changed: make(chan struct{}, 1)}
+}
+
+// snapshot returns the shards this relay may publish now.
+func (l *leases) snapshot() []int16 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if time.Now().After(l.validUntil) {
+		return nil
+	}
+	return slices.Clone(l.owned)
+}
+
+func (l *leases) interval() time.Duration { return l.duration / 3 }
+
+// tick does one round of lease upkeep.
+func (l *leases) tick(ctx context.Context) error {
+	start := time.Now()
+	dur := l.duration.String()
+	host, _ := os.Hostname()
+	if _, err := l.st.pool.Exec(ctx, l.st.heartbeatSQL, l.id, host, os.Getpid(), dur); err != nil {
+		return fmt.Errorf("heartbeat: %w", err)
+	}
+	var live int
+	if err := l.st.pool.QueryRow(ctx, l.st.liveInstancesSQL).Scan(&live); err != nil {
+		return fmt.Errorf("count live relays: %w", err)
+	}
+	live = max(live, 1)
+	fair := (NumShards + live - 1) / live
+
+	renewed, err := l.queryShards(ctx, l.st.renewSQL, l.id, dur)
+	if err != nil {
+		return fmt.Errorf("renew shards: %w", err)
+	}
+	if len(renewed) < fair {
+		// takeSQL also re-takes this relay's own lapsed leases first.
+		taken, err := l.queryShards(ctx, l.st.takeSQL, l.id, dur, fair-len(renewed))
+		if err != nil {
+			return fmt.Errorf("take shards: %w", err)
+		}
+		renewed = append(renewed, taken...)
+	}
+	slices.Sort(renewed)
+	renewed = slices.Compact(renewed)
+
+	l.mu.Lock()
+	before := len(l.owned)
+	l.owned = renewed
+	l.validUntil = start.Add(l.duration - l.duration/6)
+	l.excess = max(len(renewed)-fair, 0)
+	l.mu.Unlock()
+	if before != len(renewed) || l.excess > 0 {
+		l.obs.ObserveShards(len(renewed))
+		select {
+		case l.changed <- struct{}{}:
+		default:
+		}
+	}
+	return nil
+}
+
+// releaseExcess hands back the shards above the fair share. The publish loop
+// calls it between rounds.
+func (l *leases) releaseExcess(ctx context.Context) error {
+	l.mu.Lock()
+	n := l.excess
+	if n == 0 {
+		l.mu.Unlock()
+		return nil
+	}
+	give := slices.Clone(l.owned[len(l.owned)-n:])
+	l.owned = l.owned[:len(l.owned)-n]
+	l.excess = 0
+	owned := len(l.owned)
+	l.mu.Unlock()
+	if _, err := l.st.pool.Exec(ctx, l.st.releaseSQL, l.id, give); err != nil {
+		return fmt.Errorf("release shards: %w", err)
+	}
+	l.obs.ObserveShards(owned)
+	return nil
+}
+
+// releaseAll hands back every shard and removes the instance row.
+func (l *leases) releaseAll(ctx context.Context) error {
+	l.mu.Lock()
+	l.owned = nil
+	l.mu.Unlock()
+	l.obs.ObserveShards(0)
+	if _, err := l.st.pool.Exec(ctx, l.st.releaseAllSQL, l.id); err != nil {
+		return fmt.Errorf("release shards: %w", err)
+	}
+	if _, err := l.st.pool.Exec(ctx, l.st.goodbyeSQL, l.id); err != nil {
+		return fmt.Errorf("remove instance: %w", err)
+	}
+	return nil
+}
+
+func (l *leases) queryShards(ctx context.Context, sql string, args ...any) ([]int16, error) {
+	rows, err := l.st.pool.Query(ctx, sql, args...)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var out []int16
+	for rows.Next() {
+		var s int16
+		if err := rows.Scan(&s); err != nil {
+			return nil, err
+		}
+		out = append(out, s)
+	}
+	return out, rows.Err()
+}

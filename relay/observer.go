@@ -1,0 +1,34 @@
+package relay
+
+import "time"
+
+// Observer receives the relay's events, for metrics. Its methods are called
+// from the relay's goroutines, must be cheap and safe for concurrent use, and
+// must not block. The binary wires a Prometheus Observer; this package
+// imports no metrics library.
+type Observer interface {
+	// ObserveBatch is called after each publish round.
+	ObserveBatch(BatchStats)
+	// ObserveShards is called when the set of owned shards changes.
+	ObserveShards(owned int)
+}
+
+// BatchStats describes one publish round.
+type BatchStats struct {
+	Published    int // acknowledged by Kafka and deleted from the outbox
+	Failed       int // failed with a passing error; left pending for retry
+	DeadLettered int // moved to outbox_dead
+	// NotDeleted counts acknowledged events whose delete was refused
+	// because this relay no longer owned their shard; the new owner
+	// publishes them again.
+	NotDeleted int
+	Duration   time.Duration
+	// OldestCreatedAt is the creation time of the oldest published event,
+	// zero if none was published.
+	OldestCreatedAt time.Time
+}
+
+type nopObserver struct{}
+
+func (nopObserver) ObserveBatch(BatchStats) {}
+func (nopObserver) ObserveShards(int)       {}

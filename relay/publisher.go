@@ -1,0 +1,78 @@
+package relay
+
+import (
+	"context"
+	"errors"
+)
+
+// Record is one outbox event as it goes to Kafka.
+type Record struct {
+	Topic   string
+	Key     []byte // nil: no key
+	Value   []byte // nil: null value
+	Headers []Header
+}
+
+// Header is a Kafka record header.
+type Header struct {
+	Key   string
+	Value []byte
+}
+
+// Publisher sends records to Kafka and waits for the broker's
+// acknowledgement (acks=all) of each.
+//
+// Publish returns one error per record, in the records' order: nil means
+// the record was acknowledged. Records with the same key must be sent in
+// slice order and land in one partition (murmur2, as the Java client does).
+// A publisher marks refusals that will not heal by wrapping ErrRecordTooLarge,
+// ErrTopicForbidden, ErrRecordInvalid or ErrUnknownTopic; any other error is taken as passing
+// (a broker outage) and the record is retried. Publish must return when ctx
+// is done, failing what was not acknowledged.
+//
+// The relay calls Publish from one goroutine at a time.
+type Publisher interface {
+	Publish(ctx context.Context, records []Record) []error
+	Close() error
+}
+
+// Refusals a Publisher reports by wrapping these with errors.Join or %w.
+var (
+	// ErrRecordTooLarge: the client or the broker refused the record's size.
+	// The relay publishes the record alone to be sure it is the offender,
+	// then dead-letters it.
+	ErrRecordTooLarge = errors.New("record too large")
+	// ErrTopicForbidden: not authorized for the topic, or its name is
+	// invalid. Dead-lettered at once.
+	ErrTopicForbidden = errors.New("topic forbidden")
+	// ErrUnknownTopic: the topic does not exist. Kafka calls this retriable,
+	// since auto-creation may be under way: the relay retries it for
+	// Config.UnknownTopicGrace, then dead-letters the event.
+	ErrUnknownTopic = errors.New("unknown topic")
+	// ErrRecordInvalid: the broker refused the record itself (e.g. a keyless
+	// record on a compacted topic). Dead-lettered at once.
+	ErrRecordInvalid = errors.New("record invalid")
+)
+
+// refusal classifies a publish error.
+type refusal int
+
+const (
+	retriable refusal = iota
+	tooLarge
+	forbidden
+	unknownTopic
+)
+
+func classify(err error) refusal {
+	switch {
+	case errors.Is(err, ErrRecordTooLarge):
+		return tooLarge
+	case errors.Is(err, ErrTopicForbidden), errors.Is(err, ErrRecordInvalid):
+		return forbidden
+	case errors.Is(err, ErrUnknownTopic):
+		return unknownTopic
+	default:
+		return retriable
+	}
+}

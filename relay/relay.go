@@ -1,0 +1,416 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/cenkalti/backoff/v4"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// MessageIDHeader is the record header holding the event id (G4).
+const MessageIDHeader = "message-id"
+
+// notifyChannel is the channel the outbox trigger notifies, with the schema
+// name as payload.
+const notifyChannel = "onceflow_outbox"
+
+// Relay publishes committed outbox events to Kafka. Create it with New and
+// call Run; a Relay runs once.
+type Relay struct {
+	cfg    Config
+	pool   *pgxpool.Pool
+	pub    Publisher
+	st     *store
+	leases *leases
+	log    *slog.Logger
+	wake   chan struct{}
+	ran    atomic.Bool
+
+	// Owned by the publish loop.
+	blocked      map[string]*keyState
+	roundBackoff backoff.BackOff
+}
+
+// keyState is a key (or a keyless event) whose event failed and waits for
+// its retry; its later events are held back until then.
+type keyState struct {
+	key      []byte
+	keyless  bool
+	firstID  int64
+	retryAt  time.Time
+	backoff  backoff.BackOff
+	lastSeen time.Time
+}
+
+// New returns a relay reading from pool's database and publishing through
+// pub. cfg may be nil. The relay does not close pool or pub.
+func New(pool *pgxpool.Pool, pub Publisher, cfg *Config) (*Relay, error) {
+	if pool == nil {
+		return nil, errors.New("relay: pool is nil")
+	}
+	if pub == nil {
+		return nil, errors.New("relay: publisher is nil")
+	}
+	c, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	st := newStore(pool, c.Schema)
+	return &Relay{
+		cfg:          c,
+		pool:         pool,
+		pub:          pub,
+		st:           st,
+		leases:       newLeases(st, c.InstanceID, c.LeaseDuration, c.Observer),
+		log:          c.Logger.With("relay", c.InstanceID),
+		wake:         make(chan struct{}, 1),
+		blocked:      map[string]*keyState{},
+		roundBackoff: newBackoff(c.MaxRetryBackoff),
+	}, nil
+}
+
+// InstanceID returns the name this relay uses in relay_instances.
+func (r *Relay) InstanceID() string { return r.cfg.InstanceID }
+
+// Run publishes until ctx is done, then lets the in-flight round finish or
+// fail (what was not acknowledged stays pending), hands its shards back and
+// returns nil. It returns an error at once if the outbox cannot be read at
+// start (database unreachable, schema not migrated). Later database and
+// broker failures are logged and retried: events are never lost or
+// dead-lettered because of them.
+func (r *Relay) Run(ctx context.Context) error {
+	if !r.ran.CompareAndSwap(false, true) {
+		return errors.New("relay: Run called twice")
+	}
+	if err := r.checkSchema(ctx); err != nil {
+		return err
+	}
+	if err := r.leases.tick(ctx); err != nil {
+		return fmt.Errorf("relay: first lease round: %w", err)
+	}
+	r.log.Info("relay started", "schema", r.cfg.Schema)
+
+	var wg sync.WaitGroup
+	bg, stopBackground := context.WithCancel(context.Background())
+	wg.Add(2)
+	go func() { defer wg.Done(); r.leaseLoop(bg) }()
+	go func() { defer wg.Done(); r.listenLoop(bg) }()
+
+	r.publishLoop(ctx)
+
+	stopBackground()
+	wg.Wait()
+	release, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := r.leases.releaseAll(release); err != nil {
+		// The leases lapse on their own within LeaseDuration.
+		r.log.Warn("relay: hand back shards at shutdown", "err", err)
+	}
+	r.log.Info("relay stopped")
+	return nil
+}
+
+func (r *Relay) checkSchema(ctx context.Context) error {
+	table := pgx.Identifier{r.cfg.Schema, "outbox"}.Sanitize()
+	if _, err := r.pool.Exec(ctx, `SELECT 1 FROM `+table+` LIMIT 0`); err != nil {
+		return fmt.Errorf("relay: read %s (is the schema migrated? run `onceflow migrate up`): %w", table, err)
+	}
+	return nil
+}
+
+func (r *Relay) leaseLoop(ctx context.Context) {
+	t := time.NewTicker(r.leases.interval())
+	defer t.Stop()
+	for n := 0; ; n++ {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if err := r.leases.tick(ctx); err != nil && ctx.Err() == nil {
+			r.log.Warn("relay: lease upkeep failed; shards lapse unless it recovers", "err", err)
+		}
+		if n%100 == 0 {
+			_, _ = r.pool.Exec(ctx, r.st.forgetOldSQL)
+		}
+	}
+}
+
+// listenLoop keeps a dedicated connection LISTENing, reconnecting after loss.
+// Polling covers the gaps.
+func (r *Relay) listenLoop(ctx context.Context) {
+	bo := newBackoff(5 * time.Second)
+	for ctx.Err() == nil {
+		err := r.listen(ctx)
+		if ctx.Err() != nil {
+			return
+		}
+		wait := bo.NextBackOff()
+		r.log.Warn("relay: notification listener lost; reconnecting", "err", err, "in", wait)
+		sleep(ctx, wait)
+	}
+}
+
+func (r *Relay) listen(ctx context.Context) error {
+	conn, err := pgx.ConnectConfig(ctx, r.pool.Config().ConnConfig.Copy())
+	if err != nil {
+		return err
+	}
+	defer conn.Close(context.Background())
+	if _, err := conn.Exec(ctx, "LISTEN "+notifyChannel); err != nil {
+		return err
+	}
+	r.signal() // anything committed while we were not listening
+	for {
+		n, err := conn.WaitForNotification(ctx)
+		if err != nil {
+			return err
+		}
+		if n.Payload == r.cfg.Schema {
+			r.signal()
+		}
+	}
+}
+
+func (r *Relay) signal() {
+	select {
+	case r.wake <- struct{}{}:
+	default:
+	}
+}
+
+func (r *Relay) publishLoop(ctx context.Context) {
+	for ctx.Err() == nil {
+		if err := r.leases.releaseExcess(ctx); err != nil && ctx.Err() == nil {
+			r.log.Warn("relay: hand back shards", "err", err)
+		}
+		shards := r.leases.snapshot()
+		if len(shards) == 0 {
+			r.idle(ctx)
+			continue
+		}
+		res, err := r.round(ctx, shards)
+		switch {
+		case err != nil && ctx.Err() == nil:
+			wait := r.roundBackoff.NextBackOff()
+			r.log.Warn("relay: publish round failed", "err", err, "retry_in", wait)
+			sleep(ctx, wait)
+		case res.claimed > 0 && res.acked == 0 && res.dead == 0:
+			// Everything failed: the broker is likely down. Don't spin.
+			sleep(ctx, r.roundBackoff.NextBackOff())
+		case res.claimed == r.cfg.BatchSize:
+			r.roundBackoff.Reset()
+			// More may be waiting: go again at once.
+		default:
+			r.roundBackoff.Reset()
+			r.idle(ctx)
+		}
+	}
+}
+
+// idle waits for a notification, a change of shards, the poll interval or
+// the next key retry, whichever comes first.
+func (r *Relay) idle(ctx context.Context) {
+	wait := r.cfg.PollInterval
+	now := time.Now()
+	for _, k := range r.blocked {
+		if d := k.retryAt.Sub(now); d > 0 && d < wait {
+			wait = d
+		}
+	}
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+	case <-r.wake:
+	case <-r.leases.changed:
+	case <-t.C:
+	}
+}
+
+type roundResult struct {
+	claimed, acked, dead int
+}
+
+// round publishes one batch: claim the oldest pending events of the owned
+// shards (counting an attempt), publish them, wait for every ack, then
+// delete exactly the acknowledged ones, dead-letter the refused ones and
+// hold back the keys of the ones that failed.
+func (r *Relay) round(ctx context.Context, shards []int16) (roundResult, error) {
+	start := time.Now()
+	keys, ids := r.exclusions(start)
+	events, err := r.st.claim(ctx, shards, r.cfg.BatchSize, keys, ids)
+	if err != nil {
+		return roundResult{}, fmt.Errorf("relay: read pending events: %w", err)
+	}
+	if len(events) == 0 {
+		return roundResult{}, nil
+	}
+	records := make([]Record, len(events))
+	for i := range events {
+		records[i] = toRecord(&events[i])
+	}
+	errs := r.pub.Publish(ctx, records)
+	if len(errs) != len(records) {
+		return roundResult{claimed: len(events)}, fmt.Errorf("relay: publisher returned %d results for %d records", len(errs), len(records))
+	}
+
+	var acked []int64
+	var dead []deadEvent
+	var failed []failedEvent
+	var oldest time.Time
+	failedKeys := map[string]bool{}
+	for i := range events {
+		e := &events[i]
+		err := errs[i]
+		kind := classify(err)
+		if kind == tooLarge && len(events) > 1 {
+			// The broker may have refused a whole batch for one record:
+			// publish this one alone to know whether it is the offender.
+			err = r.pub.Publish(ctx, records[i:i+1])[0]
+			kind = classify(err)
+		}
+		switch {
+		case err == nil:
+			acked = append(acked, e.id)
+			if oldest.IsZero() || e.createdAt.Before(oldest) {
+				oldest = e.createdAt
+			}
+		case kind == tooLarge || kind == forbidden:
+			dead = append(dead, deadEvent{id: e.id, err: err.Error()})
+			r.log.Warn("relay: Kafka refused an event for good; dead-lettered", "event_id", e.eventID, "topic", e.topic, "err", err)
+		case kind == unknownTopic && e.firstRefusedAt != nil && time.Since(*e.firstRefusedAt) >= r.cfg.UnknownTopicGrace:
+			dead = append(dead, deadEvent{id: e.id, err: fmt.Sprintf("%v (still unknown after %s)", err, r.cfg.UnknownTopicGrace)})
+			r.log.Warn("relay: topic still unknown after grace; dead-lettered", "event_id", e.eventID, "topic", e.topic)
+		default:
+			if ctx.Err() != nil {
+				// Shutting down: the event stays pending as it was.
+				continue
+			}
+			failed = append(failed, failedEvent{id: e.id, err: err.Error(), refused: kind == unknownTopic})
+			bk := blockKey(e)
+			if !failedKeys[bk] {
+				failedKeys[bk] = true
+				r.block(bk, e, start)
+			}
+		}
+	}
+	for i := range events {
+		if bk := blockKey(&events[i]); !failedKeys[bk] {
+			delete(r.blocked, bk)
+		}
+	}
+	r.forgetStaleBlocks(start)
+
+	// Record the outcome even when ctx is done: acknowledged events must
+	// not be published again needlessly.
+	finishCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	defer cancel()
+	deleted, err := r.st.finish(finishCtx, r.cfg.InstanceID, acked, dead, failed)
+	stats := BatchStats{
+		Published:       int(deleted),
+		Failed:          len(failed),
+		DeadLettered:    len(dead),
+		NotDeleted:      len(acked) - int(deleted),
+		Duration:        time.Since(start),
+		OldestCreatedAt: oldest,
+	}
+	r.cfg.Observer.ObserveBatch(stats)
+	if err != nil {
+		return roundResult{claimed: len(events)}, fmt.Errorf("relay: %d events were published but %w; they will be published again", len(acked), err)
+	}
+	if stats.NotDeleted > 0 {
+		r.log.Warn("relay: lost shard ownership mid-round; the new owner republishes", "events", stats.NotDeleted)
+	}
+	if len(failed) > 0 {
+		r.log.Warn("relay: events failed; their keys wait and retry", "failed", len(failed), "first_err", failed[0].err)
+	}
+	return roundResult{claimed: len(events), acked: len(acked), dead: len(dead)}, nil
+}
+
+func toRecord(e *pendingEvent) Record {
+	rec := Record{Topic: e.topic, Key: e.key, Value: e.value}
+	rec.Headers = make([]Header, 0, len(e.headers)+1)
+	rec.Headers = append(rec.Headers, Header{Key: MessageIDHeader, Value: []byte(e.eventID)})
+	names := make([]string, 0, len(e.headers))
+	for k := range e.headers {
+		if k != MessageIDHeader { // the event id wins: G4
+			names = append(names, k)
+		}
+	}
+	sort.Strings(names)
+	for _, k := range names {
+		rec.Headers = append(rec.Headers, Header{Key: k, Value: []byte(e.headers[k])})
+	}
+	return rec
+}
+
+func blockKey(e *pendingEvent) string {
+	if e.key == nil {
+		return fmt.Sprintf("\x00id:%d", e.id)
+	}
+	return "k:" + string(e.key)
+}
+
+func (r *Relay) block(bk string, e *pendingEvent, now time.Time) {
+	k := r.blocked[bk]
+	if k == nil {
+		k = &keyState{key: e.key, keyless: e.key == nil, backoff: newBackoff(r.cfg.MaxRetryBackoff)}
+		r.blocked[bk] = k
+	}
+	k.firstID = e.id
+	k.retryAt = now.Add(k.backoff.NextBackOff())
+	k.lastSeen = now
+}
+
+// exclusions lists what must not be read now: for each key waiting out its
+// backoff, its failed event and every later one.
+func (r *Relay) exclusions(now time.Time) (keys []keyBlock, ids []int64) {
+	for _, k := range r.blocked {
+		if !now.Before(k.retryAt) {
+			continue
+		}
+		if k.keyless {
+			ids = append(ids, k.firstID)
+		} else {
+			keys = append(keys, keyBlock{key: k.key, firstID: k.firstID})
+		}
+	}
+	return keys, ids
+}
+
+// forgetStaleBlocks drops keys not seen for a while (their events were
+// published by another relay after a shard moved).
+func (r *Relay) forgetStaleBlocks(now time.Time) {
+	for bk, k := range r.blocked {
+		if now.Sub(k.retryAt) > time.Minute && now.Sub(k.lastSeen) > time.Minute {
+			delete(r.blocked, bk)
+		}
+	}
+}
+
+func newBackoff(maxInterval time.Duration) backoff.BackOff {
+	b := backoff.NewExponentialBackOff()
+	b.InitialInterval = 100 * time.Millisecond
+	b.MaxInterval = maxInterval
+	b.MaxElapsedTime = 0 // never give up: broker outages are waited out
+	b.Reset()
+	return b
+}
+
+func sleep(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+	case <-t.C:
+	}
+}

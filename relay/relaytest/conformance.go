@@ -1,0 +1,222 @@
+// Package relaytest holds the conformance suite every relay.Publisher must
+// pass, run against kfake (or a real cluster, see internal/kafkatest).
+package relaytest
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kmsg"
+
+	"github.com/onceflow/onceflow/internal/kafkatest"
+	"github.com/onceflow/onceflow/relay"
+)
+
+// NewPublisher builds the publisher under test for brokers.
+type NewPublisher func(t *testing.T, brokers []string) relay.Publisher
+
+// RunPublisherConformance checks what the relay relies on from a Publisher.
+func RunPublisherConformance(t *testing.T, newPublisher NewPublisher) {
+	setup := func(t *testing.T) (*kafkatest.Kafka, relay.Publisher) {
+		t.Helper()
+		k := kafkatest.New(t)
+		p := newPublisher(t, k.Brokers)
+		t.Cleanup(func() { _ = p.Close() })
+		return k, p
+	}
+	ctx := func(t *testing.T) context.Context {
+		c, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		t.Cleanup(cancel)
+		return c
+	}
+
+	t.Run("OrderHeadersAndMurmur2Partitions", func(t *testing.T) {
+		t.Parallel()
+		k, p := setup(t)
+		const partitions = 3
+		topic := k.Topic(t, partitions)
+		var recs []relay.Record
+		for i := range 300 {
+			key := fmt.Sprintf("key-%d", i%10)
+			recs = append(recs, relay.Record{Topic: topic, Key: []byte(key), Value: []byte(fmt.Sprint(i)),
+				Headers: []relay.Header{{Key: relay.MessageIDHeader, Value: []byte(fmt.Sprintf("id-%d", i))}, {Key: "h", Value: []byte("v")}}})
+		}
+		requireAllAcked(t, p.Publish(ctx(t), recs))
+		got := k.ReadAll(t, topic, len(recs), 30*time.Second)
+		if len(got) != len(recs) {
+			t.Fatalf("read %d records, want %d", len(got), len(recs))
+		}
+		last := map[string]int{}
+		for _, r := range got {
+			var i int
+			fmt.Sscan(string(r.Value), &i)
+			if prev, ok := last[string(r.Key)]; ok && i <= prev {
+				t.Fatalf("key %s: value %d after %d", r.Key, i, prev)
+			}
+			last[string(r.Key)] = i
+			if want := JavaPartition(r.Key, partitions); r.Partition != want {
+				t.Fatalf("key %s in partition %d, Java's murmur2 says %d", r.Key, r.Partition, want)
+			}
+			if len(r.Headers) != 2 || r.Headers[0].Key != relay.MessageIDHeader || string(r.Headers[0].Value) != fmt.Sprintf("id-%d", i) || string(r.Headers[1].Value) != "v" {
+				t.Fatalf("headers of record %d: %+v", i, r.Headers)
+			}
+		}
+	})
+
+	t.Run("TooLargeCostsOnlyTheOffender", func(t *testing.T) {
+		t.Parallel()
+		k, p := setup(t)
+		topic := k.Topic(t, 1)
+		recs := []relay.Record{
+			{Topic: topic, Key: []byte("a"), Value: []byte("before")},
+			{Topic: topic, Key: []byte("a"), Value: bytes.Repeat([]byte("x"), 2<<20)},
+			{Topic: topic, Key: []byte("a"), Value: []byte("after")},
+		}
+		errs := p.Publish(ctx(t), recs)
+		if errs[0] != nil || errs[2] != nil {
+			t.Fatalf("neighbours of an oversized record failed: %v", errs)
+		}
+		if !errors.Is(errs[1], relay.ErrRecordTooLarge) {
+			t.Fatalf("oversized record: %v, want ErrRecordTooLarge", errs[1])
+		}
+		if got := k.ReadAll(t, topic, 2, 30*time.Second); len(got) != 2 {
+			t.Fatalf("read %d records, want 2", len(got))
+		}
+	})
+
+	t.Run("UnknownTopic", func(t *testing.T) {
+		t.Parallel()
+		k, p := setup(t)
+		topic := k.Topic(t, 1)
+		errs := p.Publish(ctx(t), []relay.Record{
+			{Topic: "does-not-exist", Value: []byte("lost?")},
+			{Topic: topic, Value: []byte("fine")},
+		})
+		if !errors.Is(errs[0], relay.ErrUnknownTopic) {
+			t.Fatalf("unknown topic: %v, want ErrUnknownTopic", errs[0])
+		}
+		if errs[1] != nil {
+			t.Fatalf("record for an existing topic failed beside an unknown one: %v", errs[1])
+		}
+	})
+
+	t.Run("ForbiddenTopic", func(t *testing.T) {
+		t.Parallel()
+		k, p := setup(t)
+		fake := k.RequireFake(t)
+		topic := k.Topic(t, 1)
+		fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topic, Err: kerr.TopicAuthorizationFailed, Count: -1})
+		errs := p.Publish(ctx(t), []relay.Record{{Topic: topic, Value: []byte("x")}})
+		if !errors.Is(errs[0], relay.ErrTopicForbidden) {
+			t.Fatalf("forbidden topic: %v, want ErrTopicForbidden", errs[0])
+		}
+	})
+
+	t.Run("PassingErrorsAreNotRefusals", func(t *testing.T) {
+		t.Parallel()
+		k, p := setup(t)
+		fake := k.RequireFake(t)
+		topic := k.Topic(t, 1)
+		h := fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topic, Err: kerr.NotLeaderForPartition, Count: 3})
+		recs := []relay.Record{{Topic: topic, Key: []byte("k"), Value: []byte("1")}, {Topic: topic, Key: []byte("k"), Value: []byte("2")}}
+		acked := 0
+		for try := 0; try < 10 && acked < len(recs); try++ {
+			acked = 0
+			for _, err := range p.Publish(ctx(t), recs) {
+				if err == nil {
+					acked++
+				} else if isRefusal(err) {
+					t.Fatalf("a passing broker error was reported as a refusal: %v", err)
+				}
+			}
+		}
+		if acked != len(recs) {
+			t.Fatalf("records not acknowledged after the fault cleared")
+		}
+		if h.Hits() == 0 {
+			t.Fatal("the injected fault was never hit; the test proves nothing")
+		}
+	})
+
+	t.Run("CanceledContextReturns", func(t *testing.T) {
+		t.Parallel()
+		k, p := setup(t)
+		fake := k.RequireFake(t)
+		topic := k.Topic(t, 1)
+		// The broker keeps answering "try again": only ctx can end Publish.
+		fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topic, Err: kerr.NotLeaderForPartition, Count: -1})
+		c, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		done := make(chan []error, 1)
+		go func() { done <- p.Publish(c, []relay.Record{{Topic: topic, Value: []byte("x")}}) }()
+		select {
+		case errs := <-done:
+			if errs[0] == nil || isRefusal(errs[0]) {
+				t.Fatalf("after ctx ended: %v, want a passing error", errs[0])
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatal("Publish did not return after ctx ended")
+		}
+	})
+}
+
+func isRefusal(err error) bool {
+	return errors.Is(err, relay.ErrRecordTooLarge) || errors.Is(err, relay.ErrTopicForbidden) ||
+		errors.Is(err, relay.ErrUnknownTopic) || errors.Is(err, relay.ErrRecordInvalid)
+}
+
+func requireAllAcked(t *testing.T, errs []error) {
+	t.Helper()
+	for i, err := range errs {
+		if err != nil {
+			t.Fatalf("record %d: %v", i, err)
+		}
+	}
+}
+
+// JavaPartition is the partition the Java client picks for a key:
+// toPositive(murmur2(key)) % partitions.
+func JavaPartition(key []byte, partitions int32) int32 {
+	return int32((murmur2(key) & 0x7fffffff) % uint32(partitions))
+}
+
+// murmur2 is Kafka's Utils.murmur2.
+func murmur2(data []byte) uint32 {
+	const (
+		seed uint32 = 0x9747b28c
+		m    uint32 = 0x5bd1e995
+		r           = 24
+	)
+	length := len(data)
+	h := seed ^ uint32(length)
+	for i := 0; i+4 <= length; i += 4 {
+		k := uint32(data[i]) | uint32(data[i+1])<<8 | uint32(data[i+2])<<16 | uint32(data[i+3])<<24
+		k *= m
+		k ^= k >> r
+		k *= m
+		h *= m
+		h ^= k
+	}
+	tail := data[length&^3:]
+	switch len(tail) {
+	case 3:
+		h ^= uint32(tail[2]) << 16
+		fallthrough
+	case 2:
+		h ^= uint32(tail[1]) << 8
+		fallthrough
+	case 1:
+		h ^= uint32(tail[0])
+		h *= m
+	}
+	h ^= h >> 13
+	h *= m
+	h ^= h >> 15
+	return h
+}

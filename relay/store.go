@@ -1,0 +1,209 @@
+package relay
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"sort"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// pendingEvent is an outbox row being published.
+type pendingEvent struct {
+	id             int64
+	eventID        string
+	topic          string
+	key            []byte
+	value          []byte
+	headers        map[string]string
+	shard          int16
+	attempts       int
+	createdAt      time.Time
+	firstRefusedAt *time.Time
+}
+
+// store holds the relay's SQL for one schema. Every statement is short and
+// autocommitted: no transaction stays open while Kafka is being talked to.
+type store struct {
+	pool *pgxpool.Pool
+
+	claimSQL         string
+	claimExcludeSQL  string
+	deleteSQL        string
+	deadSQL          string
+	failSQL          string
+	heartbeatSQL     string
+	renewSQL         string
+	takeSQL          string
+	releaseSQL       string
+	releaseAllSQL    string
+	goodbyeSQL       string
+	forgetOldSQL     string
+	liveInstancesSQL string
+}
+
+func newStore(pool *pgxpool.Pool, schema string) *store {
+	outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
+	dead := pgx.Identifier{schema, "outbox_dead"}.Sanitize()
+	shards := pgx.Identifier{schema, "relay_shards"}.Sanitize()
+	instances := pgx.Identifier{schema, "relay_instances"}.Sanitize()
+	// owned restricts a statement on outbox row o to shards this relay
+	// ($owner) still holds a live lease on: the re-check before delete.
+	owned := func(owner string) string {
+		return `EXISTS (SELECT 1 FROM ` + shards + ` s WHERE s.shard = o.shard AND s.owner = ` + owner + ` AND s.lease_until > now())`
+	}
+	// The attempt is counted in the same statement that reads the rows, so
+	// a row that crashes the relay still shows its attempts.
+	claim := func(exclude string) string {
+		return `UPDATE ` + outbox + ` AS u SET attempts = u.attempts + 1
+WHERE u.id IN (
+    SELECT o.id FROM ` + outbox + ` o
+    WHERE o.shard = ANY($1::smallint[])` + exclude + `
+    ORDER BY o.id
+    LIMIT $2)
+RETURNING u.id, u.event_id::text, u.topic, u.key, u.value, u.headers, u.shard, u.attempts, u.created_at, u.first_refused_at`
+	}
+	return &store{
+		pool:     pool,
+		claimSQL: claim(""),
+		// Keys that are waiting out a retry backoff: no event of theirs at
+		// or after the failed one may go first.
+		claimExcludeSQL: claim(`
+      AND NOT EXISTS (SELECT 1 FROM unnest($3::bytea[], $4::bigint[]) AS b(k, first_id)
+                      WHERE o.key = b.k AND o.id >= b.first_id)
+      AND o.id <> ALL($5::bigint[])`),
+		deleteSQL: `DELETE FROM ` + outbox + ` o WHERE o.id = ANY($1::bigint[]) AND ` + owned("$2"),
+		deadSQL: `WITH moved AS (
+    DELETE FROM ` + outbox + ` o USING unnest($1::bigint[], $2::text[]) AS x(id, error)
+    WHERE o.id = x.id AND ` + owned("$3") + `
+    RETURNING o.id, o.event_id, o.topic, o.key, o.value, o.headers, o.created_at, o.attempts, x.error)
+INSERT INTO ` + dead + ` (outbox_id, event_id, topic, key, value, headers, created_at, attempts, error)
+SELECT id, event_id, topic, key, value, headers, created_at, attempts, error FROM moved`,
+		failSQL: `UPDATE ` + outbox + ` o SET last_error = x.error,
+    first_refused_at = CASE WHEN x.refused THEN coalesce(o.first_refused_at, now()) ELSE o.first_refused_at END
+FROM unnest($1::bigint[], $2::text[], $3::bool[]) AS x(id, error, refused)
+WHERE o.id = x.id`,
+		heartbeatSQL: `INSERT INTO ` + instances + ` AS i (id, hostname, pid, lease_until)
+VALUES ($1, $2, $3, now() + $4::interval)
+ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), lease_until = excluded.lease_until`,
+		liveInstancesSQL: `SELECT count(*) FROM ` + instances + ` WHERE lease_until > now()`,
+		renewSQL: `UPDATE ` + shards + ` SET lease_until = now() + $2::interval
+WHERE owner = $1 AND lease_until > now() RETURNING shard`,
+		takeSQL: `UPDATE ` + shards + ` SET owner = $1, lease_until = now() + $2::interval
+WHERE shard IN (
+    SELECT shard FROM ` + shards + `
+    WHERE owner IS NULL OR lease_until <= now()
+    ORDER BY (owner = $1) DESC NULLS LAST, shard
+    LIMIT $3
+    FOR UPDATE SKIP LOCKED)
+RETURNING shard`,
+		releaseSQL:    `UPDATE ` + shards + ` SET owner = NULL, lease_until = NULL WHERE owner = $1 AND shard = ANY($2::smallint[])`,
+		releaseAllSQL: `UPDATE ` + shards + ` SET owner = NULL, lease_until = NULL WHERE owner = $1`,
+		goodbyeSQL:    `DELETE FROM ` + instances + ` WHERE id = $1`,
+		forgetOldSQL:  `DELETE FROM ` + instances + ` WHERE lease_until < now() - interval '1 hour'`,
+	}
+}
+
+// keyBlock keeps a key's later events back while its failed event waits.
+type keyBlock struct {
+	key     []byte
+	firstID int64
+}
+
+// claim reads and counts an attempt on the oldest pending events of shards,
+// skipping blocked keys and ids, and returns them in id order.
+func (s *store) claim(ctx context.Context, shards []int16, limit int, blockedKeys []keyBlock, blockedIDs []int64) ([]pendingEvent, error) {
+	var rows pgx.Rows
+	var err error
+	if len(blockedKeys) == 0 && len(blockedIDs) == 0 {
+		rows, err = s.pool.Query(ctx, s.claimSQL, shards, limit)
+	} else {
+		keys := make([][]byte, len(blockedKeys))
+		ids := make([]int64, len(blockedKeys))
+		for i, b := range blockedKeys {
+			keys[i], ids[i] = b.key, b.firstID
+		}
+		if blockedIDs == nil {
+			blockedIDs = []int64{}
+		}
+		rows, err = s.pool.Query(ctx, s.claimExcludeSQL, shards, limit, keys, ids, blockedIDs)
+	}
+	if err != nil {
+		return nil, err
+	}
+	var out []pendingEvent
+	for rows.Next() {
+		var e pendingEvent
+		var headers []byte
+		if err := rows.Scan(&e.id, &e.eventID, &e.topic, &e.key, &e.value, &headers, &e.shard, &e.attempts, &e.createdAt, &e.firstRefusedAt); err != nil {
+			rows.Close()
+			return nil, err
+		}
+		if len(headers) > 0 {
+			if err := json.Unmarshal(headers, &e.headers); err != nil {
+				// The table's CHECK makes this unreachable for valid
+				// rows; publish without headers rather than stall.
+				e.headers = map[string]string{"onceflow-bad-headers": string(headers)}
+			}
+		}
+		out = append(out, e)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].id < out[j].id })
+	return out, nil
+}
+
+// finish records one round's outcome in one round trip: deletes the
+// acknowledged events and moves the refused ones to outbox_dead (both only
+// on shards this relay still owns), and notes the errors of the ones to
+// retry. It returns how many acknowledged events it deleted.
+func (s *store) finish(ctx context.Context, owner string, acked []int64, dead []deadEvent, failed []failedEvent) (deleted int64, err error) {
+	b := &pgx.Batch{}
+	if len(acked) > 0 {
+		b.Queue(s.deleteSQL, acked, owner).Exec(func(tag pgconn.CommandTag) error {
+			deleted = tag.RowsAffected()
+			return nil
+		})
+	}
+	if len(dead) > 0 {
+		ids := make([]int64, len(dead))
+		errs := make([]string, len(dead))
+		for i, d := range dead {
+			ids[i], errs[i] = d.id, d.err
+		}
+		b.Queue(s.deadSQL, ids, errs, owner)
+	}
+	if len(failed) > 0 {
+		ids := make([]int64, len(failed))
+		errs := make([]string, len(failed))
+		refused := make([]bool, len(failed))
+		for i, f := range failed {
+			ids[i], errs[i], refused[i] = f.id, f.err, f.refused
+		}
+		b.Queue(s.failSQL, ids, errs, refused)
+	}
+	if b.Len() == 0 {
+		return 0, nil
+	}
+	if err := s.pool.SendBatch(ctx, b).Close(); err != nil {
+		return deleted, fmt.Errorf("record outcome: %w", err)
+	}
+	return deleted, nil
+}
+
+type deadEvent struct {
+	id  int64
+	err string
+}
+
+type failedEvent struct {
+	id      int64
+	err     string
+	refused bool // a refusal within its grace period (unknown topic)
+}
