@@ -1,0 +1,63 @@
+package idempotency
+
+import (
+	"errors"
+	"net/http"
+)
+
+// Errors the middleware answers with and Fence.Do returns. Match them with
+// errors.Is; StatusCode maps each to its HTTP status.
+var (
+	// ErrKeyMissing: the route requires an Idempotency-Key and the request
+	// has none (HTTP 400).
+	ErrKeyMissing = errors.New("idempotency: Idempotency-Key header required")
+	// ErrKeyInvalid: the key is too long, empty or holds characters other
+	// than printable ASCII (HTTP 400). Returned wrapped with the reason.
+	ErrKeyInvalid = errors.New("idempotency: invalid Idempotency-Key")
+	// ErrRequestTooLarge: the request body exceeds Config.MaxRequestBytes, so
+	// it cannot be fingerprinted (HTTP 413).
+	ErrRequestTooLarge = errors.New("idempotency: request body too large")
+	// ErrInProgress: another request or Do call holds the key and is still
+	// running (HTTP 409, with Retry-After). Retry later.
+	ErrInProgress = errors.New("idempotency: a request with this key is in progress")
+	// ErrMismatch: the key was first used with a different request (another
+	// fingerprint) (HTTP 422). Use a new key for a new request.
+	ErrMismatch = errors.New("idempotency: key already used for a different request")
+	// ErrNotStored: the first request with this key completed, but its
+	// response was larger than the storage limit, so it can neither be
+	// replayed nor safely run again (HTTP 422). Use a new key.
+	ErrNotStored = errors.New("idempotency: the first response to this key was too large to store; use a new key")
+	// ErrLeaseLost: a leased claim expired and was taken over (or deleted)
+	// before its result could be stored: the work may run twice.
+	ErrLeaseLost = errors.New("idempotency: lease lost before the result was stored")
+)
+
+// ScopeError is returned when Config.Scope fails for a request, typically
+// because the caller is not authenticated (HTTP 401).
+type ScopeError struct {
+	Err error
+}
+
+func (e *ScopeError) Error() string { return "idempotency: scope: " + e.Err.Error() }
+
+// Unwrap returns the scope function's error.
+func (e *ScopeError) Unwrap() error { return e.Err }
+
+// StatusCode returns the HTTP status the middleware answers err with: 400,
+// 401, 409, 413 or 422 for the package's errors, 500 for anything else.
+func StatusCode(err error) int {
+	var scopeErr *ScopeError
+	switch {
+	case errors.Is(err, ErrKeyMissing), errors.Is(err, ErrKeyInvalid):
+		return http.StatusBadRequest
+	case errors.As(err, &scopeErr):
+		return http.StatusUnauthorized
+	case errors.Is(err, ErrInProgress):
+		return http.StatusConflict
+	case errors.Is(err, ErrRequestTooLarge):
+		return http.StatusRequestEntityTooLarge
+	case errors.Is(err, ErrMismatch), errors.Is(err, ErrNotStored):
+		return http.StatusUnprocessableEntity
+	}
+	return http.StatusInternalServerError
+}

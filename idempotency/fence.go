@@ -1,0 +1,172 @@
+package idempotency
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+)
+
+// FenceConfig configures a Fence. The zero value is usable.
+type FenceConfig struct {
+	// Schema holds onceflow's tables. Defaults to "onceflow".
+	Schema string
+	// Namespace separates this fence's keys from other fences' (and from
+	// HTTP keys): the same key in two namespaces is two operations.
+	// Defaults to "default".
+	Namespace string
+	// Lease is how long a claim holds the key without renewal; Do renews it
+	// every Lease/3 while fn runs. After a crash the key can be taken over
+	// once the lease lapses. Defaults to 1 minute.
+	Lease time.Duration
+	// Window is how long a key's record, and so its stored result, lives
+	// after the claim. Defaults to 24 hours.
+	Window time.Duration
+	// MaxResultBytes is the largest result stored. A larger result is
+	// returned to the caller that ran fn, but later callers get
+	// ErrNotStored. Defaults to 1 MiB.
+	MaxResultBytes int
+	// Logger receives warnings (failed lease renewals). Defaults to
+	// discarding.
+	Logger *slog.Logger
+}
+
+// Fence runs a function at most once per key while the key's record lives:
+// the run-once fence for effects outside the database (calling a payment
+// gateway from a Kafka consumer, sending an e-mail). It is safe for
+// concurrent use.
+type Fence struct {
+	db    DB
+	store *store
+	scope string
+	cfg   FenceConfig
+}
+
+// NewFence returns a Fence storing its records through db (a
+// *pgxpool.Pool). cfg may be nil.
+func NewFence(db DB, cfg *FenceConfig) (*Fence, error) {
+	if db == nil {
+		return nil, errors.New("idempotency: db is nil")
+	}
+	c := FenceConfig{}
+	if cfg != nil {
+		c = *cfg
+	}
+	if c.Namespace == "" {
+		c.Namespace = "default"
+	}
+	setDefault(&c.Lease, time.Minute)
+	setDefault(&c.Window, 24*time.Hour)
+	setDefault(&c.MaxResultBytes, 1<<20)
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	switch {
+	case c.Lease < 10*time.Millisecond:
+		return nil, fmt.Errorf("idempotency: FenceConfig.Lease must be at least 10ms, got %s", c.Lease)
+	case c.Window < time.Second:
+		return nil, fmt.Errorf("idempotency: FenceConfig.Window must be at least 1s, got %s", c.Window)
+	case c.Window < c.Lease:
+		return nil, fmt.Errorf("idempotency: FenceConfig.Window (%s) must not be shorter than FenceConfig.Lease (%s)", c.Window, c.Lease)
+	case c.MaxResultBytes < 0:
+		return nil, fmt.Errorf("idempotency: FenceConfig.MaxResultBytes must be positive, got %d", c.MaxResultBytes)
+	}
+	s, err := newStore(c.Schema)
+	if err != nil {
+		return nil, fmt.Errorf("idempotency: FenceConfig.Schema: %w", err)
+	}
+	return &Fence{db: db, store: s, scope: "do:" + c.Namespace, cfg: c}, nil
+}
+
+// Do runs fn at most once per key while the key's record lives (Window) and
+// returns its result; later calls with the key get the stored result without
+// running fn. Concretely:
+//
+//   - The first caller claims the key (one committed row with a lease), runs
+//     fn with a context carrying the key (Key(ctx)) and stores the result.
+//   - A caller while fn runs gets ErrInProgress at once; retry later.
+//   - If fn returns an error, the claim is released and the error returned:
+//     the next call runs fn again.
+//   - If the process dies while fn runs, the key stays claimed until the
+//     lease lapses (Lease; renewed while fn runs), then the next call runs fn
+//     again. If renewal fails and another caller takes the key over, fn's
+//     context is cancelled with cause ErrLeaseLost.
+//
+// What it cannot promise: an effect outside the database and the stored
+// result do not commit together. If the process dies after the gateway
+// charged the card but before the result was stored, the next call after the
+// lease runs fn again. Give the downstream the key (most payment APIs take
+// an idempotency key) so it deduplicates that re-run: the fence makes
+// re-runs rare and serial, the downstream makes them harmless.
+//
+// If the result cannot be stored after fn succeeded, Do returns the result
+// together with the error (ErrLeaseLost if another caller took the key
+// over).
+func (f *Fence) Do(ctx context.Context, key string, fn func(ctx context.Context) ([]byte, error)) ([]byte, error) {
+	if key == "" {
+		return nil, fmt.Errorf("%w: empty", ErrKeyInvalid)
+	}
+	c := claim{scope: f.scope, key: key, token: newToken(), fingerprint: []byte{}}
+	claimed, rec, err := f.store.tryClaim(ctx, f.db, c, f.cfg.Lease, f.cfg.Window)
+	if err != nil {
+		return nil, fmt.Errorf("idempotency: claim key %q: %w", key, err)
+	}
+	if !claimed {
+		if err := rec.check(nil); err != nil {
+			return nil, err
+		}
+		return rec.body, nil
+	}
+	bg := context.WithoutCancel(ctx)
+	fctx, cancel := context.WithCancelCause(context.WithValue(ctx, keyKey, key))
+	defer cancel(nil)
+	stop := f.store.keepLease(f.db, c, f.cfg.Lease, cancel, f.cfg.Logger.Warn)
+	result, err := runGuarded(fctx, fn)
+	stop()
+	sctx, scancel := context.WithTimeout(bg, 10*time.Second)
+	defer scancel()
+	if err != nil {
+		if rerr := f.store.release(sctx, f.db, c); rerr != nil {
+			f.cfg.Logger.Warn("idempotency: release claim", "key", key, "err", rerr)
+		}
+		var p *panicError
+		if errors.As(err, &p) {
+			panic(p.value)
+		}
+		return nil, err
+	}
+	state, stored := stateDone, result
+	if len(result) > f.cfg.MaxResultBytes {
+		state, stored = stateUnstored, nil
+	}
+	if err := f.store.complete(sctx, f.db, c, state, 0, nil, stored); err != nil {
+		return result, fmt.Errorf("idempotency: store result of key %q: %w", key, err)
+	}
+	return result, nil
+}
+
+type panicError struct{ value any }
+
+func (p *panicError) Error() string { return fmt.Sprint("idempotency: panic: ", p.value) }
+
+// runGuarded turns a panic in fn into an error, so the claim is released
+// before the panic goes on.
+func runGuarded(ctx context.Context, fn func(context.Context) ([]byte, error)) (result []byte, err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			err = &panicError{value: v}
+		}
+	}()
+	return fn(ctx)
+}
+
+// Do runs fn at most once per key in the "onceflow" schema's default
+// namespace, with the defaults of FenceConfig. See Fence.Do.
+func Do(ctx context.Context, db DB, key string, fn func(ctx context.Context) ([]byte, error)) ([]byte, error) {
+	f, err := NewFence(db, nil)
+	if err != nil {
+		return nil, err
+	}
+	return f.Do(ctx, key, fn)
+}

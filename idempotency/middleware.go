@@ -1,0 +1,514 @@
+package idempotency
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Header names.
+const (
+	// KeyHeader is the request header carrying the key (IETF
+	// draft-ietf-httpapi-idempotency-key-header, Stripe).
+	KeyHeader = "Idempotency-Key"
+	// ReplayedHeader marks a response replayed from storage.
+	ReplayedHeader = "Idempotent-Replayed"
+)
+
+// Mode says how a claim relates to the handler's own work.
+type Mode int
+
+const (
+	// Transactional runs the claim, the handler's writes (through Tx) and the
+	// stored response in one transaction: they commit together or not at
+	// all, so a crash at any instant leaves no trace and a retry runs afresh.
+	// Use it when the handler's effects are rows in the same database.
+	Transactional Mode = iota
+	// Leased commits the claim first, with a lease the middleware renews
+	// while the handler runs, then stores the response. Use it when the
+	// handler has effects outside the database (calls another service):
+	// pass Key(ctx) on so the downstream can deduplicate too. A request that
+	// dies mid-way holds the key until its lease lapses; then a retry runs
+	// the handler again.
+	Leased
+)
+
+func (m Mode) String() string {
+	switch m {
+	case Transactional:
+		return "transactional"
+	case Leased:
+		return "leased"
+	}
+	return "Mode(" + strconv.Itoa(int(m)) + ")"
+}
+
+// Config configures a Middleware. The zero value is usable.
+type Config struct {
+	// Schema holds onceflow's tables. Defaults to "onceflow".
+	Schema string
+	// Mode is Transactional or Leased. Defaults to Transactional.
+	Mode Mode
+	// Scope returns whose key a request carries, typically the
+	// authenticated principal: the same key under two scopes is two
+	// independent operations, and no scope can read another's responses. An
+	// error answers 401 (see ScopeError). Set it whenever callers are not
+	// all one trusted party. Defaults to one scope shared by every request.
+	Scope func(r *http.Request) (string, error)
+	// Fingerprint identifies the request a key was first used with; a retry
+	// with a different fingerprint is refused with 422. body is the whole
+	// request body. Defaults to SHA-256 over the method, the path with its
+	// query, and the body.
+	Fingerprint func(r *http.Request, body []byte) []byte
+	// KeyOptional lets requests without a key through, without any
+	// idempotency (in Transactional mode the handler still gets a
+	// transaction). Defaults to false: a missing key answers 400.
+	KeyOptional bool
+	// MaxKeyLength is the longest key accepted, in bytes; longer keys
+	// answer 400. Defaults to 255.
+	MaxKeyLength int
+	// MaxRequestBytes is the largest request body read for the fingerprint;
+	// larger requests answer 413. Defaults to 1 MiB.
+	MaxRequestBytes int64
+	// MaxResponseBytes is the largest response body stored. A larger
+	// response still reaches the client, but is not stored: the key is
+	// marked so a retry answers 422 (ErrNotStored) instead of running again.
+	// Defaults to 1 MiB.
+	MaxResponseBytes int
+	// Lease is how long a Leased claim holds the key without renewal; the
+	// middleware renews it every Lease/3 while the handler runs. After a
+	// crash the key is claimable again once the lease lapses. Defaults to
+	// 1 minute.
+	Lease time.Duration
+	// Window is how long a key's record, and so its replay, lives after the
+	// claim; then the key may run again and Purger deletes the record.
+	// Defaults to 24 hours.
+	Window time.Duration
+	// StoreServerErrors stores 5xx responses like any other. By default a
+	// 5xx response (or a panic) releases the claim, so a retry runs the
+	// handler again; 4xx responses are always stored. Defaults to false.
+	StoreServerErrors bool
+	// ReplayHeaders lists the response headers stored and replayed. Defaults
+	// to every header the handler set except Set-Cookie, Date,
+	// Content-Length and hop-by-hop headers.
+	ReplayHeaders []string
+	// RetryAfter is the Retry-After hint sent with 409 answers. Defaults to
+	// 1 second.
+	RetryAfter time.Duration
+	// ErrorHandler writes the middleware's own error answers (400, 401, 409,
+	// 413, 422, 500); StatusCode(err) gives the status. Defaults to a
+	// text/plain answer with StatusCode(err) and err's message (500s say
+	// only "internal error").
+	ErrorHandler func(w http.ResponseWriter, r *http.Request, err error)
+	// Logger receives warnings (failed stores, lost leases). Defaults to
+	// discarding.
+	Logger *slog.Logger
+}
+
+// Middleware is net/http middleware for the Idempotency-Key header. It is
+// safe for concurrent use; build one per set of routes sharing a Config.
+type Middleware struct {
+	db    DB
+	store *store
+	cfg   Config
+}
+
+// New returns a Middleware storing keys through db, which should be a
+// *pgxpool.Pool. cfg may be nil.
+func New(db DB, cfg *Config) (*Middleware, error) {
+	if db == nil {
+		return nil, errors.New("idempotency: db is nil")
+	}
+	c := Config{}
+	if cfg != nil {
+		c = *cfg
+	}
+	if c.Scope == nil {
+		c.Scope = func(*http.Request) (string, error) { return "", nil }
+	}
+	if c.Fingerprint == nil {
+		c.Fingerprint = DefaultFingerprint
+	}
+	setDefault(&c.MaxKeyLength, 255)
+	setDefault(&c.MaxRequestBytes, 1<<20)
+	setDefault(&c.MaxResponseBytes, 1<<20)
+	setDefault(&c.Lease, time.Minute)
+	setDefault(&c.Window, 24*time.Hour)
+	setDefault(&c.RetryAfter, time.Second)
+	if c.ErrorHandler == nil {
+		c.ErrorHandler = defaultErrorHandler
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	switch {
+	case c.Mode != Transactional && c.Mode != Leased:
+		return nil, fmt.Errorf("idempotency: Config.Mode: unknown mode %d", c.Mode)
+	case c.MaxKeyLength < 0:
+		return nil, fmt.Errorf("idempotency: Config.MaxKeyLength must be positive, got %d", c.MaxKeyLength)
+	case c.MaxRequestBytes < 0:
+		return nil, fmt.Errorf("idempotency: Config.MaxRequestBytes must be positive, got %d", c.MaxRequestBytes)
+	case c.MaxResponseBytes < 0:
+		return nil, fmt.Errorf("idempotency: Config.MaxResponseBytes must be positive, got %d", c.MaxResponseBytes)
+	case c.Lease < 10*time.Millisecond:
+		return nil, fmt.Errorf("idempotency: Config.Lease must be at least 10ms, got %s", c.Lease)
+	case c.Window < time.Second:
+		return nil, fmt.Errorf("idempotency: Config.Window must be at least 1s, got %s", c.Window)
+	case c.Window < c.Lease:
+		return nil, fmt.Errorf("idempotency: Config.Window (%s) must not be shorter than Config.Lease (%s)", c.Window, c.Lease)
+	case c.RetryAfter < 0:
+		return nil, fmt.Errorf("idempotency: Config.RetryAfter must not be negative, got %s", c.RetryAfter)
+	}
+	s, err := newStore(c.Schema)
+	if err != nil {
+		return nil, fmt.Errorf("idempotency: Config.Schema: %w", err)
+	}
+	return &Middleware{db: db, store: s, cfg: c}, nil
+}
+
+func setDefault[T int | int64 | time.Duration](v *T, d T) {
+	if *v == 0 {
+		*v = d
+	}
+}
+
+// DefaultFingerprint is SHA-256 over the method, the path with its query and
+// the body.
+func DefaultFingerprint(r *http.Request, body []byte) []byte {
+	h := sha256.New()
+	io.WriteString(h, r.Method)
+	h.Write([]byte{0})
+	io.WriteString(h, r.URL.RequestURI())
+	h.Write([]byte{0})
+	h.Write(body)
+	return h.Sum(nil)
+}
+
+func defaultErrorHandler(w http.ResponseWriter, r *http.Request, err error) {
+	status := StatusCode(err)
+	msg := err.Error()
+	if status == http.StatusInternalServerError {
+		msg = "internal error"
+	}
+	http.Error(w, msg, status)
+}
+
+type ctxKey int
+
+const (
+	txKey ctxKey = iota
+	keyKey
+)
+
+// Tx returns the transaction a Transactional middleware (or Fence in
+// transactional use) gives the handler, or nil. Write the handler's rows
+// through it: they commit with the stored response, or not at all. Do not
+// commit or roll it back yourself.
+func Tx(ctx context.Context) pgx.Tx {
+	tx, _ := ctx.Value(txKey).(pgx.Tx)
+	return tx
+}
+
+// Key returns the idempotency key of the request or Do call, or "". Pass it
+// to downstream services so they can deduplicate too.
+func Key(ctx context.Context) string {
+	k, _ := ctx.Value(keyKey).(string)
+	return k
+}
+
+// Handler wraps next. Per request: no key answers 400 (unless KeyOptional);
+// a new key runs next once and stores its response; a retry gets the stored
+// status, headers and body with "Idempotent-Replayed: true"; a retry while
+// the first still runs gets 409 with Retry-After; the key with another
+// request (fingerprint) gets 422.
+//
+// Responses are buffered and stored before they reach the client, so
+// handlers cannot stream (Flush) or hijack the connection.
+func (m *Middleware) Handler(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		m.serve(w, r, next)
+	})
+}
+
+func (m *Middleware) fail(w http.ResponseWriter, r *http.Request, err error) {
+	if errors.Is(err, ErrInProgress) {
+		w.Header().Set("Retry-After", strconv.Itoa(int((m.cfg.RetryAfter+time.Second-1)/time.Second)))
+	}
+	if StatusCode(err) == http.StatusInternalServerError {
+		m.cfg.Logger.WarnContext(r.Context(), "idempotency: request failed", "path", r.URL.Path, "err", err)
+	}
+	m.cfg.ErrorHandler(w, r, err)
+}
+
+func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
+	key, err := parseKey(r.Header.Values(KeyHeader), m.cfg.MaxKeyLength)
+	if err != nil {
+		m.fail(w, r, err)
+		return
+	}
+	if key == "" {
+		if !m.cfg.KeyOptional {
+			m.fail(w, r, ErrKeyMissing)
+			return
+		}
+		m.serveWithoutKey(w, r, next)
+		return
+	}
+	scope, err := m.cfg.Scope(r)
+	if err != nil {
+		m.fail(w, r, &ScopeError{Err: err})
+		return
+	}
+	body, err := readBody(r, m.cfg.MaxRequestBytes)
+	if err != nil {
+		m.fail(w, r, err)
+		return
+	}
+	c := claim{scope: "http:" + scope, key: key, token: newToken(), fingerprint: m.cfg.Fingerprint(r, body)}
+	r = r.WithContext(context.WithValue(r.Context(), keyKey, key))
+	if m.cfg.Mode == Leased {
+		m.serveLeased(w, r, next, c)
+	} else {
+		m.serveTx(w, r, next, c)
+	}
+}
+
+// replay answers from an existing record.
+func (m *Middleware) replay(w http.ResponseWriter, r *http.Request, rec *record, fp []byte) {
+	if err := rec.check(fp); err != nil {
+		m.fail(w, r, err)
+		return
+	}
+	writeResponse(w, rec.status, rec.headers, rec.body, true)
+}
+
+func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.Handler, c claim) {
+	ctx := r.Context()
+	// The replay path: one round trip, no transaction.
+	rec, err := m.store.lookup(ctx, m.db, c.scope, c.key)
+	if err != nil {
+		m.fail(w, r, fmt.Errorf("idempotency: look up key: %w", err))
+		return
+	}
+	if rec != nil {
+		m.replay(w, r, rec, c.fingerprint)
+		return
+	}
+	tx, err := m.db.Begin(ctx)
+	if err != nil {
+		m.fail(w, r, fmt.Errorf("idempotency: begin: %w", err))
+		return
+	}
+	committed := false
+	defer func() {
+		if !committed {
+			_ = tx.Rollback(context.WithoutCancel(ctx))
+		}
+	}()
+	claimed, rec, err := m.store.tryClaim(ctx, tx, c, 0, m.cfg.Window)
+	if err != nil {
+		m.fail(w, r, fmt.Errorf("idempotency: claim key: %w", err))
+		return
+	}
+	if !claimed {
+		m.replay(w, r, rec, c.fingerprint)
+		return
+	}
+	rw := newRecorder(w, m.cfg.MaxResponseBytes, false)
+	next.ServeHTTP(rw, r.WithContext(context.WithValue(ctx, txKey, tx))) // a panic rolls back in the deferred func
+	status := rw.statusCode()
+	if status >= 500 && !m.cfg.StoreServerErrors {
+		_ = tx.Rollback(context.WithoutCancel(ctx))
+		rw.flush(false)
+		return
+	}
+	if err := m.storeResponse(ctx, tx, c, rw); err != nil {
+		m.fail(w, r, fmt.Errorf("idempotency: store response: %w", err))
+		return
+	}
+	if err := tx.Commit(ctx); err != nil {
+		m.fail(w, r, fmt.Errorf("idempotency: commit: %w", err))
+		return
+	}
+	committed = true
+	rw.flush(false)
+}
+
+func (m *Middleware) storeResponse(ctx context.Context, db querier, c claim, rw *recorder) error {
+	if rw.tooBig {
+		return m.store.complete(ctx, db, c, stateUnstored, rw.statusCode(), nil, nil)
+	}
+	return m.store.complete(ctx, db, c, stateDone, rw.statusCode(), m.replayHeaders(rw.header), rw.body.Bytes())
+}
+
+func (m *Middleware) serveLeased(w http.ResponseWriter, r *http.Request, next http.Handler, c claim) {
+	ctx := r.Context()
+	claimed, rec, err := m.store.tryClaim(ctx, m.db, c, m.cfg.Lease, m.cfg.Window)
+	if err != nil {
+		m.fail(w, r, fmt.Errorf("idempotency: claim key: %w", err))
+		return
+	}
+	if !claimed {
+		m.replay(w, r, rec, c.fingerprint)
+		return
+	}
+	// From here the claim is committed: finish it (store or release) even if
+	// the client goes away.
+	bg := context.WithoutCancel(ctx)
+	hctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	stop := m.store.keepLease(m.db, c, m.cfg.Lease, cancel, m.cfg.Logger.Warn)
+	rw := newRecorder(w, m.cfg.MaxResponseBytes, true)
+	finished := false
+	defer func() {
+		if !finished { // the handler panicked
+			stop()
+			m.release(bg, c)
+		}
+	}()
+	next.ServeHTTP(rw, r.WithContext(hctx))
+	finished = true
+	stop()
+	if rw.statusCode() >= 500 && !m.cfg.StoreServerErrors {
+		m.release(bg, c)
+		rw.flush(false)
+		return
+	}
+	sctx, scancel := context.WithTimeout(bg, 10*time.Second)
+	defer scancel()
+	if err := m.storeResponse(sctx, m.db, c, rw); err != nil {
+		// The handler's effects happened: answer with them. A retry will see
+		// the key in progress until the lease lapses, then run again.
+		m.cfg.Logger.Warn("idempotency: store response", "key", c.key, "err", err)
+	}
+	rw.flush(false)
+}
+
+func (m *Middleware) release(ctx context.Context, c claim) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := m.store.release(ctx, m.db, c); err != nil {
+		m.cfg.Logger.Warn("idempotency: release claim", "key", c.key, "err", err)
+	}
+}
+
+func (m *Middleware) serveWithoutKey(w http.ResponseWriter, r *http.Request, next http.Handler) {
+	if m.cfg.Mode != Transactional {
+		next.ServeHTTP(w, r)
+		return
+	}
+	ctx := r.Context()
+	tx, err := m.db.Begin(ctx)
+	if err != nil {
+		m.fail(w, r, fmt.Errorf("idempotency: begin: %w", err))
+		return
+	}
+	committed := false
+	defer func() {
+		if !committed {
+			_ = tx.Rollback(context.WithoutCancel(ctx))
+		}
+	}()
+	rw := newRecorder(w, m.cfg.MaxResponseBytes, false)
+	next.ServeHTTP(rw, r.WithContext(context.WithValue(ctx, txKey, tx)))
+	if rw.statusCode() < 500 {
+		if err := tx.Commit(ctx); err != nil {
+			m.fail(w, r, fmt.Errorf("idempotency: commit: %w", err))
+			return
+		}
+		committed = true
+	}
+	rw.flush(false)
+}
+
+var unstoredHeaders = map[string]bool{
+	"Set-Cookie": true, "Date": true, "Content-Length": true, "Connection": true,
+	"Keep-Alive": true, "Transfer-Encoding": true, "Upgrade": true, "Trailer": true,
+	"Proxy-Connection": true, ReplayedHeader: true,
+}
+
+func (m *Middleware) replayHeaders(h http.Header) map[string][]string {
+	out := map[string][]string{}
+	if m.cfg.ReplayHeaders != nil {
+		for _, name := range m.cfg.ReplayHeaders {
+			if v := h.Values(name); len(v) > 0 {
+				out[http.CanonicalHeaderKey(name)] = v
+			}
+		}
+		return out
+	}
+	for k, v := range h {
+		if !unstoredHeaders[k] {
+			out[k] = v
+		}
+	}
+	return out
+}
+
+// parseKey accepts a bare token (Stripe) or a structured-field string (the
+// IETF draft: Idempotency-Key: "8e03978e-…"). "" means no key.
+func parseKey(values []string, max int) (string, error) {
+	switch len(values) {
+	case 0:
+		return "", nil
+	case 1:
+	default:
+		return "", fmt.Errorf("%w: the header appears %d times", ErrKeyInvalid, len(values))
+	}
+	key := strings.TrimSpace(values[0])
+	if len(key) >= 2 && key[0] == '"' && key[len(key)-1] == '"' {
+		var sb strings.Builder
+		inner := key[1 : len(key)-1]
+		for i := 0; i < len(inner); i++ {
+			ch := inner[i]
+			if ch == '\\' && i+1 < len(inner) && (inner[i+1] == '"' || inner[i+1] == '\\') {
+				i++
+				ch = inner[i]
+			} else if ch == '"' || ch == '\\' {
+				return "", fmt.Errorf("%w: malformed quoted string", ErrKeyInvalid)
+			}
+			sb.WriteByte(ch)
+		}
+		key = sb.String()
+	}
+	switch {
+	case key == "":
+		return "", fmt.Errorf("%w: empty", ErrKeyInvalid)
+	case len(key) > max:
+		return "", fmt.Errorf("%w: %d bytes, longer than %d", ErrKeyInvalid, len(key), max)
+	}
+	for i := 0; i < len(key); i++ {
+		if key[i] < 0x20 || key[i] > 0x7e {
+			return "", fmt.Errorf("%w: byte %#x at %d is not printable ASCII", ErrKeyInvalid, key[i], i)
+		}
+	}
+	return key, nil
+}
+
+// readBody reads the whole request body (at most max bytes) and puts it back
+// for the handler.
+func readBody(r *http.Request, max int64) ([]byte, error) {
+	if r.Body == nil || r.Body == http.NoBody {
+		return nil, nil
+	}
+	body, err := io.ReadAll(io.LimitReader(r.Body, max+1))
+	_ = r.Body.Close()
+	if err != nil {
+		return nil, fmt.Errorf("idempotency: read request body: %w", err)
+	}
+	if int64(len(body)) > max {
+		return nil, fmt.Errorf("%w: more than %d bytes", ErrRequestTooLarge, max)
+	}
+	r.Body = io.NopCloser(bytes.NewReader(body))
+	return body, nil
+}

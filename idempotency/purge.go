@@ -1,0 +1,92 @@
+package idempotency
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+)
+
+// PurgeConfig configures a Purger. The zero value is usable.
+type PurgeConfig struct {
+	// Schema holds onceflow's tables. Defaults to "onceflow".
+	Schema string
+	// BatchSize is how many records one DELETE removes, so purging never
+	// holds many locks or one long transaction. Defaults to 1000.
+	BatchSize int
+	// Interval is how often Run purges. Defaults to 1 minute.
+	Interval time.Duration
+	// Logger receives warnings from Run. Defaults to discarding.
+	Logger *slog.Logger
+}
+
+// Purger deletes expired idempotency records: those past their Window
+// (Config.Window, FenceConfig.Window), except claims whose lease is still
+// held. It is safe for concurrent use, and several Purgers may run at once
+// (they skip each other's rows).
+type Purger struct {
+	db  DB
+	sql string
+	cfg PurgeConfig
+}
+
+// NewPurger returns a Purger; cfg may be nil.
+func NewPurger(db DB, cfg *PurgeConfig) (*Purger, error) {
+	if db == nil {
+		return nil, errors.New("idempotency: db is nil")
+	}
+	c := PurgeConfig{}
+	if cfg != nil {
+		c = *cfg
+	}
+	setDefault(&c.BatchSize, 1000)
+	setDefault(&c.Interval, time.Minute)
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	switch {
+	case c.BatchSize < 0:
+		return nil, fmt.Errorf("idempotency: PurgeConfig.BatchSize must be positive, got %d", c.BatchSize)
+	case c.Interval < 0:
+		return nil, fmt.Errorf("idempotency: PurgeConfig.Interval must be positive, got %s", c.Interval)
+	}
+	s, err := newStore(c.Schema)
+	if err != nil {
+		return nil, fmt.Errorf("idempotency: PurgeConfig.Schema: %w", err)
+	}
+	return &Purger{db: db, sql: s.purgeSQL, cfg: c}, nil
+}
+
+// Purge deletes every expired record, BatchSize at a time, and returns how
+// many it deleted. It is idempotent.
+func (p *Purger) Purge(ctx context.Context) (int64, error) {
+	var total int64
+	for {
+		tag, err := p.db.Exec(ctx, p.sql, p.cfg.BatchSize)
+		if err != nil {
+			return total, fmt.Errorf("idempotency: purge: %w", err)
+		}
+		total += tag.RowsAffected()
+		if tag.RowsAffected() < int64(p.cfg.BatchSize) {
+			return total, nil
+		}
+	}
+}
+
+// Run purges every Interval until ctx is done, then returns nil. Failures
+// are logged and retried at the next interval.
+func (p *Purger) Run(ctx context.Context) error {
+	t := time.NewTicker(p.cfg.Interval)
+	defer t.Stop()
+	for {
+		if _, err := p.Purge(ctx); err != nil && ctx.Err() == nil {
+			p.cfg.Logger.Warn("idempotency: purge failed", "err", err)
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+		}
+	}
+}

@@ -1,0 +1,269 @@
+package idempotency
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/onceflow/onceflow/migrations"
+)
+
+// DB is what the package needs from PostgreSQL. *pgxpool.Pool satisfies it
+// (use a pool: the middleware serves concurrent requests); so does *pgx.Conn
+// for single-goroutine use.
+type DB interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// querier is what one claim statement needs: DB, pgx.Tx and *pgx.Conn fit.
+type querier interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// Record states, as stored in idempotency_keys.state.
+const (
+	stateRunning  = "running"
+	stateDone     = "done"
+	stateUnstored = "unstored"
+)
+
+// record is a live idempotency_keys row as another caller sees it.
+type record struct {
+	state       string
+	fingerprint []byte
+	status      int
+	headers     map[string][]string
+	body        []byte
+}
+
+// check decides what a caller with fingerprint fp gets from an existing
+// record: nil means replay it. A nil fp skips the fingerprint comparison.
+func (r *record) check(fp []byte) error {
+	if fp != nil && !bytes.Equal(fp, r.fingerprint) {
+		return ErrMismatch
+	}
+	switch r.state {
+	case stateRunning:
+		return ErrInProgress
+	case stateUnstored:
+		return ErrNotStored
+	}
+	return nil
+}
+
+// claim is one attempt to own a key.
+type claim struct {
+	scope, key, token string
+	fingerprint       []byte
+}
+
+// store holds the SQL for one schema's idempotency_keys table.
+type store struct {
+	table                                       string
+	lookupSQL, claimTxSQL, claimLeasedSQL       string
+	completeSQL, releaseSQL, renewSQL, purgeSQL string
+}
+
+func newStore(schema string) (*store, error) {
+	if schema == "" {
+		schema = migrations.DefaultSchema
+	}
+	if err := migrations.ValidateSchema(schema); err != nil {
+		return nil, err
+	}
+	t := pgx.Identifier{schema, "idempotency_keys"}.Sanitize()
+	// A record is live until it expires; a running one only while its lease
+	// holds (transactional claims have no lease and never commit running).
+	const live = `k.expires_at > now() AND (k.state <> 'running' OR k.lease_until > now())`
+	claimSQL := func(lock string) string {
+		// The INSERT takes a free key, or replaces a dead record (expired, or
+		// running with a lapsed lease). Otherwise it returns nothing and the
+		// outer SELECT reads the record that is in the way. A record committed
+		// after this statement's snapshot is in the way but invisible: the
+		// caller sees neither and runs the statement again.
+		return `WITH lock AS MATERIALIZED (SELECT ` + lock + ` AS got),
+ins AS (
+    INSERT INTO ` + t + ` AS k (scope, key, fingerprint, state, token, lease_until, expires_at)
+    SELECT $1::text, $2::text, $3::bytea, 'running', $4::uuid, now() + $5::float8 * interval '1 second', now() + $6::float8 * interval '1 second'
+    FROM lock WHERE lock.got
+    ON CONFLICT (scope, key) DO UPDATE SET
+        fingerprint = excluded.fingerprint, state = 'running', token = excluded.token,
+        lease_until = excluded.lease_until, status = NULL, headers = NULL, body = NULL,
+        created_at = now(), completed_at = NULL, expires_at = excluded.expires_at
+    WHERE NOT (` + live + `)
+    RETURNING 1
+)
+SELECT (SELECT got FROM lock), EXISTS (SELECT FROM ins), k.state, k.fingerprint, k.status, k.headers, k.body
+FROM (SELECT) AS one
+LEFT JOIN ` + t + ` AS k ON k.scope = $1 AND k.key = $2 AND NOT EXISTS (SELECT FROM ins)`
+	}
+	return &store{
+		table: t,
+		lookupSQL: `SELECT k.state, k.fingerprint, k.status, k.headers, k.body FROM ` + t + ` AS k
+WHERE k.scope = $1 AND k.key = $2 AND ` + live,
+		// Transactional claims first take a transaction-scoped advisory lock on
+		// the key: a concurrent claimer fails to get it and answers "in
+		// progress" at once instead of blocking on the uncommitted row.
+		claimTxSQL:     claimSQL(`pg_try_advisory_xact_lock($7::bigint)`),
+		claimLeasedSQL: claimSQL(`true`),
+		completeSQL: `UPDATE ` + t + ` SET state = $4, status = $5, headers = $6, body = $7,
+    completed_at = now(), lease_until = NULL
+WHERE scope = $1 AND key = $2 AND token = $3`,
+		releaseSQL: `DELETE FROM ` + t + ` WHERE scope = $1 AND key = $2 AND token = $3`,
+		renewSQL: `UPDATE ` + t + ` SET lease_until = now() + $4::float8 * interval '1 second'
+WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'`,
+		purgeSQL: `DELETE FROM ` + t + ` AS k USING (
+    SELECT scope, key FROM ` + t + `
+    WHERE expires_at <= now() AND (state <> 'running' OR lease_until IS NULL OR lease_until <= now())
+    ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED
+) AS d WHERE k.scope = d.scope AND k.key = d.key`,
+	}, nil
+}
+
+func scanRecord(row pgx.Row, extra ...any) (*record, error) {
+	var (
+		state  *string
+		rec    record
+		status *int32
+	)
+	dest := append(extra, &state, &rec.fingerprint, &status, &rec.headers, &rec.body)
+	if err := row.Scan(dest...); err != nil {
+		return nil, err
+	}
+	if state == nil {
+		return nil, nil
+	}
+	rec.state = *state
+	if status != nil {
+		rec.status = int(*status)
+	}
+	return &rec, nil
+}
+
+// lookup returns the live record for a key, or nil. One round trip.
+func (s *store) lookup(ctx context.Context, db querier, scope, key string) (*record, error) {
+	rec, err := scanRecord(db.QueryRow(ctx, s.lookupSQL, scope, key))
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, nil
+	}
+	return rec, err
+}
+
+// tryClaim claims c.key for c.token, or returns the record in the way
+// (claimed false). lease 0 means a transactional claim: run it in the
+// transaction that will also store the response. Usually one round trip.
+func (s *store) tryClaim(ctx context.Context, db querier, c claim, lease, window time.Duration) (claimed bool, in *record, err error) {
+	sql, args := s.claimLeasedSQL, []any{c.scope, c.key, c.fingerprint, c.token, nil, window.Seconds()}
+	if lease > 0 {
+		args[4] = lease.Seconds()
+	} else {
+		sql = s.claimTxSQL
+		args = append(args, lockKey(s.table, c.scope, c.key))
+	}
+	for attempt := 0; ; attempt++ {
+		var got, inserted bool
+		rec, err := scanRecord(db.QueryRow(ctx, sql, args...), &got, &inserted)
+		switch {
+		case err != nil:
+			return false, nil, err
+		case !got:
+			return false, &record{state: stateRunning, fingerprint: c.fingerprint}, nil
+		case inserted:
+			return true, nil, nil
+		case rec != nil:
+			return false, rec, nil
+		case attempt == 10:
+			return false, nil, fmt.Errorf("claim of key %q kept racing with other claims", c.key)
+		}
+	}
+}
+
+// complete stores the outcome of c. It fails with ErrLeaseLost when c no
+// longer owns the record.
+func (s *store) complete(ctx context.Context, db querier, c claim, state string, status int, headers map[string][]string, body []byte) error {
+	tag, err := db.Exec(ctx, s.completeSQL, c.scope, c.key, c.token, state, status, headers, body)
+	if err != nil {
+		return err
+	}
+	if tag.RowsAffected() == 0 {
+		return ErrLeaseLost
+	}
+	return nil
+}
+
+// release deletes c's claim so the key can run again.
+func (s *store) release(ctx context.Context, db querier, c claim) error {
+	_, err := db.Exec(ctx, s.releaseSQL, c.scope, c.key, c.token)
+	return err
+}
+
+// renew extends c's lease; false means c lost the claim.
+func (s *store) renew(ctx context.Context, db querier, c claim, lease time.Duration) (bool, error) {
+	tag, err := db.Exec(ctx, s.renewSQL, c.scope, c.key, c.token, lease.Seconds())
+	return err == nil && tag.RowsAffected() == 1, err
+}
+
+// keepLease renews c's lease every lease/3 until the returned stop is
+// called, and cancels onLost's context when the claim is lost.
+func (s *store) keepLease(db querier, c claim, lease time.Duration, onLost context.CancelCauseFunc, log func(string, ...any)) (stop func()) {
+	done := make(chan struct{})
+	exited := make(chan struct{})
+	go func() {
+		defer close(exited)
+		t := time.NewTicker(lease / 3)
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-t.C:
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), lease/3)
+			ok, err := s.renew(ctx, db, c, lease)
+			cancel()
+			switch {
+			case err != nil:
+				log("idempotency: renew lease", "scope", c.scope, "key", c.key, "err", err)
+			case !ok:
+				log("idempotency: lease lost", "scope", c.scope, "key", c.key)
+				onLost(ErrLeaseLost)
+				return
+			}
+		}
+	}()
+	return func() { close(done); <-exited }
+}
+
+// lockKey is the advisory lock key of (table, scope, key): FNV-1a 64 over
+// the length-prefixed parts. A collision only makes an unrelated concurrent
+// request see "in progress" once.
+func lockKey(table, scope, key string) int64 {
+	h := fnv.New64a()
+	for _, part := range []string{table, scope, key} {
+		fmt.Fprintf(h, "%d:%s", len(part), part)
+	}
+	return int64(h.Sum64())
+}
+
+func newToken() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:])
+	b[6] = b[6]&0x0f | 0x40
+	b[8] = b[8]&0x3f | 0x80
+	var sb strings.Builder
+	h := hex.EncodeToString(b[:])
+	sb.WriteString(h[:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:])
+	return sb.String()
+}
