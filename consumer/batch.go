@@ -1,0 +1,107 @@
+package consumer
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"time"
+)
+
+// runBatch takes msgs (one partition, offset order) to a final state, like
+// runOne. It tries them in one transaction first; if that fails, it falls
+// back to one transaction per message so a poison message costs only
+// itself.
+func (p *Processor) runBatch(ctx context.Context, stop <-chan struct{}, msgs []Message, t Transport) error {
+	good := make([]Message, 0, len(msgs))
+	var bad []Message
+	var badErr []error
+	for _, m := range msgs {
+		id, err := p.messageID(m)
+		if err != nil {
+			bad = append(bad, m)
+			badErr = append(badErr, err)
+			continue
+		}
+		m.ID = id
+		good = append(good, m)
+	}
+	if len(good) > 0 {
+		if err := p.attemptBatch(ctx, good); err != nil {
+			if ctx.Err() != nil {
+				return errAbandoned
+			}
+			p.log.LogAttrs(ctx, slog.LevelWarn, "consumer: batch failed; retrying its messages one at a time",
+				slog.String("topic", good[0].Topic), slog.Int("partition", int(good[0].Partition)),
+				slog.Int64("first_offset", good[0].Offset), slog.Int("size", len(good)), slog.Any("error", err))
+			for _, m := range good {
+				if err := p.runOne(ctx, stop, m, t, true); err != nil {
+					return err
+				}
+			}
+		}
+	}
+	for i, m := range bad {
+		if err := p.deadLetter(ctx, stop, m, 0, badErr[i], t); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// attemptBatch runs one transaction for msgs, whose IDs are set.
+func (p *Processor) attemptBatch(ctx context.Context, msgs []Message) error {
+	start := time.Now()
+	ids := make([]string, len(msgs))
+	for i, m := range msgs {
+		ids[i] = m.ID
+	}
+	tx, err := p.db.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("consumer %s: begin: %w", p.name, err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	rows, err := tx.Query(ctx, p.insertAll, p.name, ids)
+	if err != nil {
+		return fmt.Errorf("consumer %s: record %d messages: %w", p.name, len(ids), err)
+	}
+	fresh := make(map[string]bool, len(ids))
+	for rows.Next() {
+		var id string
+		if err := rows.Scan(&id); err != nil {
+			rows.Close()
+			return fmt.Errorf("consumer %s: record %d messages: %w", p.name, len(ids), err)
+		}
+		fresh[id] = true
+	}
+	if err := rows.Err(); err != nil {
+		return fmt.Errorf("consumer %s: record %d messages: %w", p.name, len(ids), err)
+	}
+	// The first message with a new id is new; later ones with the same id
+	// (re-published within the batch) are duplicates.
+	isNew := make([]bool, len(msgs))
+	todo := make([]Message, 0, len(fresh))
+	for i, m := range msgs {
+		if fresh[m.ID] {
+			delete(fresh, m.ID)
+			isNew[i] = true
+			todo = append(todo, m)
+		}
+	}
+	if len(todo) > 0 {
+		if err := p.call(ctx, tx, func() error { return p.batch(ctx, tx, todo) }); err != nil {
+			return err
+		}
+		if err := tx.Commit(ctx); err != nil {
+			return fmt.Errorf("consumer %s: commit batch of %d: %w", p.name, len(todo), err)
+		}
+	}
+	dur := time.Since(start)
+	for i, m := range msgs {
+		o, n := Duplicate, 0
+		if isNew[i] {
+			o, n = Processed, 1
+		}
+		p.finished(m, o, n, dur, len(msgs))
+	}
+	return nil
+}

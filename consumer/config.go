@@ -1,0 +1,117 @@
+package consumer
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/onceflow/onceflow/migrations"
+)
+
+// Config configures a Processor. The zero value is usable; a nil *Config is
+// the zero value.
+type Config struct {
+	// Schema holds the processed_messages table. Defaults to "onceflow".
+	Schema string
+
+	// MessageID derives the id a message is deduplicated on. Return an error
+	// wrapping ErrNoMessageID (or any error) when the message has no usable
+	// id: it is dead-lettered with that reason, without retries. Derive it
+	// from a business key when producers may re-publish an event under a new
+	// message-id. Defaults to HeaderMessageID (the "message-id" header).
+	MessageID func(Message) (string, error)
+
+	// MaxAttempts is the retry budget: how many times the handler runs for
+	// one message before it is dead-lettered. Defaults to 5.
+	MaxAttempts int
+	// MinBackoff is the wait after the first failed attempt; later waits
+	// grow exponentially with jitter. Defaults to 100ms.
+	MinBackoff time.Duration
+	// MaxBackoff caps the wait between attempts. Defaults to 10s.
+	MaxBackoff time.Duration
+
+	// DeadLetterTopic names the topic a failed message goes to. Defaults to
+	// the message's topic with ".dlq" appended.
+	DeadLetterTopic func(Message) string
+
+	// Concurrency is how many messages of one partition are processed at
+	// once, in per-message mode. Messages with the same key always run one
+	// at a time and in offset order; keyless messages are spread freely.
+	// Offsets are committed only below the lowest unfinished message.
+	// Ignored in batch mode. Defaults to 1: strict partition order.
+	Concurrency int
+
+	// BatchSize is the most messages one batch-mode transaction takes; a
+	// batch holds what is already buffered, it never waits to fill up.
+	// Ignored in per-message mode. Defaults to 500.
+	BatchSize int
+
+	// QueueSize is how many fetched messages each partition buffers ahead
+	// of processing; adapters block fetching when it is full. Defaults to
+	// 1024.
+	QueueSize int
+
+	// Hooks receive metrics events; see Hook. Defaults to none.
+	Hooks []Hook
+
+	// Logger receives retries (Warn), dead letters and panics (Error).
+	// Defaults to discarding.
+	Logger *slog.Logger
+}
+
+func (c *Config) withDefaults() (Config, error) {
+	var out Config
+	if c != nil {
+		out = *c
+	}
+	if out.Schema == "" {
+		out.Schema = migrations.DefaultSchema
+	}
+	if out.MessageID == nil {
+		out.MessageID = HeaderMessageID
+	}
+	if out.MaxAttempts == 0 {
+		out.MaxAttempts = 5
+	}
+	if out.MinBackoff == 0 {
+		out.MinBackoff = 100 * time.Millisecond
+	}
+	if out.MaxBackoff == 0 {
+		out.MaxBackoff = 10 * time.Second
+	}
+	if out.DeadLetterTopic == nil {
+		out.DeadLetterTopic = func(m Message) string { return m.Topic + ".dlq" }
+	}
+	if out.Concurrency == 0 {
+		out.Concurrency = 1
+	}
+	if out.BatchSize == 0 {
+		out.BatchSize = 500
+	}
+	if out.QueueSize == 0 {
+		out.QueueSize = 1024
+	}
+	if out.Logger == nil {
+		out.Logger = slog.New(slog.DiscardHandler)
+	}
+
+	if err := migrations.ValidateSchema(out.Schema); err != nil {
+		return out, fmt.Errorf("consumer: Config.Schema: %w", err)
+	}
+	switch {
+	case out.MaxAttempts < 1:
+		return out, errors.New("consumer: Config.MaxAttempts must be at least 1")
+	case out.MinBackoff < 0:
+		return out, errors.New("consumer: Config.MinBackoff must not be negative")
+	case out.MaxBackoff < out.MinBackoff:
+		return out, errors.New("consumer: Config.MaxBackoff must not be below MinBackoff")
+	case out.Concurrency < 1:
+		return out, errors.New("consumer: Config.Concurrency must be at least 1")
+	case out.BatchSize < 1:
+		return out, errors.New("consumer: Config.BatchSize must be at least 1")
+	case out.QueueSize < 1:
+		return out, errors.New("consumer: Config.QueueSize must be at least 1")
+	}
+	return out, nil
+}

@@ -1,0 +1,40 @@
+package consumer
+
+import (
+	"errors"
+	"fmt"
+)
+
+// PermanentError marks a handler error that retrying cannot fix. Build it
+// with Permanent.
+type PermanentError struct {
+	Err error
+}
+
+func (e *PermanentError) Error() string { return "permanent: " + e.Err.Error() }
+
+func (e *PermanentError) Unwrap() error { return e.Err }
+
+// Permanent wraps err so the Processor skips its retries: the message is
+// dead-lettered after this one attempt. Permanent(nil) returns nil.
+func Permanent(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &PermanentError{Err: err}
+}
+
+// IsPermanent reports whether err was marked with Permanent.
+func IsPermanent(err error) bool {
+	var pe *PermanentError
+	return errors.As(err, &pe)
+}
+
+// PanicError is the error of a handler that panicked. The Processor
+// recovers the panic, logs Stack and retries like any other error.
+type PanicError struct {
+	Value any
+	Stack []byte
+}
+
+func (e *PanicError) Error() string { return fmt.Sprintf("handler panicked: %v", e.Value) }

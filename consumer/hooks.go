@@ -1,0 +1,108 @@
+package consumer
+
+import "time"
+
+// Hook is any value implementing one or more of the Hook… interfaces below
+// (franz-go's hook style). Hooks are called synchronously on the processing
+// path: they must be cheap, safe for concurrent use, and must not keep the
+// Message's slices.
+type Hook any
+
+// Outcome is how a message left the Processor.
+type Outcome int
+
+const (
+	// Processed: the handler ran and its transaction committed.
+	Processed Outcome = iota + 1
+	// Duplicate: the message id was already recorded; the handler did not
+	// run.
+	Duplicate
+	// DeadLettered: the message was published to the dead-letter topic.
+	DeadLettered
+)
+
+func (o Outcome) String() string {
+	switch o {
+	case Processed:
+		return "processed"
+	case Duplicate:
+		return "duplicate"
+	case DeadLettered:
+		return "dead-lettered"
+	}
+	return "unknown"
+}
+
+// DoneEvent reports a message that is finished: committed, skipped or
+// dead-lettered. Its offset is marked for commit right after the hooks
+// return.
+type DoneEvent struct {
+	Consumer string
+	Message  Message
+	Outcome  Outcome
+	// Attempts is how many times the handler ran (0 for a duplicate).
+	Attempts int
+	// Duration is the last attempt's time in the database transaction
+	// (begin to commit), the handler latency as seen by the database.
+	Duration time.Duration
+	// BatchSize is the size of the batch the message was processed in; 1
+	// in per-message mode.
+	BatchSize int
+}
+
+// HookDone is called for every finished message.
+type HookDone interface {
+	OnDone(DoneEvent)
+}
+
+// RetryEvent reports a failed attempt that will be retried.
+type RetryEvent struct {
+	Consumer string
+	Message  Message
+	Attempt  int
+	Err      error
+	Backoff  time.Duration
+}
+
+// HookRetry is called after every failed attempt that will be retried.
+type HookRetry interface {
+	OnRetry(RetryEvent)
+}
+
+// DeadLetterEvent reports a message published to the dead-letter topic.
+type DeadLetterEvent struct {
+	Consumer string
+	Message  Message
+	Topic    string
+	Attempts int
+	Err      error
+}
+
+// HookDeadLetter is called after a dead-letter record was acknowledged.
+type HookDeadLetter interface {
+	OnDeadLetter(DeadLetterEvent)
+}
+
+// hooks is the Config.Hooks sorted by interface, so the hot path does no
+// type assertions.
+type hooks struct {
+	done  []HookDone
+	retry []HookRetry
+	dead  []HookDeadLetter
+}
+
+func newHooks(hs []Hook) hooks {
+	var h hooks
+	for _, x := range hs {
+		if d, ok := x.(HookDone); ok {
+			h.done = append(h.done, d)
+		}
+		if r, ok := x.(HookRetry); ok {
+			h.retry = append(h.retry, r)
+		}
+		if d, ok := x.(HookDeadLetter); ok {
+			h.dead = append(h.dead, d)
+		}
+	}
+	return h
+}

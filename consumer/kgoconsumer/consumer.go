@@ -1,0 +1,324 @@
+package kgoconsumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/onceflow/onceflow/consumer"
+)
+
+// Config configures a Consumer. Brokers and Topics are required.
+type Config struct {
+	// Brokers are the seed brokers (host:port). Required.
+	Brokers []string
+	// Topics are the topics to consume. Required.
+	Topics []string
+	// Group is the Kafka consumer group. Defaults to the Processor's name.
+	Group string
+	// ClientOpts are extra franz-go options: TLS, SASL, session and
+	// rebalance timeouts, balancers, the reset offset for a new group
+	// (franz-go's default is the start of each partition). Options the
+	// Consumer depends on are applied after them and win: the group and
+	// topics, AutoCommitMarks, BlockRebalanceOnPoll, OnPartitionsRevoked,
+	// OnPartitionsLost and the read_committed isolation level. Defaults to
+	// none.
+	ClientOpts []kgo.Opt
+	// CommitInterval is how often marked offsets are committed; they are
+	// also committed when partitions are revoked and at shutdown. Defaults
+	// to 1s.
+	CommitInterval time.Duration
+	// ShutdownGrace is how long a transaction in flight may take to finish
+	// when its partition is revoked or the consumer stops, before it is
+	// canceled and rolled back. Defaults to 5s.
+	ShutdownGrace time.Duration
+	// MaxPollRecords bounds the records taken per poll. Defaults to 1000.
+	MaxPollRecords int
+	// Logger receives fetch and commit errors (Warn). Defaults to
+	// discarding.
+	Logger *slog.Logger
+}
+
+// Consumer runs a consumer.Processor over a franz-go consumer group. It is
+// not safe to call Run more than once.
+type Consumer struct {
+	p   *consumer.Processor
+	cfg Config
+	log *slog.Logger
+
+	mu      sync.Mutex
+	parts   map[tp]*partition
+	procCtx context.Context // parent of every partition's work; see Run
+}
+
+type tp struct {
+	topic     string
+	partition int32
+}
+
+// partition is one assigned partition: the core's worker plus records
+// fetched but not yet queued (the partition is paused while there are any).
+type partition struct {
+	w       *consumer.Partition
+	pending []consumer.Message
+}
+
+// New returns a Consumer for p; cfg is required for Brokers and Topics.
+func New(p *consumer.Processor, cfg *Config) (*Consumer, error) {
+	if p == nil {
+		return nil, errors.New("kgoconsumer: processor is nil")
+	}
+	if cfg == nil {
+		return nil, errors.New("kgoconsumer: Config.Brokers and Config.Topics are required")
+	}
+	c := *cfg
+	if c.Group == "" {
+		c.Group = p.Name()
+	}
+	if c.CommitInterval == 0 {
+		c.CommitInterval = time.Second
+	}
+	if c.ShutdownGrace == 0 {
+		c.ShutdownGrace = 5 * time.Second
+	}
+	if c.MaxPollRecords == 0 {
+		c.MaxPollRecords = 1000
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	switch {
+	case len(c.Brokers) == 0:
+		return nil, errors.New("kgoconsumer: Config.Brokers is required")
+	case len(c.Topics) == 0:
+		return nil, errors.New("kgoconsumer: Config.Topics is required")
+	case c.CommitInterval < 0:
+		return nil, errors.New("kgoconsumer: Config.CommitInterval must not be negative")
+	case c.ShutdownGrace < 0:
+		return nil, errors.New("kgoconsumer: Config.ShutdownGrace must not be negative")
+	case c.MaxPollRecords < 1:
+		return nil, errors.New("kgoconsumer: Config.MaxPollRecords must be at least 1")
+	}
+	return &Consumer{p: p, cfg: c, log: c.Logger.With("consumer", p.Name(), "group", c.Group), parts: map[tp]*partition{}}, nil
+}
+
+// Run joins the group and processes messages until ctx is canceled, then
+// drains (see Config.ShutdownGrace), commits what finished, leaves the group
+// and returns nil. It returns an error only when the client cannot start.
+func (c *Consumer) Run(ctx context.Context) error {
+	procCtx, cancelProc := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancelProc()
+	c.mu.Lock()
+	c.procCtx = procCtx
+	c.mu.Unlock()
+
+	opts := append([]kgo.Opt{kgo.SeedBrokers(c.cfg.Brokers...)}, c.cfg.ClientOpts...)
+	opts = append(opts,
+		kgo.ConsumerGroup(c.cfg.Group),
+		kgo.ConsumeTopics(c.cfg.Topics...),
+		kgo.AutoCommitMarks(),
+		kgo.AutoCommitInterval(c.cfg.CommitInterval),
+		kgo.BlockRebalanceOnPoll(),
+		kgo.OnPartitionsRevoked(c.revoked),
+		kgo.OnPartitionsLost(c.lost),
+		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
+	)
+	cl, err := kgo.NewClient(opts...)
+	if err != nil {
+		return fmt.Errorf("kgoconsumer: client: %w", err)
+	}
+
+	for {
+		pollCtx, cancelPoll := ctx, context.CancelFunc(func() {})
+		if c.hasPending() {
+			// Paused partitions need their pending records fed as
+			// their queues drain, so don't wait long for new fetches.
+			pollCtx, cancelPoll = context.WithTimeout(ctx, 20*time.Millisecond)
+		}
+		fetches := cl.PollRecords(pollCtx, c.cfg.MaxPollRecords)
+		cancelPoll()
+		if fetches.IsClientClosed() || ctx.Err() != nil {
+			break
+		}
+		fetches.EachError(func(topic string, p int32, err error) {
+			if !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded) {
+				c.log.Warn("kgoconsumer: fetch failed", "topic", topic, "partition", p, "error", err)
+			}
+		})
+		c.dispatch(cl, fetches)
+		cl.AllowRebalance()
+	}
+
+	// Shutdown: stop every partition (finishing in-flight work within the
+	// grace), commit what finished, leave the group.
+	c.stopAll(cl, false)
+	commitCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	if err := cl.CommitMarkedOffsets(commitCtx); err != nil {
+		c.log.Warn("kgoconsumer: final commit failed; the last messages will be delivered again and skipped as duplicates", "error", err)
+	}
+	cancel()
+	cl.CloseAllowingRebalance()
+	return nil
+}
+
+func (c *Consumer) hasPending() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, p := range c.parts {
+		if len(p.pending) > 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// dispatch queues fetched records on their partitions, pausing partitions
+// whose queue is full rather than blocking (a blocked poll loop would stall
+// every other partition and hold up rebalances).
+func (c *Consumer) dispatch(cl *kgo.Client, fetches kgo.Fetches) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for key, p := range c.parts {
+		if len(p.pending) == 0 {
+			continue
+		}
+		n := p.w.TryAdd(p.pending)
+		p.pending = p.pending[n:]
+		if len(p.pending) == 0 {
+			p.pending = nil
+			cl.ResumeFetchPartitions(map[string][]int32{key.topic: {key.partition}})
+		}
+	}
+	fetches.EachPartition(func(f kgo.FetchTopicPartition) {
+		if len(f.Records) == 0 {
+			return
+		}
+		key := tp{f.Topic, f.Partition}
+		p := c.parts[key]
+		if p == nil {
+			p = &partition{w: c.p.StartPartition(c.procCtx, &transport{cl: cl})}
+			c.parts[key] = p
+		}
+		msgs := make([]consumer.Message, len(f.Records))
+		for i, r := range f.Records {
+			msgs[i] = Message(r)
+		}
+		if len(p.pending) == 0 {
+			n := p.w.TryAdd(msgs)
+			msgs = msgs[n:]
+			if len(msgs) == 0 {
+				return
+			}
+			cl.PauseFetchPartitions(map[string][]int32{key.topic: {key.partition}})
+		}
+		p.pending = append(p.pending, msgs...)
+	})
+}
+
+// revoked runs inside the client's rebalance: finish (or abandon after the
+// grace) the revoked partitions' work, then commit what finished before the
+// partitions move to another member.
+func (c *Consumer) revoked(ctx context.Context, cl *kgo.Client, revoked map[string][]int32) {
+	c.stop(cl, revoked, false)
+	if err := cl.CommitMarkedOffsets(ctx); err != nil {
+		c.log.Warn("kgoconsumer: commit on revoke failed; those messages will be delivered again and skipped as duplicates", "error", err)
+	}
+}
+
+// lost runs when partitions were taken away without a clean revoke (session
+// expired): another member may already process them, so abandon at once and
+// commit nothing.
+func (c *Consumer) lost(_ context.Context, cl *kgo.Client, lost map[string][]int32) {
+	c.stop(cl, lost, true)
+}
+
+func (c *Consumer) stop(cl *kgo.Client, which map[string][]int32, abandon bool) {
+	c.mu.Lock()
+	var stopping []*partition
+	for topic, ps := range which {
+		for _, n := range ps {
+			key := tp{topic, n}
+			if p := c.parts[key]; p != nil {
+				stopping = append(stopping, p)
+				delete(c.parts, key)
+			}
+		}
+	}
+	c.mu.Unlock()
+	cl.ResumeFetchPartitions(which)
+	c.stopParts(stopping, abandon)
+}
+
+func (c *Consumer) stopAll(cl *kgo.Client, abandon bool) {
+	c.mu.Lock()
+	stopping := make([]*partition, 0, len(c.parts))
+	for key, p := range c.parts {
+		stopping = append(stopping, p)
+		delete(c.parts, key)
+	}
+	c.mu.Unlock()
+	c.stopParts(stopping, abandon)
+}
+
+// stopParts stops partitions in parallel, so the grace is shared.
+func (c *Consumer) stopParts(ps []*partition, abandon bool) {
+	grace := c.cfg.ShutdownGrace
+	if abandon {
+		grace = 0
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), grace)
+	defer cancel()
+	var wg sync.WaitGroup
+	for _, p := range ps {
+		wg.Add(1)
+		go func() { defer wg.Done(); p.w.Stop(ctx) }()
+	}
+	wg.Wait()
+}
+
+// transport marks and dead-letters through the group's client.
+type transport struct {
+	cl *kgo.Client
+}
+
+func (t *transport) MarkDone(msg consumer.Message) {
+	if r, ok := msg.Raw.(*kgo.Record); ok {
+		t.cl.MarkCommitRecords(r)
+	}
+}
+
+func (t *transport) PublishDeadLetter(ctx context.Context, d consumer.DeadLetter) error {
+	r := &kgo.Record{Topic: d.Topic, Key: d.Key, Value: d.Value, Headers: make([]kgo.RecordHeader, len(d.Headers))}
+	for i, h := range d.Headers {
+		r.Headers[i] = kgo.RecordHeader{Key: h.Key, Value: h.Value}
+	}
+	if err := t.cl.ProduceSync(ctx, r).FirstErr(); err != nil {
+		return fmt.Errorf("kgoconsumer: publish dead letter to %s: %w", d.Topic, err)
+	}
+	return nil
+}
+
+// Message converts a franz-go record; Raw holds r.
+func Message(r *kgo.Record) consumer.Message {
+	m := consumer.Message{
+		Topic:     r.Topic,
+		Partition: r.Partition,
+		Offset:    r.Offset,
+		Key:       r.Key,
+		Value:     r.Value,
+		Timestamp: r.Timestamp,
+		Raw:       r,
+	}
+	if len(r.Headers) > 0 {
+		m.Headers = make([]consumer.Header, len(r.Headers))
+		for i, h := range r.Headers {
+			m.Headers[i] = consumer.Header{Key: h.Key, Value: h.Value}
+		}
+	}
+	return m
+}

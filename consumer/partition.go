@@ -1,0 +1,276 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"hash/maphash"
+	"sync"
+)
+
+// Transport is what an adapter gives the Processor for one partition.
+type Transport interface {
+	// MarkDone says that msg and every message before it in its partition
+	// are finished (committed, duplicate or dead-lettered): the adapter may
+	// commit offset msg.Offset+1. Calls for one partition come in offset
+	// order and never concurrently. It must not block for long.
+	MarkDone(msg Message)
+	// PublishDeadLetter publishes rec to rec.Topic and returns once the
+	// broker acknowledged it (acks=all). The Processor retries on error.
+	PublishDeadLetter(ctx context.Context, rec DeadLetter) error
+}
+
+// ErrStopped is returned by Partition.Add once the partition is stopped.
+var ErrStopped = errors.New("consumer: partition stopped")
+
+// Partition processes the messages of one Kafka partition, in the
+// Processor's mode: in order, key-parallel, or in batches. Adapters create
+// one per assigned partition with StartPartition, Add the partition's
+// records in offset order, and Stop it when the partition is revoked or the
+// consumer shuts down. Add and Stop are safe for concurrent use.
+type Partition struct {
+	p      *Processor
+	t      Transport
+	in     chan Message
+	stop   chan struct{}
+	once   sync.Once
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+// StartPartition starts processing a partition. Canceling ctx abandons the
+// partition's work at once: open transactions roll back and nothing more is
+// marked done.
+func (p *Processor) StartPartition(ctx context.Context, t Transport) *Partition {
+	ctx, cancel := context.WithCancel(ctx)
+	w := &Partition{
+		p:      p,
+		t:      t,
+		in:     make(chan Message, p.cfg.QueueSize),
+		stop:   make(chan struct{}),
+		cancel: cancel,
+		done:   make(chan struct{}),
+	}
+	var wg sync.WaitGroup
+	switch {
+	case p.batch != nil:
+		wg.Add(1)
+		go func() { defer wg.Done(); w.runBatches(ctx) }()
+	case p.cfg.Concurrency == 1:
+		wg.Add(1)
+		go func() { defer wg.Done(); w.runInOrder(ctx) }()
+	default:
+		w.startLanes(ctx, &wg)
+	}
+	go func() { wg.Wait(); cancel(); close(w.done) }()
+	return w
+}
+
+// Add queues messages, blocking while the partition's queue is full. It
+// returns ErrStopped once the partition stopped, or ctx's error.
+func (w *Partition) Add(ctx context.Context, msgs ...Message) error {
+	for _, m := range msgs {
+		select {
+		case w.in <- m:
+		case <-w.stop:
+			return ErrStopped
+		case <-w.done:
+			return ErrStopped
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	return nil
+}
+
+// TryAdd queues as many of msgs as fit without blocking and returns how
+// many it took; adapters pause fetching the partition while it is full
+// rather than block their poll loop. It takes none once stopped.
+func (w *Partition) TryAdd(msgs []Message) int {
+	for i, m := range msgs {
+		select {
+		case <-w.stop:
+			return i
+		case <-w.done:
+			return i
+		default:
+		}
+		select {
+		case w.in <- m:
+		default:
+			return i
+		}
+	}
+	return len(msgs)
+}
+
+// Stop stops the partition: queued messages that have not started are
+// dropped (their offsets stay uncommitted, so they are delivered again),
+// retries waiting for their backoff are abandoned, and work in a
+// transaction is given until ctx ends to finish before it is canceled. Stop
+// returns once nothing of the partition runs any more; after it returns,
+// MarkDone is not called again. Stop is idempotent.
+func (w *Partition) Stop(ctx context.Context) {
+	w.once.Do(func() { close(w.stop) })
+	select {
+	case <-w.done:
+	case <-ctx.Done():
+		w.cancel()
+		<-w.done
+	}
+}
+
+// next returns the next queued message, or false once stopped.
+func (w *Partition) next(ctx context.Context) (Message, bool) {
+	select {
+	case <-w.stop:
+		return Message{}, false
+	case <-ctx.Done():
+		return Message{}, false
+	case m := <-w.in:
+		select {
+		case <-w.stop:
+			return Message{}, false
+		default:
+			return m, true
+		}
+	}
+}
+
+func (w *Partition) runInOrder(ctx context.Context) {
+	for {
+		m, ok := w.next(ctx)
+		if !ok {
+			return
+		}
+		if err := w.p.runOne(ctx, w.stop, m, w.t, false); err != nil {
+			return
+		}
+		w.t.MarkDone(m)
+	}
+}
+
+func (w *Partition) runBatches(ctx context.Context) {
+	batch := make([]Message, 0, w.p.cfg.BatchSize)
+	for {
+		m, ok := w.next(ctx)
+		if !ok {
+			return
+		}
+		batch = append(batch[:0], m)
+	fill:
+		for len(batch) < w.p.cfg.BatchSize {
+			select {
+			case m := <-w.in:
+				batch = append(batch, m)
+			default:
+				break fill
+			}
+		}
+		if err := w.p.runBatch(ctx, w.stop, batch, w.t); err != nil {
+			return
+		}
+		w.t.MarkDone(batch[len(batch)-1])
+	}
+}
+
+// Key-parallel mode: a dispatcher routes each message to one of
+// Concurrency lanes by its key's hash (keyless messages round-robin), so a
+// key's messages run in order on one lane; the tracker marks done only up
+// to the lowest unfinished message.
+
+type slot struct {
+	msg  Message
+	done bool
+}
+
+type tracker struct {
+	mu    sync.Mutex
+	slots []*slot
+}
+
+func (tr *tracker) add(m Message) *slot {
+	s := &slot{msg: m}
+	tr.mu.Lock()
+	tr.slots = append(tr.slots, s)
+	tr.mu.Unlock()
+	return s
+}
+
+// finish marks s done and calls mark with the last message of the finished
+// prefix, if it grew, under the lock so marks stay in offset order.
+func (tr *tracker) finish(s *slot, mark func(Message)) {
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	s.done = true
+	n := 0
+	for n < len(tr.slots) && tr.slots[n].done {
+		n++
+	}
+	if n == 0 {
+		return
+	}
+	last := tr.slots[n-1].msg
+	clear(tr.slots[:n])
+	tr.slots = tr.slots[n:]
+	mark(last)
+}
+
+var laneSeed = maphash.MakeSeed()
+
+func (w *Partition) startLanes(ctx context.Context, wg *sync.WaitGroup) {
+	n := w.p.cfg.Concurrency
+	tr := &tracker{}
+	lanes := make([]chan *slot, n)
+	depth := max(1, w.p.cfg.QueueSize/n)
+	for i := range lanes {
+		lanes[i] = make(chan *slot, depth)
+		wg.Add(1)
+		go func(in <-chan *slot) {
+			defer wg.Done()
+			for {
+				select {
+				case <-w.stop:
+					return
+				case <-ctx.Done():
+					return
+				case s := <-in:
+					select {
+					case <-w.stop:
+						return
+					default:
+					}
+					if err := w.p.runOne(ctx, w.stop, s.msg, w.t, false); err != nil {
+						return
+					}
+					tr.finish(s, w.t.MarkDone)
+				}
+			}
+		}(lanes[i])
+	}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		rr := 0
+		for {
+			m, ok := w.next(ctx)
+			if !ok {
+				return
+			}
+			var lane int
+			if m.Key == nil {
+				lane = rr % n
+				rr++
+			} else {
+				lane = int(maphash.Bytes(laneSeed, m.Key) % uint64(n))
+			}
+			s := tr.add(m)
+			select {
+			case lanes[lane] <- s:
+			case <-w.stop:
+				return
+			case <-ctx.Done():
+				return
+			}
+		}
+	}()
+}

@@ -1,0 +1,247 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"runtime/debug"
+	"strconv"
+	"time"
+
+	"github.com/cenkalti/backoff/v4"
+	"github.com/jackc/pgx/v5"
+)
+
+// Handler processes one message. Everything it writes through tx commits
+// together with the message's dedup record, so those effects happen at most
+// once per (consumer name, message id). Return Permanent(err) for failures
+// that retrying cannot fix.
+//
+// ctx is canceled when the consumer abandons the message (shutdown, lost
+// partition); the transaction then rolls back and the message is processed
+// again later. A Handler must be safe for concurrent use when several
+// partitions (or Config.Concurrency > 1) are processed at once.
+type Handler func(ctx context.Context, tx pgx.Tx, msg Message) error
+
+// BatchHandler processes the new messages of a batch, in offset order, in
+// one transaction; messages already processed are left out. The whole batch
+// commits or none of it does.
+type BatchHandler func(ctx context.Context, tx pgx.Tx, msgs []Message) error
+
+// Beginner starts transactions: *pgxpool.Pool fits. A *pgx.Conn fits too,
+// but only for one partition at Concurrency 1, as it is not safe for
+// concurrent use.
+type Beginner interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}
+
+// Processor is the transport-agnostic core: it runs messages through the
+// dedup record, the handler, retries and the dead-letter topic. Adapters
+// (kgoconsumer, kafkagoconsumer) feed it Kafka records through Partition.
+// A Processor is safe for concurrent use and holds no connection.
+type Processor struct {
+	db        Beginner
+	name      string
+	handler   Handler
+	batch     BatchHandler
+	cfg       Config
+	hooks     hooks
+	log       *slog.Logger
+	insertOne string
+	insertAll string
+}
+
+// New returns a Processor in per-message mode: one transaction per message.
+// name scopes deduplication: two consumers with different names both
+// process every message. cfg may be nil.
+func New(db Beginner, name string, h Handler, cfg *Config) (*Processor, error) {
+	if h == nil {
+		return nil, errors.New("consumer: handler is nil")
+	}
+	return newProcessor(db, name, h, nil, cfg)
+}
+
+// NewBatch returns a Processor in batch mode: one transaction and one
+// multi-row dedup insert per batch of buffered messages of a partition, the
+// throughput mode. When a batch fails, its messages are retried one at a
+// time (each in its own transaction, with the full retry budget), so only
+// the failing message is dead-lettered. cfg may be nil.
+func NewBatch(db Beginner, name string, h BatchHandler, cfg *Config) (*Processor, error) {
+	if h == nil {
+		return nil, errors.New("consumer: handler is nil")
+	}
+	return newProcessor(db, name, nil, h, cfg)
+}
+
+func newProcessor(db Beginner, name string, h Handler, bh BatchHandler, cfg *Config) (*Processor, error) {
+	if db == nil {
+		return nil, errors.New("consumer: db is nil")
+	}
+	if name == "" {
+		return nil, errors.New("consumer: name is empty; it scopes deduplication, so choose it once and keep it")
+	}
+	c, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	table := pgx.Identifier{c.Schema, "processed_messages"}.Sanitize()
+	return &Processor{
+		db:        db,
+		name:      name,
+		handler:   h,
+		batch:     bh,
+		cfg:       c,
+		hooks:     newHooks(c.Hooks),
+		log:       c.Logger.With("consumer", name),
+		insertOne: `INSERT INTO ` + table + ` (consumer, message_id) VALUES ($1, $2) ON CONFLICT DO NOTHING`,
+		insertAll: `INSERT INTO ` + table + ` (consumer, message_id) SELECT $1, unnest($2::text[]) ON CONFLICT DO NOTHING RETURNING message_id`,
+	}, nil
+}
+
+// Name is the consumer name deduplication is scoped to.
+func (p *Processor) Name() string { return p.name }
+
+// Batch reports whether the Processor is in batch mode.
+func (p *Processor) Batch() bool { return p.batch != nil }
+
+// errAbandoned is returned when a message is left unfinished (shutdown,
+// revocation): its offset must not be committed.
+var errAbandoned = errors.New("consumer: message abandoned")
+
+// runOne takes msg to a final state (committed, duplicate, dead-lettered)
+// and returns nil, or returns an error when it abandons the message because
+// ctx was canceled or stop closed.
+func (p *Processor) runOne(ctx context.Context, stop <-chan struct{}, msg Message, t Transport, batchMode bool) error {
+	id, err := p.messageID(msg)
+	if err != nil {
+		return p.deadLetter(ctx, stop, msg, 0, err, t)
+	}
+	msg.ID = id
+	bo := p.newBackoff()
+	for attempt := 1; ; attempt++ {
+		outcome, dur, err := p.attempt(ctx, msg, batchMode)
+		if err == nil {
+			n := attempt
+			if outcome == Duplicate {
+				n = attempt - 1
+			}
+			p.finished(msg, outcome, n, dur, 1)
+			return nil
+		}
+		if ctx.Err() != nil {
+			return errAbandoned
+		}
+		if IsPermanent(err) || attempt >= p.cfg.MaxAttempts {
+			return p.deadLetter(ctx, stop, msg, attempt, err, t)
+		}
+		wait := bo.NextBackOff()
+		p.log.LogAttrs(ctx, slog.LevelWarn, "consumer: handler failed; retrying",
+			slog.String("topic", msg.Topic), slog.Int("partition", int(msg.Partition)), slog.Int64("offset", msg.Offset),
+			slog.String("message_id", msg.ID), slog.Int("attempt", attempt), slog.Duration("backoff", wait), slog.Any("error", err))
+		for _, h := range p.hooks.retry {
+			h.OnRetry(RetryEvent{Consumer: p.name, Message: msg, Attempt: attempt, Err: err, Backoff: wait})
+		}
+		if !sleep(ctx, stop, wait) {
+			return errAbandoned
+		}
+	}
+}
+
+func (p *Processor) messageID(msg Message) (string, error) {
+	id, err := p.cfg.MessageID(msg)
+	if err != nil {
+		if !errors.Is(err, ErrNoMessageID) {
+			err = fmt.Errorf("%w: %w", ErrNoMessageID, err)
+		}
+		return "", err
+	}
+	return checkID(id)
+}
+
+// attempt runs one transaction for msg.
+func (p *Processor) attempt(ctx context.Context, msg Message, batchMode bool) (Outcome, time.Duration, error) {
+	start := time.Now()
+	tx, err := p.db.Begin(ctx)
+	if err != nil {
+		return 0, 0, fmt.Errorf("consumer %s: begin: %w", p.name, err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	tag, err := tx.Exec(ctx, p.insertOne, p.name, msg.ID)
+	if err != nil {
+		return 0, 0, fmt.Errorf("consumer %s: record message %s: %w", p.name, msg.ID, err)
+	}
+	if tag.RowsAffected() == 0 {
+		return Duplicate, time.Since(start), nil
+	}
+	if batchMode {
+		err = p.call(ctx, tx, func() error { return p.batch(ctx, tx, []Message{msg}) })
+	} else {
+		err = p.call(ctx, tx, func() error { return p.handler(ctx, tx, msg) })
+	}
+	if err != nil {
+		return 0, 0, err
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return 0, 0, fmt.Errorf("consumer %s: commit message %s: %w", p.name, msg.ID, err)
+	}
+	return Processed, time.Since(start), nil
+}
+
+// call runs a handler, turning a panic into a PanicError.
+func (p *Processor) call(ctx context.Context, _ pgx.Tx, fn func() error) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			pe := &PanicError{Value: r, Stack: debug.Stack()}
+			p.log.LogAttrs(ctx, slog.LevelError, "consumer: handler panicked",
+				slog.Any("panic", r), slog.String("stack", string(pe.Stack)))
+			err = pe
+		}
+	}()
+	return fn()
+}
+
+func (p *Processor) finished(msg Message, o Outcome, attempts int, dur time.Duration, batch int) {
+	if len(p.hooks.done) == 0 {
+		return
+	}
+	ev := DoneEvent{Consumer: p.name, Message: msg, Outcome: o, Attempts: attempts, Duration: dur, BatchSize: batch}
+	for _, h := range p.hooks.done {
+		h.OnDone(ev)
+	}
+}
+
+func (p *Processor) newBackoff() backoff.BackOff {
+	return backoff.NewExponentialBackOff(
+		backoff.WithInitialInterval(p.cfg.MinBackoff),
+		backoff.WithMaxInterval(p.cfg.MaxBackoff),
+		backoff.WithMaxElapsedTime(0),
+	)
+}
+
+// sleep waits d and reports true, or reports false when ctx or stop ends
+// first.
+func sleep(ctx context.Context, stop <-chan struct{}, d time.Duration) bool {
+	if d <= 0 {
+		select {
+		case <-ctx.Done():
+			return false
+		case <-stop:
+			return false
+		default:
+			return true
+		}
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	case <-stop:
+		return false
+	}
+}
+
+func itoa(n int64) []byte { return strconv.AppendInt(nil, n, 10) }
