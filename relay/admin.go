@@ -1,0 +1,170 @@
+package relay
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/migrations"
+)
+
+// Querier is satisfied by *pgxpool.Pool, *pgx.Conn and pgx.Tx.
+type Querier interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// DeadEvent is a row of outbox_dead.
+type DeadEvent struct {
+	ID        int64
+	OutboxID  int64
+	EventID   string
+	Topic     string
+	Key       []byte
+	Value     []byte
+	Headers   map[string]string
+	CreatedAt time.Time
+	Error     string
+	Attempts  int
+	DeadAt    time.Time
+}
+
+// ListDead returns up to limit dead events, oldest first.
+func ListDead(ctx context.Context, db Querier, schema string, limit int) ([]DeadEvent, error) {
+	if err := migrations.ValidateSchema(schema); err != nil {
+		return nil, fmt.Errorf("relay: %w", err)
+	}
+	rows, err := db.Query(ctx, `SELECT id, outbox_id, event_id::text, topic, key, value, headers, created_at, error, attempts, dead_at
+FROM `+pgx.Identifier{schema, "outbox_dead"}.Sanitize()+` ORDER BY id LIMIT $1`, limit)
+	if err != nil {
+		return nil, fmt.Errorf("relay: list dead events: %w", err)
+	}
+	var out []DeadEvent
+	for rows.Next() {
+		var d DeadEvent
+		if err := rows.Scan(&d.ID, &d.OutboxID, &d.EventID, &d.Topic, &d.Key, &d.Value, &d.Headers, &d.CreatedAt, &d.Error, &d.Attempts, &d.DeadAt); err != nil {
+			rows.Close()
+			return nil, fmt.Errorf("relay: list dead events: %w", err)
+		}
+		out = append(out, d)
+	}
+	return out, rows.Err()
+}
+
+// ReplayDead moves dead events back into the outbox in one statement,
+// keeping their event_id (so consumers still deduplicate them) and their
+// original order among themselves. ids selects outbox_dead ids; nil means
+// all. It returns how many it moved. A replayed event goes to the back of
+// its key's queue: events of the same key written after it was
+// dead-lettered have already been published.
+func ReplayDead(ctx context.Context, db Querier, schema string, ids []int64) (int, error) {
+	if err := migrations.ValidateSchema(schema); err != nil {
+		return 0, fmt.Errorf("relay: %w", err)
+	}
+	dead := pgx.Identifier{schema, "outbox_dead"}.Sanitize()
+	outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
+	var n int
+	err := db.QueryRow(ctx, `WITH moved AS (
+    DELETE FROM `+dead+` WHERE $1::bigint[] IS NULL OR id = ANY($1::bigint[])
+    RETURNING id, event_id, topic, key, value, headers, created_at),
+ins AS (
+    INSERT INTO `+outbox+` (event_id, topic, key, value, headers, created_at)
+    SELECT event_id, topic, key, value, headers, created_at FROM moved ORDER BY id
+    RETURNING 1)
+SELECT count(*) FROM ins`, ids).Scan(&n)
+	if err != nil {
+		return 0, fmt.Errorf("relay: replay dead events: %w", err)
+	}
+	return n, nil
+}
+
+// Status is what operators check: backlog, age, dead letters, relays.
+type Status struct {
+	Backlog       int64
+	OldestPending *time.Time
+	MaxAttempts   int
+	DeadLetters   int64
+	Relays        []InstanceStatus
+	// UnownedShards counts shards no live relay holds.
+	UnownedShards int
+}
+
+// InstanceStatus is one relay process.
+type InstanceStatus struct {
+	ID          string
+	Hostname    string
+	PID         int
+	StartedAt   time.Time
+	HeartbeatAt time.Time
+	Live        bool
+	Shards      []int16
+}
+
+// ShardBacklog is one shard's pending events.
+type ShardBacklog struct {
+	Shard         int16
+	Pending       int64
+	OldestPending time.Time
+}
+
+// ReadStatus reads the relay's state from the database.
+func ReadStatus(ctx context.Context, db Querier, schema string) (*Status, error) {
+	if err := migrations.ValidateSchema(schema); err != nil {
+		return nil, fmt.Errorf("relay: %w", err)
+	}
+	id := func(t string) string { return pgx.Identifier{schema, t}.Sanitize() }
+	st := &Status{}
+	err := db.QueryRow(ctx, `SELECT
+    (SELECT count(*) FROM `+id("outbox")+`),
+    (SELECT min(created_at) FROM `+id("outbox")+`),
+    (SELECT coalesce(max(attempts), 0) FROM `+id("outbox")+`),
+    (SELECT count(*) FROM `+id("outbox_dead")+`),
+    (SELECT count(*) FROM `+id("relay_shards")+` WHERE owner IS NULL OR lease_until <= now())`).
+		Scan(&st.Backlog, &st.OldestPending, &st.MaxAttempts, &st.DeadLetters, &st.UnownedShards)
+	if err != nil {
+		return nil, fmt.Errorf("relay: read status: %w", err)
+	}
+	rows, err := db.Query(ctx, `SELECT i.id, i.hostname, i.pid, i.started_at, i.heartbeat_at, i.lease_until > now(),
+    coalesce(array_agg(s.shard ORDER BY s.shard) FILTER (WHERE s.shard IS NOT NULL), '{}')
+FROM `+id("relay_instances")+` i
+LEFT JOIN `+id("relay_shards")+` s ON s.owner = i.id AND s.lease_until > now()
+GROUP BY i.id ORDER BY i.started_at`)
+	if err != nil {
+		return nil, fmt.Errorf("relay: read relays: %w", err)
+	}
+	for rows.Next() {
+		var in InstanceStatus
+		if err := rows.Scan(&in.ID, &in.Hostname, &in.PID, &in.StartedAt, &in.HeartbeatAt, &in.Live, &in.Shards); err != nil {
+			rows.Close()
+			return nil, fmt.Errorf("relay: read relays: %w", err)
+		}
+		st.Relays = append(st.Relays, in)
+	}
+	return st, rows.Err()
+}
+
+// ReadShardBacklog returns the pending count and oldest event per shard
+// that has any. It scans the pending rows: cheap while the relay keeps up,
+// a second or so at a backlog of millions.
+func ReadShardBacklog(ctx context.Context, db Querier, schema string) ([]ShardBacklog, error) {
+	if err := migrations.ValidateSchema(schema); err != nil {
+		return nil, fmt.Errorf("relay: %w", err)
+	}
+	rows, err := db.Query(ctx, `SELECT shard, count(*), min(created_at) FROM `+
+		pgx.Identifier{schema, "outbox"}.Sanitize()+` GROUP BY shard ORDER BY shard`)
+	if err != nil {
+		return nil, fmt.Errorf("relay: read shard backlog: %w", err)
+	}
+	var out []ShardBacklog
+	for rows.Next() {
+		var b ShardBacklog
+		if err := rows.Scan(&b.Shard, &b.Pending, &b.OldestPending); err != nil {
+			rows.Close()
+			return nil, err
+		}
+		out = append(out, b)
+	}
+	return out, rows.Err()
+}
