@@ -1,0 +1,67 @@
+// Package idempotency makes retried requests and re-run work safe: an HTTP
+// middleware for the Idempotency-Key header, and a run-once fence (Do) for
+// code that is not HTTP. Both keep their records in onceflow's
+// idempotency_keys table (migrations 0002).
+//
+// # HTTP
+//
+// Wrap the routes that change state. The first request with a key claims it
+// and runs the handler; its status, headers and body are stored. A retry gets
+// the stored response with "Idempotent-Replayed: true"; a retry while the
+// first still runs gets 409 with Retry-After; the key with a different request
+// (method, path, body) gets 422; no key gets 400. Keys are scoped by
+// Config.Scope, typically the authenticated principal, so one client can
+// never replay another's response.
+//
+//	mw, err := idempotency.New(pool, &idempotency.Config{
+//		Scope: func(r *http.Request) (string, error) { return userFrom(r) },
+//	})
+//	http.Handle("POST /orders", mw.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+//		tx := idempotency.Tx(r.Context()) // commits with the stored response
+//		_, err := tx.Exec(r.Context(), `INSERT INTO orders …`)
+//		…
+//	})))
+//
+// In Transactional mode (the default) the claim, the handler's writes through
+// Tx and the stored response commit in one transaction: a crash or a 5xx at
+// any point leaves no claim and no business row, and a retry runs afresh.
+// In Leased mode the claim commits first with a lease, renewed while the
+// handler runs; use it for handlers whose effects leave the database, and
+// pass Key(ctx) to the downstream service. A request that dies holds its key
+// until the lease lapses, then a retry runs the handler again: the
+// downstream's own deduplication on the key is what makes that harmless.
+//
+// 5xx responses and panics release the key (Config.StoreServerErrors stores
+// 5xx instead); 4xx responses are stored. Responses larger than
+// Config.MaxResponseBytes reach the client but are not stored: a retry gets
+// 422 (ErrNotStored), never a second run.
+//
+// The replay path costs one database round trip (one SELECT); a first
+// request costs five in Transactional mode (lookup, BEGIN, claim, store,
+// COMMIT) and two in Leased mode (claim, store), plus the handler's own.
+//
+// # Run once
+//
+// Fence.Do (or Do with defaults) runs a function at most once per key while
+// the key's record lives, returns the stored result to later callers and
+// ErrInProgress to concurrent ones, and lets an expired lease be taken over:
+//
+//	receipt, err := idempotency.Do(ctx, pool, "charge:"+orderID, func(ctx context.Context) ([]byte, error) {
+//		return gateway.Charge(ctx, orderID, idempotency.Key(ctx)) // the gateway dedups on the key too
+//	})
+//
+// Do cannot make an outside effect and its stored result atomic: if the
+// process dies after the effect and before the store, the next call after the
+// lease runs fn again. It makes re-runs rare and never concurrent; the key
+// passed downstream makes them harmless.
+//
+// # Retention
+//
+// Records live for Window (default 24 h) from their claim; after that the key
+// may run again. A Purger deletes expired records in small batches:
+//
+//	p, _ := idempotency.NewPurger(pool, nil)
+//	go p.Run(ctx)
+//
+// Middleware, Fence and Purger are safe for concurrent use.
+package idempotency
