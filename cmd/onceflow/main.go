@@ -1,0 +1,239 @@
+// Command onceflow migrates onceflow's schema, runs the outbox relay,
+// reports status, manages dead letters and runs a demo.
+//
+//	onceflow migrate up|down|status
+//	onceflow relay
+//	onceflow status
+//	onceflow dead list|replay
+//	onceflow demo
+//
+// Every flag can also come from the environment variable named in its help.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceflow/onceflow/migrations"
+)
+
+const usage = `onceflow: effectively-once effects on PostgreSQL and Kafka.
+
+Usage:
+  onceflow migrate up|down|status   apply, revert (one step) or list schema migrations
+  onceflow relay                    publish committed outbox events to Kafka until SIGTERM/SIGINT
+  onceflow status                   backlog, oldest pending event, dead letters, relays and shards
+  onceflow dead list|replay         show dead-lettered events, or move them back into the outbox
+  onceflow demo                     run the whole story on this machine, with an embedded Kafka
+
+Run 'onceflow COMMAND --help' for a command's flags.
+`
+
+// errUsage marks a bad invocation: exit code 2.
+var errUsage = errors.New("usage")
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	switch {
+	case err == nil || errors.Is(err, flag.ErrHelp):
+	case errors.Is(err, errUsage):
+		fmt.Fprintln(os.Stderr, "onceflow:", strings.TrimPrefix(err.Error(), "usage: "))
+		os.Exit(2)
+	default:
+		fmt.Fprintln(os.Stderr, "onceflow:", oneLine(err))
+		os.Exit(1)
+	}
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	if len(args) == 0 {
+		fmt.Fprint(stderr, usage)
+		return fmt.Errorf("%w: no command given", errUsage)
+	}
+	cmd, rest := args[0], args[1:]
+	switch cmd {
+	case "migrate":
+		return runMigrate(ctx, rest, stdout, stderr)
+	case "relay":
+		return runRelay(ctx, rest, stdout, stderr)
+	case "status":
+		return runStatus(ctx, rest, stdout, stderr)
+	case "dead":
+		return runDead(ctx, rest, stdout, stderr)
+	case "demo":
+		return runDemo(ctx, rest, stdout, stderr)
+	case "help", "-h", "--help":
+		fmt.Fprint(stdout, usage)
+		return nil
+	default:
+		fmt.Fprint(stderr, usage)
+		return fmt.Errorf("%w: unknown command %q", errUsage, cmd)
+	}
+}
+
+// common are the flags every command shares.
+type common struct {
+	databaseURL string
+	schema      string
+	brokers     string
+	logLevel    string
+	logFormat   string
+}
+
+func env(name, fallback string) string {
+	if v, ok := os.LookupEnv(name); ok {
+		return v
+	}
+	return fallback
+}
+
+func envDuration(name string, fallback time.Duration) time.Duration {
+	if v, ok := os.LookupEnv(name); ok {
+		if d, err := time.ParseDuration(v); err == nil {
+			return d
+		}
+	}
+	return fallback
+}
+
+func envInt(name string, fallback int) int {
+	if v, ok := os.LookupEnv(name); ok {
+		var n int
+		if _, err := fmt.Sscan(v, &n); err == nil {
+			return n
+		}
+	}
+	return fallback
+}
+
+func newFlagSet(name, summary string, stderr io.Writer) *flag.FlagSet {
+	fs := flag.NewFlagSet("onceflow "+name, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() {
+		fmt.Fprintf(stderr, "Usage: onceflow %s\n\n%s\n\nFlags:\n", name, summary)
+		fs.PrintDefaults()
+	}
+	return fs
+}
+
+func (c *common) register(fs *flag.FlagSet, withBrokers bool) {
+	fs.StringVar(&c.databaseURL, "database-url", env("ONCEFLOW_DATABASE_URL", ""), "PostgreSQL URL (env ONCEFLOW_DATABASE_URL)")
+	fs.StringVar(&c.schema, "schema", env("ONCEFLOW_SCHEMA", migrations.DefaultSchema), "schema holding onceflow's tables (env ONCEFLOW_SCHEMA)")
+	if withBrokers {
+		fs.StringVar(&c.brokers, "brokers", env("ONCEFLOW_BROKERS", ""), "Kafka brokers, comma-separated host:port (env ONCEFLOW_BROKERS)")
+	}
+	fs.StringVar(&c.logLevel, "log-level", env("ONCEFLOW_LOG_LEVEL", "info"), "debug, info, warn or error (env ONCEFLOW_LOG_LEVEL)")
+	fs.StringVar(&c.logFormat, "log-format", env("ONCEFLOW_LOG_FORMAT", "text"), "text or json (env ONCEFLOW_LOG_FORMAT)")
+}
+
+// parse parses args and checks the common flags.
+func (c *common) parse(fs *flag.FlagSet, args []string, needBrokers bool) error {
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return err
+		}
+		return fmt.Errorf("%w: %v", errUsage, err)
+	}
+	if c.databaseURL == "" {
+		return fmt.Errorf("%w: --database-url (or ONCEFLOW_DATABASE_URL) is required", errUsage)
+	}
+	if _, err := pgxpool.ParseConfig(c.databaseURL); err != nil {
+		return fmt.Errorf("%w: --database-url: %v", errUsage, oneLine(err))
+	}
+	if err := migrations.ValidateSchema(c.schema); err != nil {
+		return fmt.Errorf("%w: --schema: %v", errUsage, err)
+	}
+	if needBrokers && len(c.brokerList()) == 0 {
+		return fmt.Errorf("%w: --brokers (or ONCEFLOW_BROKERS) is required", errUsage)
+	}
+	for _, b := range c.brokerList() {
+		if !strings.Contains(b, ":") {
+			return fmt.Errorf("%w: --brokers: %q is not host:port", errUsage, b)
+		}
+	}
+	if _, err := c.logger(io.Discard); err != nil {
+		return fmt.Errorf("%w: %v", errUsage, err)
+	}
+	return nil
+}
+
+func (c *common) brokerList() []string {
+	var out []string
+	for _, b := range strings.Split(c.brokers, ",") {
+		if b = strings.TrimSpace(b); b != "" {
+			out = append(out, b)
+		}
+	}
+	return out
+}
+
+func (c *common) logger(w io.Writer) (*slog.Logger, error) {
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(c.logLevel)); err != nil {
+		return nil, fmt.Errorf("--log-level: %q is not debug, info, warn or error", c.logLevel)
+	}
+	opts := &slog.HandlerOptions{Level: level}
+	switch c.logFormat {
+	case "text":
+		return slog.New(slog.NewTextHandler(w, opts)), nil
+	case "json":
+		return slog.New(slog.NewJSONHandler(w, opts)), nil
+	default:
+		return nil, fmt.Errorf("--log-format: %q is not text or json", c.logFormat)
+	}
+}
+
+// connect opens a pool and checks the database answers, so a bad URL or a
+// database that is down fails at start with one line.
+func (c *common) connect(ctx context.Context) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(c.databaseURL)
+	if err != nil {
+		return nil, fmt.Errorf("--database-url: %w", err)
+	}
+	if _, ok := cfg.ConnConfig.RuntimeParams["application_name"]; !ok {
+		cfg.ConnConfig.RuntimeParams["application_name"] = "onceflow"
+	}
+	pingCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	pool, err := pgxpool.NewWithConfig(pingCtx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("connect to database: %w", err)
+	}
+	if err := pool.Ping(pingCtx); err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("connect to database %s@%s:%d/%s: %w", cfg.ConnConfig.User, cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.ConnConfig.Database, err)
+	}
+	return pool, nil
+}
+
+func oneLine(err error) string {
+	return strings.Join(strings.Fields(err.Error()), " ")
+}
+
+func subcommand(args []string, allowed ...string) (string, []string, error) {
+	if len(args) == 0 || strings.HasPrefix(args[0], "-") {
+		if len(args) > 0 && (args[0] == "-h" || args[0] == "--help") {
+			return "", nil, flag.ErrHelp
+		}
+		return "", nil, fmt.Errorf("%w: want one of %s", errUsage, strings.Join(allowed, ", "))
+	}
+	for _, a := range allowed {
+		if args[0] == a {
+			return a, args[1:], nil
+		}
+	}
+	return "", nil, fmt.Errorf("%w: %q is not one of %s", errUsage, args[0], strings.Join(allowed, ", "))
+}

@@ -1,0 +1,110 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/onceflow/onceflow/relay"
+	"github.com/onceflow/onceflow/relay/kafkagopublisher"
+	"github.com/onceflow/onceflow/relay/kgopublisher"
+	"github.com/onceflow/onceflow/relay/relayprom"
+)
+
+const relaySummary = `Publish committed outbox events to Kafka, at least once and in per-key order,
+until SIGTERM or SIGINT (then hand shards back and exit 0). Several relays may
+run at once: they share the 256 shards between them.
+
+A database that cannot be reached at start is an error (exit 1). After start,
+database and broker outages are logged and waited out; no event is lost.`
+
+func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
+	var c common
+	fs := newFlagSet("relay", relaySummary, stderr)
+	c.register(fs, true)
+	httpAddr := fs.String("http-addr", env("ONCEFLOW_HTTP_ADDR", ""), "serve /metrics and /healthz here, e.g. :9090; empty: off (env ONCEFLOW_HTTP_ADDR)")
+	publisher := fs.String("publisher", env("ONCEFLOW_PUBLISHER", "franz-go"), "Kafka client: franz-go (idempotent producer) or kafka-go (env ONCEFLOW_PUBLISHER)")
+	instanceID := fs.String("instance-id", env("ONCEFLOW_INSTANCE_ID", ""), "unique name of this relay; default host-pid-random (env ONCEFLOW_INSTANCE_ID)")
+	batchSize := fs.Int("batch-size", envInt("ONCEFLOW_BATCH_SIZE", 1000), "events per publish round (env ONCEFLOW_BATCH_SIZE)")
+	poll := fs.Duration("poll-interval", envDuration("ONCEFLOW_POLL_INTERVAL", 500*time.Millisecond), "poll when no notification arrives (env ONCEFLOW_POLL_INTERVAL)")
+	lease := fs.Duration("lease-duration", envDuration("ONCEFLOW_LEASE_DURATION", 6*time.Second), "shard lease; a killed relay's shards move after about this (env ONCEFLOW_LEASE_DURATION)")
+	grace := fs.Duration("unknown-topic-grace", envDuration("ONCEFLOW_UNKNOWN_TOPIC_GRACE", time.Minute), "retry an unknown topic this long before dead-lettering (env ONCEFLOW_UNKNOWN_TOPIC_GRACE)")
+	if err := c.parse(fs, args, true); err != nil {
+		return err
+	}
+	if *publisher != "franz-go" && *publisher != "kafka-go" {
+		return fmt.Errorf("%w: --publisher: %q is not franz-go or kafka-go", errUsage, *publisher)
+	}
+	log, _ := c.logger(stderr)
+
+	pool, err := c.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+
+	var pub relay.Publisher
+	if *publisher == "kafka-go" {
+		pub, err = kafkagopublisher.New(c.brokerList(), nil)
+	} else {
+		pub, err = kgopublisher.New(c.brokerList(), nil)
+	}
+	if err != nil {
+		return err
+	}
+	defer pub.Close()
+
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	reg.MustRegister(relayprom.NewBacklogCollector(pool, c.schema))
+	r, err := relay.New(pool, pub, &relay.Config{
+		Schema:            c.schema,
+		InstanceID:        *instanceID,
+		BatchSize:         *batchSize,
+		PollInterval:      *poll,
+		LeaseDuration:     *lease,
+		UnknownTopicGrace: *grace,
+		Logger:            log,
+		Observer:          relayprom.NewObserver(reg),
+	})
+	if err != nil {
+		return fmt.Errorf("%w: %v", errUsage, err)
+	}
+
+	if *httpAddr != "" {
+		ln, err := net.Listen("tcp", *httpAddr)
+		if err != nil {
+			return fmt.Errorf("--http-addr: %w", err)
+		}
+		mux := http.NewServeMux()
+		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+		mux.HandleFunc("/healthz", func(w http.ResponseWriter, req *http.Request) {
+			pingCtx, cancel := context.WithTimeout(req.Context(), 2*time.Second)
+			defer cancel()
+			if err := pool.Ping(pingCtx); err != nil {
+				http.Error(w, "database: "+oneLine(err), http.StatusServiceUnavailable)
+				return
+			}
+			fmt.Fprintln(w, "ok")
+		})
+		srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+		go func() {
+			if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				log.Error("http server stopped", "err", err)
+			}
+		}()
+		defer srv.Close()
+		log.Info("serving /metrics and /healthz", "addr", ln.Addr().String())
+	}
+	log.Info("relay starting", "instance", r.InstanceID(), "publisher", *publisher, "brokers", c.brokers, "schema", c.schema, "pid", os.Getpid())
+	return r.Run(ctx)
+}

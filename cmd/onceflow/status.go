@@ -1,0 +1,72 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"time"
+
+	"github.com/onceflow/onceflow/relay"
+)
+
+func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	var c common
+	fs := newFlagSet("status", "Show the backlog, the oldest pending event, dead letters, and the live relays with their shards.", stderr)
+	c.register(fs, false)
+	if err := c.parse(fs, args, false); err != nil {
+		return err
+	}
+	pool, err := c.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	st, err := relay.ReadStatus(ctx, pool, c.schema)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "schema:          %s\n", c.schema)
+	fmt.Fprintf(stdout, "backlog:         %d events\n", st.Backlog)
+	if st.OldestPending != nil {
+		fmt.Fprintf(stdout, "oldest pending:  %s ago (max attempts %d)\n", time.Since(*st.OldestPending).Round(time.Millisecond), st.MaxAttempts)
+	} else {
+		fmt.Fprintf(stdout, "oldest pending:  -\n")
+	}
+	fmt.Fprintf(stdout, "dead letters:    %d (onceflow dead list)\n", st.DeadLetters)
+	fmt.Fprintf(stdout, "unowned shards:  %d of %d\n", st.UnownedShards, relay.NumShards)
+	fmt.Fprintf(stdout, "relays:\n")
+	if len(st.Relays) == 0 {
+		fmt.Fprintf(stdout, "  none\n")
+	}
+	for _, r := range st.Relays {
+		state := "live"
+		if !r.Live {
+			state = "gone"
+		}
+		fmt.Fprintf(stdout, "  %s  %s  host %s pid %d  up %s  last heartbeat %s ago  %d shards %s\n",
+			r.ID, state, r.Hostname, r.PID, time.Since(r.StartedAt).Round(time.Second),
+			time.Since(r.HeartbeatAt).Round(time.Millisecond), len(r.Shards), shardRanges(r.Shards))
+	}
+	return nil
+}
+
+// shardRanges prints 0-5,9,12-13.
+func shardRanges(shards []int16) string {
+	out := ""
+	for i := 0; i < len(shards); {
+		j := i
+		for j+1 < len(shards) && shards[j+1] == shards[j]+1 {
+			j++
+		}
+		if out != "" {
+			out += ","
+		}
+		if i == j {
+			out += fmt.Sprint(shards[i])
+		} else {
+			out += fmt.Sprintf("%d-%d", shards[i], shards[j])
+		}
+		i = j + 1
+	}
+	return "[" + out + "]"
+}
