@@ -289,3 +289,22 @@ func TestStatusCode(t *testing.T) {
 		}
 	}
 }
+
+func TestExpiredRecordRunsAgain(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	table := pgx.Identifier{b.schema, "idempotency_keys"}.Sanitize()
+	_, err := b.pool.Exec(context.Background(), `INSERT INTO `+table+` (scope, key, fingerprint, state, token, body, expires_at)
+VALUES ('do:default', 'k', '', 'done', gen_random_uuid(), 'stale', now() - interval '1 second')`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := newFence(t, b, idempotency.FenceConfig{})
+	got, err := f.Do(context.Background(), "k", func(context.Context) ([]byte, error) { return []byte("fresh"), nil })
+	if err != nil || string(got) != "fresh" {
+		t.Fatalf("Do over an expired record: %q, %v; want a fresh run", got, err)
+	}
+	if got, err := f.Do(context.Background(), "k", nil); err != nil || string(got) != "fresh" {
+		t.Fatalf("replay: %q, %v", got, err)
+	}
+}

@@ -71,9 +71,9 @@ type claim struct {
 
 // store holds the SQL for one schema's idempotency_keys table.
 type store struct {
-	table                                       string
-	lookupSQL, claimTxSQL, claimLeasedSQL       string
-	completeSQL, releaseSQL, renewSQL, purgeSQL string
+	table                                              string
+	lookupSQL, claimTxSQL, claimLeasedSQL, takeoverSQL string
+	completeSQL, releaseSQL, renewSQL, purgeSQL        string
 }
 
 func newStore(schema string) (*store, error) {
@@ -88,24 +88,23 @@ func newStore(schema string) (*store, error) {
 	// holds (transactional claims have no lease and never commit running).
 	const live = `k.expires_at > now() AND (k.state <> 'running' OR k.lease_until > now())`
 	claimSQL := func(lock string) string {
-		// The INSERT takes a free key, or replaces a dead record (expired, or
-		// running with a lapsed lease). Otherwise it returns nothing and the
-		// outer SELECT reads the record that is in the way. A record committed
-		// after this statement's snapshot is in the way but invisible: the
-		// caller sees neither and runs the statement again.
+		// The INSERT takes a free key. Otherwise the outer SELECT reads the
+		// record in the way and whether it is live; a dead one (expired, or
+		// running with a lapsed lease) is taken over by takeoverSQL. A record
+		// committed after this statement's snapshot is in the way but
+		// invisible: the caller sees neither and runs the statement again.
+		// DO NOTHING takes no row lock, so replays never write.
 		return `WITH lock AS MATERIALIZED (SELECT ` + lock + ` AS got),
 ins AS (
-    INSERT INTO ` + t + ` AS k (scope, key, fingerprint, state, token, lease_until, expires_at)
-    SELECT $1::text, $2::text, $3::bytea, 'running', $4::uuid, now() + $5::float8 * interval '1 second', now() + $6::float8 * interval '1 second'
+    INSERT INTO ` + t + ` (scope, key, fingerprint, state, token, lease_until, expires_at)
+    SELECT $1::text, $2::text, $3::bytea, 'running', $4::uuid,
+        now() + $5::float8 * interval '1 second', now() + $6::float8 * interval '1 second'
     FROM lock WHERE lock.got
-    ON CONFLICT (scope, key) DO UPDATE SET
-        fingerprint = excluded.fingerprint, state = 'running', token = excluded.token,
-        lease_until = excluded.lease_until, status = NULL, headers = NULL, body = NULL,
-        created_at = now(), completed_at = NULL, expires_at = excluded.expires_at
-    WHERE NOT (` + live + `)
+    ON CONFLICT (scope, key) DO NOTHING
     RETURNING 1
 )
-SELECT (SELECT got FROM lock), EXISTS (SELECT FROM ins), k.state, k.fingerprint, k.status, k.headers, k.body
+SELECT (SELECT got FROM lock), EXISTS (SELECT FROM ins), coalesce(` + live + `, false),
+    k.state, k.fingerprint, k.status, k.headers, k.body
 FROM (SELECT) AS one
 LEFT JOIN ` + t + ` AS k ON k.scope = $1 AND k.key = $2 AND NOT EXISTS (SELECT FROM ins)`
 	}
@@ -118,6 +117,12 @@ WHERE k.scope = $1 AND k.key = $2 AND ` + live,
 		// progress" at once instead of blocking on the uncommitted row.
 		claimTxSQL:     claimSQL(`pg_try_advisory_xact_lock($7::bigint)`),
 		claimLeasedSQL: claimSQL(`true`),
+		// UPDATE re-checks its WHERE on the newest row version, so of two
+		// callers taking over one dead record, one wins.
+		takeoverSQL: `UPDATE ` + t + ` AS k SET fingerprint = $3, state = 'running', token = $4,
+    lease_until = now() + $5::float8 * interval '1 second', status = NULL, headers = NULL, body = NULL,
+    created_at = now(), completed_at = NULL, expires_at = now() + $6::float8 * interval '1 second'
+WHERE k.scope = $1 AND k.key = $2 AND NOT (` + live + `)`,
 		completeSQL: `UPDATE ` + t + ` SET state = $4, status = $5, headers = $6, body = $7,
     completed_at = now(), lease_until = NULL
 WHERE scope = $1 AND key = $2 AND token = $3`,
@@ -173,8 +178,8 @@ func (s *store) tryClaim(ctx context.Context, db querier, c claim, lease, window
 		args = append(args, lockKey(s.table, c.scope, c.key))
 	}
 	for attempt := 0; ; attempt++ {
-		var got, inserted bool
-		rec, err := scanRecord(db.QueryRow(ctx, sql, args...), &got, &inserted)
+		var got, inserted, live bool
+		rec, err := scanRecord(db.QueryRow(ctx, sql, args...), &got, &inserted, &live)
 		switch {
 		case err != nil:
 			return false, nil, err
@@ -182,9 +187,18 @@ func (s *store) tryClaim(ctx context.Context, db querier, c claim, lease, window
 			return false, &record{state: stateRunning, fingerprint: c.fingerprint}, nil
 		case inserted:
 			return true, nil, nil
-		case rec != nil:
+		case rec != nil && live:
 			return false, rec, nil
-		case attempt == 10:
+		case rec != nil: // dead: take it over
+			tag, err := db.Exec(ctx, s.takeoverSQL, args[:6]...)
+			if err != nil {
+				return false, nil, err
+			}
+			if tag.RowsAffected() == 1 {
+				return true, nil, nil
+			}
+		}
+		if attempt == 10 {
 			return false, nil, fmt.Errorf("claim of key %q kept racing with other claims", c.key)
 		}
 	}
