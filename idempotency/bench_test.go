@@ -72,6 +72,17 @@ func BenchmarkMiddleware(b *testing.B) {
 		b.ReportMetric(float64(tracer.n.Load())/float64(b.N), "roundtrips/req")
 	}
 	b.Run("bare", func(b *testing.B) { run(b, trivial, func(int64) string { return "" }) })
+	// The machine's ceiling for one round trip per request, same pool and
+	// parallelism: the replay path cannot beat it.
+	b.Run("ceiling/select1", func(b *testing.B) {
+		run(b, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			var one int
+			if err := pool.QueryRow(r.Context(), `SELECT 1`).Scan(&one); err != nil {
+				b.Error(err)
+			}
+			trivial(w, r)
+		}), func(int64) string { return "" })
+	})
 	for _, mode := range []idempotency.Mode{idempotency.Transactional, idempotency.Leased} {
 		mw, err := idempotency.New(pool, &idempotency.Config{Schema: schema, Mode: mode})
 		if err != nil {

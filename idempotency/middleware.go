@@ -210,8 +210,8 @@ const (
 	keyKey
 )
 
-// Tx returns the transaction a Transactional middleware (or Fence in
-// transactional use) gives the handler, or nil. Write the handler's rows
+// Tx returns the transaction a Transactional middleware gives the handler,
+// or nil. Write the handler's rows
 // through it: they commit with the stored response, or not at all. Do not
 // commit or roll it back yourself.
 func Tx(ctx context.Context) pgx.Tx {
