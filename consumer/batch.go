@@ -16,6 +16,9 @@ func (p *Processor) runBatch(ctx context.Context, stop <-chan struct{}, msgs []M
 	var bad []Message
 	var badErr []error
 	for _, m := range msgs {
+		if m.skip {
+			continue
+		}
 		id, err := p.messageID(m)
 		if err != nil {
 			bad = append(bad, m)

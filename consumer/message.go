@@ -35,6 +35,10 @@ type Message struct {
 	// Raw is the adapter's own record (*kgo.Record, kafka.Message), for
 	// handlers that need more than the fields above. Treat it as read-only.
 	Raw any
+
+	// skip marks a record that only advances the offset (a transaction
+	// marker); see Partition.AddSkip.
+	skip bool
 }
 
 // Header returns the value of the last header named key, and whether there

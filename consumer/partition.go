@@ -3,7 +3,6 @@ package consumer
 import (
 	"context"
 	"errors"
-	"hash/maphash"
 	"sync"
 )
 
@@ -70,6 +69,11 @@ func (p *Processor) StartPartition(ctx context.Context, t Transport) *Partition 
 func (w *Partition) Add(ctx context.Context, msgs ...Message) error {
 	for _, m := range msgs {
 		select {
+		case <-w.stop:
+			return ErrStopped
+		default:
+		}
+		select {
 		case w.in <- m:
 		case <-w.stop:
 			return ErrStopped
@@ -80,6 +84,15 @@ func (w *Partition) Add(ctx context.Context, msgs ...Message) error {
 		}
 	}
 	return nil
+}
+
+// AddSkip queues a record that is not a message, such as a transaction
+// control record that a client library hands up: it is never processed,
+// but its offset is marked done in order with the messages around it. It
+// blocks and fails like Add.
+func (w *Partition) AddSkip(ctx context.Context, msg Message) error {
+	msg.skip = true
+	return w.Add(ctx, msg)
 }
 
 // TryAdd queues as many of msgs as fit without blocking and returns how
@@ -173,10 +186,11 @@ func (w *Partition) runBatches(ctx context.Context) {
 	}
 }
 
-// Key-parallel mode: a dispatcher routes each message to one of
-// Concurrency lanes by its key's hash (keyless messages round-robin), so a
-// key's messages run in order on one lane; the tracker marks done only up
-// to the lowest unfinished message.
+// Key-parallel mode: a dispatcher hands messages to Concurrency workers.
+// A key with a message in flight collects its later messages in a queue
+// that the worker holding the key drains in order, so a key's messages run
+// one at a time and in offset order while other keys go ahead. The tracker
+// marks done only up to the lowest unfinished message.
 
 type slot struct {
 	msg  Message
@@ -215,57 +229,111 @@ func (tr *tracker) finish(s *slot, mark func(Message)) {
 	mark(last)
 }
 
-var laneSeed = maphash.MakeSeed()
+// keys tracks keys with a message in flight and their waiting messages.
+type keys struct {
+	mu   sync.Mutex
+	busy map[string][]*slot
+}
+
+// claim reports whether s may run now; if its key is busy, s is queued
+// behind it.
+func (k *keys) claim(s *slot) bool {
+	if s.msg.Key == nil {
+		return true
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	key := string(s.msg.Key)
+	if q, ok := k.busy[key]; ok {
+		k.busy[key] = append(q, s)
+		return false
+	}
+	k.busy[key] = nil
+	return true
+}
+
+// release returns the next waiting message of s's key, or nil and frees
+// the key.
+func (k *keys) release(s *slot) *slot {
+	if s.msg.Key == nil {
+		return nil
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	key := string(s.msg.Key)
+	q := k.busy[key]
+	if len(q) == 0 {
+		delete(k.busy, key)
+		return nil
+	}
+	k.busy[key] = q[1:]
+	return q[0]
+}
 
 func (w *Partition) startLanes(ctx context.Context, wg *sync.WaitGroup) {
-	n := w.p.cfg.Concurrency
 	tr := &tracker{}
-	lanes := make([]chan *slot, n)
-	depth := max(1, w.p.cfg.QueueSize/n)
-	for i := range lanes {
-		lanes[i] = make(chan *slot, depth)
+	ks := &keys{busy: map[string][]*slot{}}
+	ready := make(chan *slot)
+	// credits bounds the messages between dispatch and finish.
+	credits := make(chan struct{}, w.p.cfg.QueueSize)
+	stopped := func() bool {
+		select {
+		case <-w.stop:
+			return true
+		case <-ctx.Done():
+			return true
+		default:
+			return false
+		}
+	}
+	for range w.p.cfg.Concurrency {
 		wg.Add(1)
-		go func(in <-chan *slot) {
+		go func() {
 			defer wg.Done()
 			for {
+				var s *slot
 				select {
 				case <-w.stop:
 					return
 				case <-ctx.Done():
 					return
-				case s := <-in:
-					select {
-					case <-w.stop:
+				case s = <-ready:
+				}
+				for s != nil {
+					if stopped() {
 						return
-					default:
 					}
 					if err := w.p.runOne(ctx, w.stop, s.msg, w.t, false); err != nil {
 						return
 					}
 					tr.finish(s, w.t.MarkDone)
+					<-credits
+					s = ks.release(s)
 				}
 			}
-		}(lanes[i])
+		}()
 	}
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		rr := 0
 		for {
 			m, ok := w.next(ctx)
 			if !ok {
 				return
 			}
-			var lane int
-			if m.Key == nil {
-				lane = rr % n
-				rr++
-			} else {
-				lane = int(maphash.Bytes(laneSeed, m.Key) % uint64(n))
+			select {
+			case credits <- struct{}{}:
+			case <-w.stop:
+				return
+			case <-ctx.Done():
+				return
 			}
 			s := tr.add(m)
+			if !ks.claim(s) {
+				continue
+			}
 			select {
-			case lanes[lane] <- s:
+			case ready <- s:
 			case <-w.stop:
 				return
 			case <-ctx.Done():

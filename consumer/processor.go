@@ -113,6 +113,9 @@ var errAbandoned = errors.New("consumer: message abandoned")
 // and returns nil, or returns an error when it abandons the message because
 // ctx was canceled or stop closed.
 func (p *Processor) runOne(ctx context.Context, stop <-chan struct{}, msg Message, t Transport, batchMode bool) error {
+	if msg.skip {
+		return nil
+	}
 	id, err := p.messageID(msg)
 	if err != nil {
 		return p.deadLetter(ctx, stop, msg, 0, err, t)

@@ -1,0 +1,16 @@
+package consumer_test
+
+import (
+	"testing"
+
+	"go.uber.org/goleak"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m,
+		// pgxpool's background health check lives as long as the shared test pool.
+		goleak.IgnoreTopFunction("github.com/jackc/pgx/v5/pgxpool.(*Pool).backgroundHealthCheck"),
+		goleak.IgnoreTopFunction("github.com/jackc/pgx/v5/pgxpool.(*Pool).triggerHealthCheck.func1"),
+		goleak.IgnoreAnyFunction("github.com/jackc/puddle/v2.(*Pool[...]).acquire"),
+	)
+}

@@ -1,0 +1,372 @@
+package consumer_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/consumer"
+)
+
+func TestDuplicateDeliveryHasOneEffect(t *testing.T) {
+	b := setup(t)
+	hooks := &counter{}
+	p, err := consumer.New(b.pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		return b.record(ctx, tx, "ledger", m)
+	}, &consumer.Config{Schema: b.schema, Hooks: []consumer.Hook{hooks}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := &memTransport{}
+	// The same record twice (a redelivery), then the same message-id
+	// re-published at a new offset, then a different message.
+	run(t, p, tr, msg(0, "id-1", "k"), msg(0, "id-1", "k"), msg(7, "id-1", "k"), msg(8, "id-2", "k"))
+
+	if got := b.count(t, "message_id = 'id-1'"); got != 1 {
+		t.Errorf("effects of id-1 = %d, want 1", got)
+	}
+	if got := b.count(t, "message_id = 'id-2'"); got != 1 {
+		t.Errorf("effects of id-2 = %d, want 1", got)
+	}
+	if got := hooks.get(consumer.Duplicate); got != 2 {
+		t.Errorf("duplicates reported = %d, want 2", got)
+	}
+	if got := hooks.get(consumer.Processed); got != 2 {
+		t.Errorf("processed reported = %d, want 2", got)
+	}
+}
+
+func TestConsumerNameScopesDedup(t *testing.T) {
+	b := setup(t)
+	for _, name := range []string{"ledger", "audit"} {
+		p, err := consumer.New(b.pool, name, func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+			return b.record(ctx, tx, name, m)
+		}, &consumer.Config{Schema: b.schema})
+		if err != nil {
+			t.Fatal(err)
+		}
+		run(t, p, &memTransport{}, msg(0, "id-1", ""), msg(1, "id-1", ""))
+	}
+	for _, name := range []string{"ledger", "audit"} {
+		if got := b.count(t, "consumer = $1", name); got != 1 {
+			t.Errorf("effects for %s = %d, want 1", name, got)
+		}
+	}
+}
+
+// Two processors of one consumer race on a message id: the second blocks on
+// the unique index until the first commits, then sees the row and skips.
+func TestConcurrentDuplicateBlocksThenSkips(t *testing.T) {
+	b := setup(t)
+	release := make(chan struct{})
+	entered := make(chan struct{}, 2)
+	handler := func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		entered <- struct{}{}
+		<-release
+		return b.record(ctx, tx, "ledger", m)
+	}
+	hooks := &counter{}
+	cfg := &consumer.Config{Schema: b.schema, Hooks: []consumer.Hook{hooks}}
+	p1, _ := consumer.New(b.pool, "ledger", handler, cfg)
+	p2, _ := consumer.New(b.pool, "ledger", handler, cfg)
+	tr1, tr2 := &memTransport{}, &memTransport{}
+	ctx := context.Background()
+	w1 := p1.StartPartition(ctx, tr1)
+	defer w1.Stop(ctx)
+	if err := w1.Add(ctx, msg(0, "race", "")); err != nil {
+		t.Fatal(err)
+	}
+	<-entered // the first holds the dedup row in an open transaction
+	w2 := p2.StartPartition(ctx, tr2)
+	defer w2.Stop(ctx)
+	if err := w2.Add(ctx, msg(5, "race", "")); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "the second insert to wait on a lock", func() bool {
+		var waiting int
+		err := b.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE wait_event_type = 'Lock' AND query LIKE 'INSERT INTO '||$1||'%'`, pgx.Identifier{b.schema, "processed_messages"}.Sanitize()).Scan(&waiting)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return waiting == 1
+	})
+	close(release)
+	waitFor(t, 10*time.Second, "both marked done", func() bool { return tr1.lastMark() == 0 && tr2.lastMark() == 5 })
+	if got := b.count(t, ""); got != 1 {
+		t.Fatalf("effects = %d, want 1", got)
+	}
+	if hooks.get(consumer.Duplicate) != 1 || hooks.get(consumer.Processed) != 1 {
+		t.Fatalf("outcomes = %v, want one processed and one duplicate", hooks.outcomes)
+	}
+	select {
+	case <-entered:
+		t.Fatal("the duplicate's handler ran")
+	default:
+	}
+}
+
+func TestRetriesThenDeadLetter(t *testing.T) {
+	b := setup(t)
+	var calls atomic.Int32
+	hooks := &counter{}
+	p, err := consumer.New(b.pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		calls.Add(1)
+		if err := b.record(ctx, tx, "ledger", m); err != nil {
+			return err
+		}
+		return errors.New("account a1 is frozen")
+	}, &consumer.Config{Schema: b.schema, MaxAttempts: 3, MinBackoff: time.Millisecond, MaxBackoff: 5 * time.Millisecond, Hooks: []consumer.Hook{hooks}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := &memTransport{failDLQ: 2} // the dead-letter topic is briefly unavailable too
+	m := msg(41, "id-1", "k1")
+	m.Headers = append(m.Headers, consumer.Header{Key: "trace", Value: []byte("abc")})
+	run(t, p, tr, m, msg(42, "id-2", "k1"))
+
+	if got := calls.Load(); got != 3+3 {
+		t.Errorf("handler calls = %d, want 6 (3 per message)", got)
+	}
+	if got := b.count(t, ""); got != 0 {
+		t.Errorf("effects = %d, want 0: failed attempts roll back", got)
+	}
+	if got := b.processedRows(t, "ledger"); got != 0 {
+		t.Errorf("dedup rows = %d, want 0: a failed attempt's row rolls back too", got)
+	}
+	dead := tr.deadLetters()
+	if len(dead) != 2 {
+		t.Fatalf("dead letters = %d, want 2", len(dead))
+	}
+	d := dead[0]
+	want := map[string]string{
+		consumer.HeaderDLQError:     "account a1 is frozen",
+		consumer.HeaderDLQAttempts:  "3",
+		consumer.HeaderDLQConsumer:  "ledger",
+		consumer.HeaderDLQTopic:     "orders",
+		consumer.HeaderDLQPartition: "0",
+		consumer.HeaderDLQOffset:    "41",
+		"message-id":                "id-1",
+		"trace":                     "abc",
+	}
+	got := map[string]string{}
+	for _, h := range d.Headers {
+		got[h.Key] = string(h.Value)
+	}
+	for k, v := range want {
+		if got[k] != v {
+			t.Errorf("dead letter header %s = %q, want %q", k, got[k], v)
+		}
+	}
+	if d.Topic != "orders.dlq" || string(d.Key) != "k1" || string(d.Value) != "v41" {
+		t.Errorf("dead letter = %s %q %q, want orders.dlq k1 v41", d.Topic, d.Key, d.Value)
+	}
+	if hooks.retries != 4 || hooks.dead != 2 || hooks.get(consumer.DeadLettered) != 2 {
+		t.Errorf("hooks: retries %d dead %d, want 4 and 2", hooks.retries, hooks.dead)
+	}
+}
+
+func TestPermanentSkipsRetries(t *testing.T) {
+	b := setup(t)
+	var calls atomic.Int32
+	p, _ := consumer.New(b.pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		calls.Add(1)
+		return consumer.Permanent(fmt.Errorf("malformed JSON"))
+	}, &consumer.Config{Schema: b.schema, MaxAttempts: 10})
+	tr := &memTransport{}
+	run(t, p, tr, msg(0, "id-1", ""))
+	if calls.Load() != 1 {
+		t.Errorf("handler calls = %d, want 1", calls.Load())
+	}
+	dead := tr.deadLetters()
+	if len(dead) != 1 || dead[0].Attempts != 1 || !consumer.IsPermanent(dead[0].Err) {
+		t.Fatalf("dead letters = %+v, want one after 1 attempt", dead)
+	}
+}
+
+func TestMessageWithoutIDIsDeadLettered(t *testing.T) {
+	b := setup(t)
+	var calls atomic.Int32
+	p, _ := consumer.New(b.pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		calls.Add(1)
+		return b.record(ctx, tx, "ledger", m)
+	}, &consumer.Config{Schema: b.schema})
+	tr := &memTransport{}
+	bad := msg(1, "", "")
+	bad.Headers = []consumer.Header{{Key: "message-id", Value: []byte("a\x00b")}}
+	run(t, p, tr, msg(0, "", ""), bad, msg(2, "ok", ""))
+	if calls.Load() != 1 {
+		t.Errorf("handler calls = %d, want 1 (only the message with an id)", calls.Load())
+	}
+	dead := tr.deadLetters()
+	if len(dead) != 2 {
+		t.Fatalf("dead letters = %d, want 2", len(dead))
+	}
+	for _, d := range dead {
+		if !errors.Is(d.Err, consumer.ErrNoMessageID) || d.Attempts != 0 {
+			t.Errorf("dead letter error = %v (attempts %d), want ErrNoMessageID after 0 attempts", d.Err, d.Attempts)
+		}
+	}
+}
+
+func TestCustomMessageID(t *testing.T) {
+	b := setup(t)
+	p, _ := consumer.New(b.pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		return b.record(ctx, tx, "ledger", m)
+	}, &consumer.Config{Schema: b.schema, MessageID: func(m consumer.Message) (string, error) {
+		return "payment:" + string(m.Key), nil
+	}})
+	// Different message-ids, one business key: one effect.
+	run(t, p, &memTransport{}, msg(0, "a", "p1"), msg(1, "b", "p1"), msg(2, "c", "p2"))
+	if got := b.count(t, ""); got != 2 {
+		t.Fatalf("effects = %d, want 2", got)
+	}
+	if got := b.count(t, "message_id = 'payment:p1'"); got != 1 {
+		t.Fatalf("effects of payment:p1 = %d, want 1", got)
+	}
+}
+
+func TestHandlerPanicIsRetried(t *testing.T) {
+	b := setup(t)
+	var calls atomic.Int32
+	p, _ := consumer.New(b.pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		if calls.Add(1) == 1 {
+			panic("nil map")
+		}
+		return b.record(ctx, tx, "ledger", m)
+	}, &consumer.Config{Schema: b.schema, MinBackoff: time.Millisecond})
+	run(t, p, &memTransport{}, msg(0, "id-1", ""))
+	if calls.Load() != 2 || b.count(t, "") != 1 {
+		t.Fatalf("calls %d effects %d, want 2 and 1", calls.Load(), b.count(t, ""))
+	}
+}
+
+func TestKeyParallelKeepsKeyOrderAndCommitsBelowLowestUnfinished(t *testing.T) {
+	b := setup(t)
+	gate := make(chan struct{})
+	var mu sync.Mutex
+	seen := map[string][]int64{}
+	p, err := consumer.New(b.pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		if m.Offset == 0 {
+			<-gate // hold the first message of key "slow"
+		}
+		mu.Lock()
+		seen[string(m.Key)] = append(seen[string(m.Key)], m.Offset)
+		mu.Unlock()
+		return b.record(ctx, tx, "ledger", m)
+	}, &consumer.Config{Schema: b.schema, Concurrency: 4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := &memTransport{}
+	ctx := context.Background()
+	w := p.StartPartition(ctx, tr)
+	defer w.Stop(ctx)
+	var msgs []consumer.Message
+	msgs = append(msgs, msg(0, "m0", "slow"))
+	keys := []string{"a", "b", "c", "slow"}
+	for i := int64(1); i < 200; i++ {
+		msgs = append(msgs, msg(i, "m"+strconv.FormatInt(i, 10), keys[i%int64(len(keys))]))
+	}
+	if err := w.Add(ctx, msgs...); err != nil {
+		t.Fatal(err)
+	}
+	// Other keys finish while offset 0 is held, but nothing is marked.
+	waitFor(t, 20*time.Second, "other keys to be processed", func() bool { return b.count(t, "") >= 100 })
+	if got := tr.lastMark(); got != -1 {
+		t.Fatalf("marked offset %d while offset 0 is unfinished", got)
+	}
+	close(gate)
+	waitFor(t, 20*time.Second, "all marked", func() bool { return tr.lastMark() == 199 })
+	mu.Lock()
+	defer mu.Unlock()
+	for k, offs := range seen {
+		for i := 1; i < len(offs); i++ {
+			if offs[i] < offs[i-1] {
+				t.Fatalf("key %s processed out of order: %v", k, offs)
+			}
+		}
+	}
+	tr.mu.Lock()
+	for i := 1; i < len(tr.marks); i++ {
+		if tr.marks[i] <= tr.marks[i-1] {
+			t.Fatalf("marks not increasing: %v", tr.marks)
+		}
+	}
+	tr.mu.Unlock()
+	if got := b.count(t, ""); got != 200 {
+		t.Fatalf("effects = %d, want 200", got)
+	}
+}
+
+func TestStopDropsQueuedAndNeverMarksUnfinished(t *testing.T) {
+	b := setup(t)
+	entered := make(chan struct{})
+	p, _ := consumer.New(b.pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		if m.Offset == 1 {
+			close(entered)
+			<-ctx.Done() // never finishes on its own
+			return ctx.Err()
+		}
+		return b.record(ctx, tx, "ledger", m)
+	}, &consumer.Config{Schema: b.schema})
+	tr := &memTransport{}
+	ctx := context.Background()
+	w := p.StartPartition(ctx, tr)
+	if err := w.Add(ctx, msg(0, "m0", ""), msg(1, "m1", ""), msg(2, "m2", "")); err != nil {
+		t.Fatal(err)
+	}
+	<-entered
+	stopCtx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+	defer cancel()
+	w.Stop(stopCtx) // grace runs out: offset 1's transaction is canceled
+	if got := tr.lastMark(); got != 0 {
+		t.Fatalf("last mark = %d, want 0", got)
+	}
+	if got := b.count(t, ""); got != 1 {
+		t.Fatalf("effects = %d, want 1", got)
+	}
+	if err := w.Add(ctx, msg(3, "m3", "")); !errors.Is(err, consumer.ErrStopped) {
+		t.Fatalf("Add after Stop = %v, want ErrStopped", err)
+	}
+}
+
+func TestConfigValidation(t *testing.T) {
+	t.Parallel()
+	h := func(context.Context, pgx.Tx, consumer.Message) error { return nil }
+	for _, tc := range []struct {
+		name string
+		cfg  consumer.Config
+		want string
+	}{
+		{"attempts", consumer.Config{MaxAttempts: -1}, "MaxAttempts"},
+		{"backoff", consumer.Config{MinBackoff: time.Second, MaxBackoff: time.Millisecond}, "MaxBackoff"},
+		{"concurrency", consumer.Config{Concurrency: -2}, "Concurrency"},
+		{"schema", consumer.Config{Schema: string(make([]byte, 70))}, "Schema"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := consumer.New(pgxBeginner{}, "c", h, &tc.cfg)
+			if err == nil || !contains(err.Error(), tc.want) {
+				t.Fatalf("err = %v, want one naming %s", err, tc.want)
+			}
+		})
+	}
+	if _, err := consumer.New(pgxBeginner{}, "", h, nil); err == nil {
+		t.Fatal("empty name accepted")
+	}
+}
+
+type pgxBeginner struct{}
+
+func (pgxBeginner) Begin(context.Context) (pgx.Tx, error) { return nil, errors.New("unused") }
+
+func contains(s, sub string) bool {
+	return len(sub) == 0 || len(s) >= len(sub) && (s[:len(sub)] == sub || contains(s[1:], sub))
+}
