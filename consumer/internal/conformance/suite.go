@@ -1,0 +1,250 @@
+package conformance
+
+import (
+	"context"
+	"strconv"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/onceflow/onceflow/consumer"
+)
+
+// Run runs the suite against a.
+func Run(t *testing.T, a Adapter) {
+	t.Run("RedeliveryAndRepublishHaveOneEffect", func(t *testing.T) { testDedup(t, a) })
+	t.Run("DeadLetters", func(t *testing.T) { testDeadLetters(t, a) })
+	t.Run("InOrder", func(t *testing.T) { testMode(t, a, "in-order") })
+	t.Run("KeyParallel", func(t *testing.T) { testMode(t, a, "key-parallel") })
+	t.Run("Batch", func(t *testing.T) { testMode(t, a, "batch") })
+	t.Run("RebalanceWhileFlowing", func(t *testing.T) { testRebalance(t, a) })
+	t.Run("TransactionMarkers", func(t *testing.T) { testTransactions(t, a) })
+	t.Run("CrashAfterDatabaseCommit", func(t *testing.T) { testCrashAfterCommit(t, a) })
+	t.Run("CrashBeforeDatabaseCommit", func(t *testing.T) { testCrashBeforeCommit(t, a) })
+	t.Run("TwoProcessesRaceOnOneID", func(t *testing.T) { testRacingProcesses(t, a) })
+	t.Run("RandomKills", func(t *testing.T) { testRandomKills(t, a) })
+}
+
+type outcomes struct{ processed, duplicate, dead atomic.Int64 }
+
+func (o *outcomes) OnDone(e consumer.DoneEvent) {
+	switch e.Outcome {
+	case consumer.Processed:
+		o.processed.Add(1)
+	case consumer.Duplicate:
+		o.duplicate.Add(1)
+	case consumer.DeadLettered:
+		o.dead.Add(1)
+	}
+}
+
+func testDedup(t *testing.T, a Adapter) {
+	e := setup(t, a)
+	topic := e.k.Topic(t, 1)
+	// id-0 delivered, then re-published at a new offset; then id-1.
+	e.produce(t, topic, rec{id: "id-0", value: "a"}, rec{id: "id-0", value: "a again"}, rec{id: "id-1", value: "b"})
+	o := &outcomes{}
+	p := e.processor(t, "ledger", &consumer.Config{Hooks: []consumer.Hook{o}})
+	stop := e.start(t, p, "g1", topic)
+	e.waitCommitted(t, "g1", topic, 30*time.Second)
+	stop()
+	e.exactlyOnce(t, "ledger", 2)
+	if o.duplicate.Load() != 1 {
+		t.Fatalf("duplicates = %d, want 1", o.duplicate.Load())
+	}
+	// Every message delivered again (a new group reads from the start):
+	// all skipped.
+	stop = e.start(t, p, "g2", topic)
+	e.waitCommitted(t, "g2", topic, 30*time.Second)
+	stop()
+	e.exactlyOnce(t, "ledger", 2)
+	if o.duplicate.Load() != 4 || o.processed.Load() != 2 {
+		t.Fatalf("processed %d duplicates %d, want 2 and 4", o.processed.Load(), o.duplicate.Load())
+	}
+}
+
+func testDeadLetters(t *testing.T, a Adapter) {
+	e := setup(t, a)
+	topic := e.k.Topic(t, 1)
+	e.k.CreateTopic(t, topic+".dlq", 1, nil)
+	e.produce(t, topic,
+		rec{id: "id-0", value: "ok"},
+		rec{id: "bad-1", key: "k", value: "fail"},
+		rec{id: "bad-2", value: "perm"},
+		rec{value: "no id"},
+		rec{id: "id-1", value: "ok"},
+	)
+	var attempts atomic.Int64
+	p, err := consumer.New(e.pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		attempts.Add(1)
+		return e.handler("ledger")(ctx, tx, m)
+	}, &consumer.Config{Schema: e.schema, MaxAttempts: 3, MinBackoff: time.Millisecond, MaxBackoff: 5 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.start(t, p, "g", topic)
+	e.waitCommitted(t, "g", topic, 30*time.Second)
+	e.exactlyOnce(t, "ledger", 2)
+	if got := attempts.Load(); got != 1+3+1+1 {
+		t.Errorf("handler calls = %d, want 6 (ok, 3× fail, 1× perm, ok)", got)
+	}
+	dead := e.k.ReadAll(t, topic+".dlq", 3, 20*time.Second)
+	if len(dead) != 3 {
+		t.Fatalf("dead letters = %d, want 3", len(dead))
+	}
+	want := []map[string]string{
+		{consumer.HeaderDLQError: "always fails", consumer.HeaderDLQAttempts: "3", consumer.HeaderDLQOffset: "1", consumer.MessageIDHeader: "bad-1"},
+		{consumer.HeaderDLQError: "permanent: cannot parse", consumer.HeaderDLQAttempts: "1", consumer.HeaderDLQOffset: "2", consumer.MessageIDHeader: "bad-2"},
+		{consumer.HeaderDLQAttempts: "0", consumer.HeaderDLQOffset: "3"},
+	}
+	for i, r := range dead {
+		h := map[string]string{}
+		for _, x := range r.Headers {
+			h[x.Key] = string(x.Value)
+		}
+		for k, v := range want[i] {
+			if h[k] != v {
+				t.Errorf("dead letter %d: header %s = %q, want %q", i, k, h[k], v)
+			}
+		}
+		if h[consumer.HeaderDLQConsumer] != "ledger" || h[consumer.HeaderDLQTopic] != topic || h[consumer.HeaderDLQPartition] != "0" {
+			t.Errorf("dead letter %d: origin headers %v", i, h)
+		}
+		if i == 2 && !containsStr(h[consumer.HeaderDLQError], "message-id") {
+			t.Errorf("dead letter of a message without id: error %q does not name the header", h[consumer.HeaderDLQError])
+		}
+	}
+	if string(dead[0].Key) != "k" || string(dead[0].Value) != "fail" {
+		t.Errorf("dead letter 0 = %q/%q, want the original key and value", dead[0].Key, dead[0].Value)
+	}
+}
+
+func containsStr(s, sub string) bool {
+	for i := 0; i+len(sub) <= len(s); i++ {
+		if s[i:i+len(sub)] == sub {
+			return true
+		}
+	}
+	return false
+}
+
+// testMode runs 600 keyed messages over 3 partitions and checks each has
+// one effect and each key's effects follow offset order.
+func testMode(t *testing.T, a Adapter, mode string) {
+	e := setup(t, a)
+	topic := e.k.Topic(t, 3)
+	const n = 600
+	recs := make([]rec, n)
+	for i := range recs {
+		key := "k" + strconv.Itoa(i%12)
+		recs[i] = rec{id: "id-" + strconv.Itoa(i), key: key, value: strconv.Itoa(i), partition: int32(i % 12 % 3)}
+	}
+	// A re-published message in the middle.
+	recs = append(recs[:300:300], append([]rec{{id: "id-5", key: "k5", value: "5", partition: 2}}, recs[300:]...)...)
+	e.produce(t, topic, recs...)
+	var p *consumer.Processor
+	var err error
+	cfg := &consumer.Config{Schema: e.schema, Concurrency: 1}
+	switch mode {
+	case "key-parallel":
+		cfg.Concurrency = 4
+		fallthrough
+	case "in-order":
+		p, err = consumer.New(e.pool, "ledger", e.handler("ledger"), cfg)
+	case "batch":
+		cfg.BatchSize = 50
+		p, err = consumer.NewBatch(e.pool, "ledger", func(ctx context.Context, tx pgx.Tx, ms []consumer.Message) error {
+			for _, m := range ms {
+				if err := record(ctx, tx, e.effects, "ledger", m); err != nil {
+					return err
+				}
+			}
+			return nil
+		}, cfg)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.start(t, p, "g", topic)
+	e.waitCommitted(t, "g", topic, 60*time.Second)
+	e.exactlyOnce(t, "ledger", n)
+	var unordered int
+	err = e.pool.QueryRow(context.Background(), `SELECT count(*) FROM (
+		SELECT off < lag(off) OVER (PARTITION BY key ORDER BY seq) AS back FROM `+e.effects+`) x WHERE back`).Scan(&unordered)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if unordered != 0 {
+		t.Fatalf("%d effects ran before an earlier message of their key", unordered)
+	}
+}
+
+// testRebalance moves partitions between two members of a group while
+// messages flow: every message has exactly one effect.
+func testRebalance(t *testing.T, a Adapter) {
+	e := setup(t, a)
+	topic := e.k.Topic(t, 4)
+	const n = 800
+	produced := make(chan struct{})
+	go func() {
+		defer close(produced)
+		for i := 0; i < n; i += 20 {
+			batch := make([]rec, 20)
+			for j := range batch {
+				id := i + j
+				batch[j] = rec{id: "id-" + strconv.Itoa(id), key: "k" + strconv.Itoa(id%16), value: strconv.Itoa(id), partition: int32(id % 4)}
+			}
+			e.produce(t, topic, batch...)
+			time.Sleep(10 * time.Millisecond) // pace the producer so the rebalances happen mid-stream
+		}
+	}()
+	stopA := e.start(t, e.processor(t, "ledger", nil), "g", topic)
+	waitFor(t, 30*time.Second, "A to make progress", func() bool { return e.count(t, "") >= 100 })
+	stopB := e.start(t, e.processor(t, "ledger", nil), "g", topic)
+	waitFor(t, 30*time.Second, "progress with two members", func() bool { return e.count(t, "") >= 350 })
+	stopA() // A leaves mid-stream: its partitions move to B
+	<-produced
+	e.waitCommitted(t, "g", topic, 60*time.Second)
+	stopB()
+	e.exactlyOnce(t, "ledger", n)
+}
+
+// testTransactions produces through a transactional producer, so the log
+// holds commit markers between the records: they must not reach the handler
+// (nor the dead-letter topic) and must not hold back the committed offset.
+func testTransactions(t *testing.T, a Adapter) {
+	e := setup(t, a)
+	topic := e.k.Topic(t, 1)
+	cl := e.k.Client(t, kgo.TransactionalID("tx-"+topic), kgo.DefaultProduceTopic(topic))
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	id := 0
+	for txn := range 3 {
+		if err := cl.BeginTransaction(); err != nil {
+			t.Fatal(err)
+		}
+		for range 2 {
+			r := &kgo.Record{Value: []byte("tx"), Headers: []kgo.RecordHeader{{Key: consumer.MessageIDHeader, Value: []byte("id-" + strconv.Itoa(id))}}}
+			id++
+			if err := cl.ProduceSync(ctx, r).FirstErr(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := cl.EndTransaction(ctx, kgo.TryCommit); err != nil {
+			t.Fatalf("commit transaction %d: %v", txn, err)
+		}
+	}
+	e.produce(t, topic, rec{id: "id-6", value: "plain"})
+	o := &outcomes{}
+	e.start(t, e.processor(t, "ledger", &consumer.Config{Hooks: []consumer.Hook{o}}), "g", topic)
+	e.waitCommitted(t, "g", topic, 30*time.Second)
+	e.exactlyOnce(t, "ledger", 7)
+	if o.dead.Load() != 0 {
+		t.Fatalf("%d records dead-lettered: transaction markers were treated as messages", o.dead.Load())
+	}
+}
+
+

@@ -1,0 +1,46 @@
+package kgoconsumer_test
+
+import (
+	"os"
+	"testing"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+	"go.uber.org/goleak"
+
+	"github.com/onceflow/onceflow/consumer"
+	"github.com/onceflow/onceflow/consumer/internal/conformance"
+	"github.com/onceflow/onceflow/consumer/kgoconsumer"
+)
+
+var adapter = conformance.Adapter{
+	HidesAborted: true,
+	New: func(p *consumer.Processor, brokers []string, group string, topics []string) (conformance.Runner, error) {
+		return kgoconsumer.New(p, &kgoconsumer.Config{
+			Brokers:        brokers,
+			Topics:         topics,
+			Group:          group,
+			CommitInterval: 200 * time.Millisecond,
+			ClientOpts: []kgo.Opt{
+				kgo.MetadataMinAge(100 * time.Millisecond),
+				kgo.SessionTimeout(1500 * time.Millisecond),
+				kgo.RebalanceTimeout(2 * time.Second),
+				kgo.HeartbeatInterval(150 * time.Millisecond),
+				kgo.FetchMaxWait(200 * time.Millisecond),
+			},
+		})
+	},
+}
+
+func TestMain(m *testing.M) {
+	conformance.MaybeChild(adapter)
+	goleak.VerifyTestMain(m,
+		goleak.IgnoreTopFunction("github.com/jackc/pgx/v5/pgxpool.(*Pool).backgroundHealthCheck"),
+		goleak.IgnoreAnyFunction("github.com/twmb/franz-go/pkg/kfake.(*Cluster).run"),
+	)
+	os.Exit(0)
+}
+
+func TestConformance(t *testing.T) {
+	conformance.Run(t, adapter)
+}
