@@ -46,7 +46,9 @@ type Consumer struct {
 	cfg    Config
 	log    *slog.Logger
 	writer *kafka.Writer
-	ownsW  bool
+	// ownTransport is the default dead-letter Writer's transport, closed
+	// at shutdown; nil when the user supplied the Writer.
+	ownTransport *kafka.Transport
 
 	mu    sync.Mutex
 	parts map[tp]*consumer.Partition
@@ -104,15 +106,17 @@ func New(p *consumer.Processor, cfg *Config) (*Consumer, error) {
 		parts: map[tp]*consumer.Partition{}, marks: map[tp]kafka.Message{}}
 	out.writer = c.DeadLetterWriter
 	if out.writer == nil {
-		out.ownsW = true
+		out.ownTransport = &kafka.Transport{}
+		if c.Reader.Dialer != nil {
+			out.ownTransport.TLS = c.Reader.Dialer.TLS
+			out.ownTransport.SASL = c.Reader.Dialer.SASLMechanism
+		}
 		out.writer = &kafka.Writer{
 			Addr:         kafka.TCP(c.Reader.Brokers...),
 			RequiredAcks: kafka.RequireAll,
 			Balancer:     &kafka.Murmur2Balancer{},
 			BatchTimeout: 5 * time.Millisecond,
-		}
-		if c.Reader.Dialer != nil {
-			out.writer.Transport = &kafka.Transport{TLS: c.Reader.Dialer.TLS, SASL: c.Reader.Dialer.SASLMechanism}
+			Transport:    out.ownTransport,
 		}
 	}
 	return out, nil
@@ -196,8 +200,9 @@ func (c *Consumer) Run(ctx context.Context) error {
 	if err := r.Close(); err != nil {
 		c.log.Warn("kafkagoconsumer: close reader", "error", err)
 	}
-	if c.ownsW {
+	if c.ownTransport != nil {
 		_ = c.writer.Close()
+		c.ownTransport.CloseIdleConnections()
 	}
 	return nil
 }

@@ -129,7 +129,7 @@ func (e *env) start(t *testing.T, p *consumer.Processor, group string, topics ..
 
 type rec struct {
 	key, value, id string
-	partition     int32
+	partition      int32
 }
 
 func (e *env) produce(t *testing.T, topic string, recs ...rec) {

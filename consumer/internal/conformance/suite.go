@@ -246,5 +246,3 @@ func testTransactions(t *testing.T, a Adapter) {
 		t.Fatalf("%d records dead-lettered: transaction markers were treated as messages", o.dead.Load())
 	}
 }
-
-

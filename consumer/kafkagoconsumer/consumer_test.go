@@ -1,0 +1,64 @@
+package kafkagoconsumer_test
+
+import (
+	"os"
+	"testing"
+	"time"
+
+	"github.com/segmentio/kafka-go"
+	"go.uber.org/goleak"
+
+	"github.com/onceflow/onceflow/consumer"
+	"github.com/onceflow/onceflow/consumer/internal/conformance"
+	"github.com/onceflow/onceflow/consumer/kafkagoconsumer"
+)
+
+var adapter = conformance.Adapter{
+	New: func(p *consumer.Processor, brokers []string, group string, topics []string) (conformance.Runner, error) {
+		return kafkagoconsumer.New(p, &kafkagoconsumer.Config{
+			Reader: kafka.ReaderConfig{
+				Brokers:           brokers,
+				GroupID:           group,
+				GroupTopics:       topics,
+				MaxWait:           200 * time.Millisecond,
+				SessionTimeout:    1500 * time.Millisecond,
+				RebalanceTimeout:  2 * time.Second,
+				HeartbeatInterval: 150 * time.Millisecond,
+				JoinGroupBackoff:  100 * time.Millisecond,
+				ReadBackoffMin:    20 * time.Millisecond,
+				ReadBackoffMax:    200 * time.Millisecond,
+			},
+			CommitInterval: 200 * time.Millisecond,
+		})
+	},
+}
+
+func TestMain(m *testing.M) {
+	conformance.MaybeChild(adapter)
+	goleak.VerifyTestMain(m,
+		goleak.IgnoreTopFunction("github.com/jackc/pgx/v5/pgxpool.(*Pool).backgroundHealthCheck"),
+	)
+	os.Exit(0)
+}
+
+func TestConformance(t *testing.T) {
+	conformance.Run(t, adapter)
+}
+
+func TestIsControlRecord(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name string
+		m    kafka.Message
+		want bool
+	}{
+		{"commit marker", kafka.Message{Key: []byte{0, 0, 0, 1}, Value: []byte{0, 0, 0, 0, 0, 3}}, true},
+		{"abort marker", kafka.Message{Key: []byte{0, 0, 0, 0}, Value: []byte{0, 0, 0, 0, 0, 0}}, true},
+		{"message with id", kafka.Message{Key: []byte{0, 0, 0, 1}, Value: []byte{0, 0, 0, 0, 0, 3}, Headers: []kafka.Header{{Key: "message-id", Value: []byte("x")}}}, false},
+		{"json", kafka.Message{Key: []byte("a1"), Value: []byte(`{"a":1}`)}, false},
+	} {
+		if got := kafkagoconsumer.IsControlRecord(tc.m); got != tc.want {
+			t.Errorf("%s: IsControlRecord = %v, want %v", tc.name, got, tc.want)
+		}
+	}
+}
