@@ -1,0 +1,90 @@
+// Package consumer makes Kafka consumers idempotent on PostgreSQL: a
+// handler's database effects commit at most once per (consumer name,
+// message id), and at least once per delivered message, however often the
+// message is delivered (G5).
+//
+// For every message the Processor begins a transaction, records the message
+// id with
+//
+//	INSERT INTO onceflow.processed_messages (consumer, message_id) VALUES ($1, $2) ON CONFLICT DO NOTHING
+//
+// and, if the row is new, runs your handler with that same transaction and
+// commits. If the row already exists the message is a duplicate: nothing
+// runs and nothing commits. Only after the commit is the offset marked for
+// commit in Kafka, so a crash at any instant either leaves nothing (the
+// message is processed on redelivery) or leaves the record (the redelivered
+// message is skipped). A concurrent duplicate, say the same message in two
+// processes at once, blocks on the primary key until the first transaction
+// ends, then sees the row and skips.
+//
+// Adapters run a Processor over a consumer group: kgoconsumer (franz-go)
+// and kafkagoconsumer (segmentio/kafka-go).
+//
+//	p, err := consumer.New(pool, "ledger", func(ctx context.Context, tx pgx.Tx, msg consumer.Message) error {
+//		_, err := tx.Exec(ctx, `UPDATE accounts SET balance = balance + $1 WHERE id = $2`, amount, account)
+//		return err
+//	}, nil)
+//	c, err := kgoconsumer.New(p, &kgoconsumer.Config{Brokers: brokers, Topics: []string{"payments"}})
+//	err = c.Run(ctx) // until ctx is canceled
+//
+// # Message ids
+//
+// The id comes from the "message-id" header that onceflow's relay sets on
+// every event (a UUID, stable across re-sends). Config.MessageID can derive
+// it otherwise, from a business key for instance. A message without a
+// usable id is dead-lettered with the reason; it never crashes the consumer
+// and is never skipped silently.
+//
+// # Failures and dead letters (G6)
+//
+// A handler error (or panic, which is recovered and logged with its stack)
+// rolls the transaction back, dedup record included, and the message is
+// retried with exponential backoff up to Config.MaxAttempts. Permanent(err)
+// skips the retries. After the budget the message is published to the
+// dead-letter topic (default "<topic>.dlq") with its key, value and
+// headers plus onceflow-error, onceflow-attempts, onceflow-consumer and
+// onceflow-origin-topic/-partition/-offset, and the partition moves on.
+// The dead-letter publish itself is retried until the broker acknowledges
+// it: a message is never dropped.
+//
+// # Modes
+//
+//   - In order (default): one message at a time per partition.
+//   - Key-parallel (Config.Concurrency > 1): messages of one partition run
+//     concurrently across keys, each key in offset order; offsets are
+//     committed only below the lowest unfinished message.
+//   - Batch (NewBatch): one transaction and one multi-row dedup insert per
+//     batch; the BatchHandler sees only the new messages. A failing batch
+//     is retried one message per transaction, so only the poison message
+//     is dead-lettered. This is the throughput mode.
+//
+// # Rebalances and shutdown
+//
+// Offsets are committed only after the database commit. When partitions are
+// revoked or the consumer stops, messages not yet started are dropped
+// (they will be delivered again), retries waiting for their backoff are
+// abandoned, and transactions in flight get a grace period to finish before
+// they are canceled and rolled back.
+//
+// # Retention
+//
+// Dedup records are kept for a window (default 7 days) and then deleted in
+// small batches by a Janitor. The window must exceed the longest
+// redelivery horizon: the topic's retention (a group reset to the earliest
+// offset re-reads all of it), producer re-sends, and consumer downtime. A
+// message delivered again after its record expired is processed again.
+//
+// # Side effects outside the database
+//
+// Only effects written through tx are covered. An HTTP call or an e-mail
+// made by the handler can happen twice (the transaction may roll back after
+// the call, and the message is retried). Guard those with the run-once fence
+// in package idempotency (idempotency.Do), keyed by the message id, and
+// pass the id on so the remote service can deduplicate too.
+//
+// # Concurrency
+//
+// A Processor is safe for concurrent use; handlers run concurrently for
+// different partitions (and keys, in key-parallel mode), so a Handler must
+// be too. Hooks (Config.Hooks) are called synchronously and must be cheap.
+package consumer

@@ -1,0 +1,27 @@
+// Package kgoconsumer runs a consumer.Processor over a franz-go (kgo)
+// consumer group.
+//
+//	p, err := consumer.New(pool, "ledger", handle, nil)
+//	c, err := kgoconsumer.New(p, &kgoconsumer.Config{
+//		Brokers: []string{"localhost:9092"},
+//		Topics:  []string{"payments"},
+//	})
+//	err = c.Run(ctx) // until ctx is canceled; exits cleanly, committing what finished
+//
+// Each assigned partition gets its own worker, so partitions proceed in
+// parallel and a slow partition never stalls the others: when a
+// partition's queue is full its fetching is paused, not the poll loop.
+//
+// Offsets are marked (kgo.AutoCommitMarks) only after a message's
+// transaction committed, and committed every CommitInterval, on revocation
+// and at shutdown. Rebalances wait for the poll loop (kgo.BlockRebalanceOnPoll),
+// so no record of a revoked partition is queued after its revocation. On
+// revocation the partition's in-flight transaction may finish within
+// ShutdownGrace, then the finished offsets are committed before the
+// partition moves. Partitions lost without a revocation (a session that
+// expired) are abandoned at once and nothing more is committed for them.
+//
+// The client reads with read_committed, so records of aborted transactions
+// and transaction markers never reach the handler. Dead letters are
+// produced with the same client (acks=all, idempotent).
+package kgoconsumer
