@@ -26,14 +26,16 @@ CREATE TABLE outbox (
     -- for a keyless event, its event id). One relay owns a shard at a time.
     shard       smallint    NOT NULL GENERATED ALWAYS AS
                     (get_byte(sha256(coalesce(key, uuid_send(event_id))), 0)) STORED,
-    -- Counted before each publish attempt, so a row that crashes the relay
-    -- cannot loop forever at zero attempts.
+    -- Publish attempts that failed or were cut short by a relay crash (a
+    -- relay records the ids of its in-flight round in relay_instances, and
+    -- the survivors charge them when it dies), so a row that crashes the
+    -- relay cannot loop at zero attempts.
     attempts    integer     NOT NULL DEFAULT 0,
     last_error  text,
     -- When a refusal that may heal (an unknown topic) was first seen; the
     -- relay dead-letters the row once it is older than the grace period.
     first_refused_at timestamptz
-) WITH (fillfactor = 85); -- leaves room for HOT updates of attempts
+);
 
 -- Serves the relay's per-shard reads and the per-shard backlog figures.
 CREATE INDEX outbox_shard_id_idx ON outbox (shard, id);
@@ -86,7 +88,10 @@ CREATE TABLE relay_instances (
     pid          integer     NOT NULL DEFAULT 0,
     started_at   timestamptz NOT NULL DEFAULT now(),
     heartbeat_at timestamptz NOT NULL DEFAULT now(),
-    lease_until  timestamptz NOT NULL
+    lease_until  timestamptz NOT NULL,
+    -- Outbox ids of the round being published; cleared when the round's
+    -- outcome is recorded. Left set by a crash.
+    inflight     bigint[]
 );
 
 -- Shard ownership. All times come from the database clock, so relays on

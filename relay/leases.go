@@ -55,6 +55,10 @@ func (l *leases) tick(ctx context.Context) error {
 	if _, err := l.st.pool.Exec(ctx, l.st.heartbeatSQL, l.id, host, os.Getpid(), dur); err != nil {
 		return fmt.Errorf("heartbeat: %w", err)
 	}
+	// Charge an attempt to the events a dead relay had in flight.
+	if _, err := l.st.pool.Exec(ctx, l.st.chargeCrashedSQL); err != nil {
+		return fmt.Errorf("charge crashed rounds: %w", err)
+	}
 	var live int
 	if err := l.st.pool.QueryRow(ctx, l.st.liveInstancesSQL).Scan(&live); err != nil {
 		return fmt.Errorf("count live relays: %w", err)

@@ -247,7 +247,7 @@ type roundResult struct {
 func (r *Relay) round(ctx context.Context, shards []int16) (roundResult, error) {
 	start := time.Now()
 	keys, ids := r.exclusions(start)
-	events, err := r.st.claim(ctx, shards, r.cfg.BatchSize, keys, ids)
+	events, err := r.st.claim(ctx, r.cfg.InstanceID, shards, r.cfg.BatchSize, keys, ids)
 	if err != nil {
 		return roundResult{}, fmt.Errorf("relay: read pending events: %w", err)
 	}

@@ -42,12 +42,12 @@ func setup(t *testing.T) *bundle {
 }
 
 // startRelay runs a relay until the test ends or stop is called.
-func (b *bundle) startRelay(t *testing.T, cfg relay.Config) (r *relay.Relay, stop func()) {
+func (b *bundle) startRelay(t testing.TB, cfg relay.Config) (r *relay.Relay, stop func()) {
 	t.Helper()
 	return b.startRelayOn(t, b.pool, cfg)
 }
 
-func (b *bundle) startRelayOn(t *testing.T, pool *pgxpool.Pool, cfg relay.Config) (r *relay.Relay, stop func()) {
+func (b *bundle) startRelayOn(t testing.TB, pool *pgxpool.Pool, cfg relay.Config) (r *relay.Relay, stop func()) {
 	t.Helper()
 	pub, err := kgopublisher.New(b.kafka.Brokers, &kgopublisher.Config{Opts: []kgo.Opt{
 		kgo.MetadataMinAge(50 * time.Millisecond),
@@ -87,6 +87,21 @@ func (b *bundle) startRelayOn(t *testing.T, pool *pgxpool.Pool, cfg relay.Config
 	}
 	t.Cleanup(stop)
 	return r, stop
+}
+
+// setupBench is setup for benchmarks: Kafka only; the caller picks schemas.
+func setupBench(t testing.TB) *bundle {
+	t.Helper()
+	return &bundle{pool: pgtest.Pool(t), kafka: kafkatest.New(t)}
+}
+
+func (b *bundle) countB(t testing.TB, table string) int {
+	t.Helper()
+	var n int
+	if err := b.pool.QueryRow(context.Background(), `SELECT count(*) FROM `+pgx.Identifier{b.schema, table}.Sanitize()).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
 }
 
 func (b *bundle) write(t *testing.T, msgs ...outbox.Message) {

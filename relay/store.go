@@ -42,6 +42,8 @@ type store struct {
 	releaseSQL       string
 	releaseAllSQL    string
 	goodbyeSQL       string
+	landedSQL        string
+	chargeCrashedSQL string
 	forgetOldSQL     string
 	liveInstancesSQL string
 }
@@ -56,34 +58,38 @@ func newStore(pool *pgxpool.Pool, schema string) *store {
 	owned := func(owner string) string {
 		return `EXISTS (SELECT 1 FROM ` + shards + ` s WHERE s.shard = o.shard AND s.owner = ` + owner + ` AND s.lease_until > now())`
 	}
-	// The attempt is counted in the same statement that reads the rows, so
-	// a row that crashes the relay still shows its attempts.
-	claim := func(exclude string) string {
-		return `UPDATE ` + outbox + ` AS u SET attempts = u.attempts + 1
-WHERE u.id IN (
-    SELECT o.id FROM ` + outbox + ` o
+	// The same statement that reads the round records its ids as this
+	// relay's in-flight set (one row written, not one per event): if the
+	// relay dies before recording the outcome, a survivor charges each of
+	// them an attempt (chargeCrashedSQL).
+	claim := func(exclude, owner string) string {
+		return `WITH round AS (
+    SELECT o.id, o.event_id::text, o.topic, o.key, o.value, o.headers, o.shard, o.attempts, o.created_at, o.first_refused_at
+    FROM ` + outbox + ` o
     WHERE o.shard = ANY($1::smallint[])` + exclude + `
     ORDER BY o.id
-    LIMIT $2)
-RETURNING u.id, u.event_id::text, u.topic, u.key, u.value, u.headers, u.shard, u.attempts, u.created_at, u.first_refused_at`
+    LIMIT $2),
+mark AS (
+    UPDATE ` + instances + ` SET inflight = (SELECT array_agg(id) FROM round) WHERE id = ` + owner + `)
+SELECT * FROM round`
 	}
 	return &store{
 		pool:     pool,
-		claimSQL: claim(""),
+		claimSQL: claim("", "$3"),
 		// Keys that are waiting out a retry backoff: no event of theirs at
 		// or after the failed one may go first.
 		claimExcludeSQL: claim(`
       AND NOT EXISTS (SELECT 1 FROM unnest($3::bytea[], $4::bigint[]) AS b(k, first_id)
                       WHERE o.key = b.k AND o.id >= b.first_id)
-      AND o.id <> ALL($5::bigint[])`),
+      AND o.id <> ALL($5::bigint[])`, "$6"),
 		deleteSQL: `DELETE FROM ` + outbox + ` o WHERE o.id = ANY($1::bigint[]) AND ` + owned("$2"),
 		deadSQL: `WITH moved AS (
     DELETE FROM ` + outbox + ` o USING unnest($1::bigint[], $2::text[]) AS x(id, error)
     WHERE o.id = x.id AND ` + owned("$3") + `
     RETURNING o.id, o.event_id, o.topic, o.key, o.value, o.headers, o.created_at, o.attempts, x.error)
 INSERT INTO ` + dead + ` (outbox_id, event_id, topic, key, value, headers, created_at, attempts, error)
-SELECT id, event_id, topic, key, value, headers, created_at, attempts, error FROM moved`,
-		failSQL: `UPDATE ` + outbox + ` o SET last_error = x.error,
+SELECT id, event_id, topic, key, value, headers, created_at, attempts + 1, error FROM moved`,
+		failSQL: `UPDATE ` + outbox + ` o SET last_error = x.error, attempts = o.attempts + 1,
     first_refused_at = CASE WHEN x.refused THEN coalesce(o.first_refused_at, now()) ELSE o.first_refused_at END
 FROM unnest($1::bigint[], $2::text[], $3::bool[]) AS x(id, error, refused)
 WHERE o.id = x.id`,
@@ -104,7 +110,16 @@ RETURNING shard`,
 		releaseSQL:    `UPDATE ` + shards + ` SET owner = NULL, lease_until = NULL WHERE owner = $1 AND shard = ANY($2::smallint[])`,
 		releaseAllSQL: `UPDATE ` + shards + ` SET owner = NULL, lease_until = NULL WHERE owner = $1`,
 		goodbyeSQL:    `DELETE FROM ` + instances + ` WHERE id = $1`,
-		forgetOldSQL:  `DELETE FROM ` + instances + ` WHERE lease_until < now() - interval '1 hour'`,
+		landedSQL:     `UPDATE ` + instances + ` SET inflight = NULL WHERE id = $1`,
+		chargeCrashedSQL: `WITH crashed AS (
+    SELECT id, inflight FROM ` + instances + `
+    WHERE lease_until <= now() AND inflight IS NOT NULL
+    FOR UPDATE SKIP LOCKED),
+cleared AS (
+    UPDATE ` + instances + ` i SET inflight = NULL FROM crashed WHERE i.id = crashed.id)
+UPDATE ` + outbox + ` SET attempts = attempts + 1, last_error = coalesce(last_error, 'relay died while publishing')
+WHERE id IN (SELECT unnest(inflight) FROM crashed)`,
+		forgetOldSQL: `DELETE FROM ` + instances + ` WHERE lease_until < now() - interval '1 hour'`,
 	}
 }
 
@@ -116,11 +131,11 @@ type keyBlock struct {
 
 // claim reads and counts an attempt on the oldest pending events of shards,
 // skipping blocked keys and ids, and returns them in id order.
-func (s *store) claim(ctx context.Context, shards []int16, limit int, blockedKeys []keyBlock, blockedIDs []int64) ([]pendingEvent, error) {
+func (s *store) claim(ctx context.Context, owner string, shards []int16, limit int, blockedKeys []keyBlock, blockedIDs []int64) ([]pendingEvent, error) {
 	var rows pgx.Rows
 	var err error
 	if len(blockedKeys) == 0 && len(blockedIDs) == 0 {
-		rows, err = s.pool.Query(ctx, s.claimSQL, shards, limit)
+		rows, err = s.pool.Query(ctx, s.claimSQL, shards, limit, owner)
 	} else {
 		keys := make([][]byte, len(blockedKeys))
 		ids := make([]int64, len(blockedKeys))
@@ -130,7 +145,7 @@ func (s *store) claim(ctx context.Context, shards []int16, limit int, blockedKey
 		if blockedIDs == nil {
 			blockedIDs = []int64{}
 		}
-		rows, err = s.pool.Query(ctx, s.claimExcludeSQL, shards, limit, keys, ids, blockedIDs)
+		rows, err = s.pool.Query(ctx, s.claimExcludeSQL, shards, limit, keys, ids, blockedIDs, owner)
 	}
 	if err != nil {
 		return nil, err
@@ -188,9 +203,7 @@ func (s *store) finish(ctx context.Context, owner string, acked []int64, dead []
 		}
 		b.Queue(s.failSQL, ids, errs, refused)
 	}
-	if b.Len() == 0 {
-		return 0, nil
-	}
+	b.Queue(s.landedSQL, owner)
 	if err := s.pool.SendBatch(ctx, b).Close(); err != nil {
 		return deleted, fmt.Errorf("record outcome: %w", err)
 	}

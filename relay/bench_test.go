@@ -1,0 +1,205 @@
+package relay_test
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/onceflow/onceflow/internal/pgtest"
+	"github.com/onceflow/onceflow/outbox"
+	"github.com/onceflow/onceflow/relay"
+)
+
+const (
+	benchEvents    = 100_000
+	benchValueSize = 256
+	benchKeys      = 1000
+)
+
+func fillOutbox(b *testing.B, schema, topic string) {
+	b.Helper()
+	_, err := pgtest.Pool(b).Exec(context.Background(), `INSERT INTO `+pgx.Identifier{schema, "outbox"}.Sanitize()+` (topic, key, value)
+SELECT $1, ('key-' || (g % $2))::bytea, convert_to(repeat('x', $3), 'UTF8') FROM generate_series(1, $4) g`,
+		topic, benchKeys, benchValueSize, benchEvents)
+	if err != nil {
+		b.Fatal(err)
+	}
+	if _, err := pgtest.Pool(b).Exec(context.Background(), `VACUUM ANALYZE `+pgx.Identifier{schema, "outbox"}.Sanitize()); err != nil {
+		b.Fatal(err)
+	}
+}
+
+func perSecond(n int, d time.Duration) float64 { return float64(n) / d.Seconds() }
+
+// BenchmarkRelayDrain drains 100k events of 256 bytes over 1k keys into
+// kfake and prints the rate beside the ceilings measured in the same run:
+// the database alone (select 1,000 then delete them), the broker alone
+// (franz-go produce of 1,000 and wait), and a plain batch loop (select
+// 1,000 → produce, wait for acks → delete).
+//
+//	go test -run '^$' -bench RelayDrain -benchtime 1x ./relay/
+func BenchmarkRelayDrain(b *testing.B) {
+	ctx := context.Background()
+	pool := pgtest.Pool(b)
+	bu := &bundle{kafka: nil}
+	for range b.N {
+		// Ceiling 1: the database alone.
+		dbSchema := pgtest.Schema(b)
+		fillOutbox(b, dbSchema, "bench")
+		table := pgx.Identifier{dbSchema, "outbox"}.Sanitize()
+		start := time.Now()
+		for {
+			rows, _ := pool.Query(ctx, `SELECT id, event_id, key, value, headers FROM `+table+` ORDER BY id LIMIT 1000`)
+			ids, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (int64, error) {
+				var id int64
+				var ev, k, v, h any
+				err := r.Scan(&id, &ev, &k, &v, &h)
+				return id, err
+			})
+			if err != nil {
+				b.Fatal(err)
+			}
+			if len(ids) == 0 {
+				break
+			}
+			if _, err := pool.Exec(ctx, `DELETE FROM `+table+` WHERE id = ANY($1)`, ids); err != nil {
+				b.Fatal(err)
+			}
+		}
+		dbRate := perSecond(benchEvents, time.Since(start))
+
+		// Ceiling 2: the broker alone.
+		bu = setupBench(b)
+		topic := bu.kafka.Topic(b, 8)
+		cl := bu.kafka.Client(b, kgo.ProducerLinger(0))
+		value := make([]byte, benchValueSize)
+		start = time.Now()
+		for i := 0; i < benchEvents; i += 1000 {
+			recs := make([]*kgo.Record, 1000)
+			for j := range recs {
+				recs[j] = &kgo.Record{Topic: topic, Key: []byte("key-" + strconv.Itoa((i+j)%benchKeys)), Value: value}
+			}
+			if err := cl.ProduceSync(ctx, recs...).FirstErr(); err != nil {
+				b.Fatal(err)
+			}
+		}
+		brokerRate := perSecond(benchEvents, time.Since(start))
+
+		// Baseline: a plain batch loop with no ownership, attempts or
+		// failure handling.
+		loopSchema := pgtest.Schema(b)
+		fillOutbox(b, loopSchema, topic)
+		table = pgx.Identifier{loopSchema, "outbox"}.Sanitize()
+		start = time.Now()
+		for {
+			rows, _ := pool.Query(ctx, `SELECT id, event_id::text, topic, key, value FROM `+table+` ORDER BY id LIMIT 1000`)
+			var ids []int64
+			var recs []*kgo.Record
+			for rows.Next() {
+				var id int64
+				r := &kgo.Record{}
+				var ev string
+				if err := rows.Scan(&id, &ev, &r.Topic, &r.Key, &r.Value); err != nil {
+					b.Fatal(err)
+				}
+				r.Headers = []kgo.RecordHeader{{Key: "message-id", Value: []byte(ev)}}
+				ids, recs = append(ids, id), append(recs, r)
+			}
+			if len(ids) == 0 {
+				break
+			}
+			if err := cl.ProduceSync(ctx, recs...).FirstErr(); err != nil {
+				b.Fatal(err)
+			}
+			if _, err := pool.Exec(ctx, `DELETE FROM `+table+` WHERE id = ANY($1)`, ids); err != nil {
+				b.Fatal(err)
+			}
+		}
+		loopRate := perSecond(benchEvents, time.Since(start))
+
+		// The relay.
+		bu.schema = pgtest.Schema(b)
+		fillOutbox(b, bu.schema, topic)
+		start = time.Now()
+		bu.startRelay(b, relay.Config{})
+		deadline := time.Now().Add(5 * time.Minute)
+		for bu.countB(b, "outbox") > 0 {
+			if time.Now().After(deadline) {
+				b.Fatal("relay did not drain in 5 minutes")
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		relayRate := perSecond(benchEvents, time.Since(start))
+		b.ReportMetric(relayRate, "relay-events/s")
+		b.ReportMetric(loopRate, "plain-loop-events/s")
+		b.ReportMetric(dbRate, "db-ceiling-events/s")
+		b.ReportMetric(brokerRate, "broker-ceiling-events/s")
+		fmt.Printf("\ndrain %d events of %dB over %d keys:\n  relay        %8.0f events/s\n  plain loop   %8.0f events/s (%.0f%% of it)\n  db ceiling   %8.0f events/s (select+delete 1,000)\n  broker ceil. %8.0f events/s (franz-go produce 1,000)\n",
+			benchEvents, benchValueSize, benchKeys, relayRate, loopRate, 100*relayRate/loopRate, dbRate, brokerRate)
+	}
+}
+
+// BenchmarkRelayLatency writes 1,000 events/s (10 per transaction every
+// 10 ms) for 10 s and measures commit → consumer latency, which bounds
+// commit → Kafka from above.
+//
+//	go test -run '^$' -bench RelayLatency -benchtime 1x ./relay/
+func BenchmarkRelayLatency(b *testing.B) {
+	ctx := context.Background()
+	for range b.N {
+		bu := setupBench(b)
+		bu.schema = pgtest.Schema(b)
+		w, _ := outbox.NewWriter(&outbox.Config{Schema: bu.schema})
+		topic := bu.kafka.Topic(b, 8)
+		bu.startRelay(b, relay.Config{PollInterval: time.Second})
+		cl := bu.kafka.Client(b, kgo.ConsumeTopics(topic), kgo.FetchMaxWait(time.Second))
+		const total = 10_000
+		committed := make(map[string]time.Time, total)
+		received := make(map[string]time.Time, total)
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			for len(received) < total {
+				fs := cl.PollFetches(ctx)
+				now := time.Now()
+				fs.EachRecord(func(r *kgo.Record) { received[string(r.Value)] = now })
+			}
+		}()
+		tick := time.NewTicker(10 * time.Millisecond)
+		var lat []time.Duration
+		for i := 0; i < total; i += 10 {
+			<-tick.C
+			msgs := make([]outbox.Message, 10)
+			for j := range msgs {
+				msgs[j] = outbox.Message{Topic: topic, Key: []byte(strconv.Itoa((i + j) % benchKeys)), Value: []byte(strconv.Itoa(i + j))}
+			}
+			if err := pgx.BeginFunc(ctx, pgtest.Pool(b), func(tx pgx.Tx) error { return w.Write(ctx, tx, msgs...) }); err != nil {
+				b.Fatal(err)
+			}
+			now := time.Now()
+			for j := range msgs {
+				committed[string(msgs[j].Value)] = now
+			}
+		}
+		tick.Stop()
+		select {
+		case <-done:
+		case <-time.After(60 * time.Second):
+			b.Fatal("not every event was received")
+		}
+		for v, c := range committed {
+			lat = append(lat, received[v].Sub(c))
+		}
+		slices.Sort(lat)
+		p50, p99, max := lat[len(lat)/2], lat[len(lat)*99/100], lat[len(lat)-1]
+		b.ReportMetric(float64(p50.Microseconds())/1000, "p50-ms")
+		b.ReportMetric(float64(p99.Microseconds())/1000, "p99-ms")
+		fmt.Printf("\ncommit → consumer latency at 1,000 events/s: p50 %s, p99 %s, max %s\n", p50, p99, max)
+	}
+}
