@@ -88,10 +88,16 @@ CREATE TABLE relay_instances (
     pid          integer     NOT NULL DEFAULT 0,
     started_at   timestamptz NOT NULL DEFAULT now(),
     heartbeat_at timestamptz NOT NULL DEFAULT now(),
-    lease_until  timestamptz NOT NULL,
-    -- Outbox ids of the round being published; cleared when the round's
-    -- outcome is recorded. Left set by a crash.
-    inflight     bigint[]
+    lease_until  timestamptz NOT NULL
+);
+
+-- The outbox ids of the round each relay is publishing, cleared when the
+-- round's outcome is recorded and left behind by a crash, so survivors can
+-- charge those events an attempt. Unlogged: it is written every round and
+-- only matters while the database stays up.
+CREATE UNLOGGED TABLE relay_rounds (
+    instance text PRIMARY KEY,
+    ids      bigint[]
 );
 
 -- Shard ownership. All times come from the database clock, so relays on

@@ -53,6 +53,7 @@ func newStore(pool *pgxpool.Pool, schema string) *store {
 	dead := pgx.Identifier{schema, "outbox_dead"}.Sanitize()
 	shards := pgx.Identifier{schema, "relay_shards"}.Sanitize()
 	instances := pgx.Identifier{schema, "relay_instances"}.Sanitize()
+	rounds := pgx.Identifier{schema, "relay_rounds"}.Sanitize()
 	// owned restricts a statement on outbox row o to shards this relay
 	// ($owner) still holds a live lease on: the re-check before delete.
 	owned := func(owner string) string {
@@ -70,7 +71,8 @@ func newStore(pool *pgxpool.Pool, schema string) *store {
     ORDER BY o.id
     LIMIT $2),
 mark AS (
-    UPDATE ` + instances + ` SET inflight = (SELECT array_agg(id) FROM round) WHERE id = ` + owner + `)
+    INSERT INTO ` + rounds + ` (instance, ids) SELECT ` + owner + `, array_agg(id) FROM round
+    ON CONFLICT (instance) DO UPDATE SET ids = excluded.ids)
 SELECT * FROM round`
 	}
 	return &store{
@@ -82,7 +84,9 @@ SELECT * FROM round`
       AND NOT EXISTS (SELECT 1 FROM unnest($3::bytea[], $4::bigint[]) AS b(k, first_id)
                       WHERE o.key = b.k AND o.id >= b.first_id)
       AND o.id <> ALL($5::bigint[])`, "$6"),
-		deleteSQL: `DELETE FROM ` + outbox + ` o WHERE o.id = ANY($1::bigint[]) AND ` + owned("$2"),
+		// The ownership re-check reads relay_shards once, not per row.
+		deleteSQL: `DELETE FROM ` + outbox + ` o WHERE o.id = ANY($1::bigint[])
+    AND o.shard = ANY((SELECT array_agg(shard) FROM ` + shards + ` WHERE owner = $2 AND lease_until > now())::smallint[])`,
 		deadSQL: `WITH moved AS (
     DELETE FROM ` + outbox + ` o USING unnest($1::bigint[], $2::text[]) AS x(id, error)
     WHERE o.id = x.id AND ` + owned("$3") + `
@@ -110,15 +114,15 @@ RETURNING shard`,
 		releaseSQL:    `UPDATE ` + shards + ` SET owner = NULL, lease_until = NULL WHERE owner = $1 AND shard = ANY($2::smallint[])`,
 		releaseAllSQL: `UPDATE ` + shards + ` SET owner = NULL, lease_until = NULL WHERE owner = $1`,
 		goodbyeSQL:    `DELETE FROM ` + instances + ` WHERE id = $1`,
-		landedSQL:     `UPDATE ` + instances + ` SET inflight = NULL WHERE id = $1`,
+		landedSQL:     `DELETE FROM ` + rounds + ` WHERE instance = $1`,
+		// A round whose relay's lease lapsed (or whose instance row is gone)
+		// was cut short.
 		chargeCrashedSQL: `WITH crashed AS (
-    SELECT id, inflight FROM ` + instances + `
-    WHERE lease_until <= now() AND inflight IS NOT NULL
-    FOR UPDATE SKIP LOCKED),
-cleared AS (
-    UPDATE ` + instances + ` i SET inflight = NULL FROM crashed WHERE i.id = crashed.id)
+    DELETE FROM ` + rounds + ` r
+    WHERE NOT EXISTS (SELECT 1 FROM ` + instances + ` i WHERE i.id = r.instance AND i.lease_until > now())
+    RETURNING ids)
 UPDATE ` + outbox + ` SET attempts = attempts + 1, last_error = coalesce(last_error, 'relay died while publishing')
-WHERE id IN (SELECT unnest(inflight) FROM crashed)`,
+WHERE id IN (SELECT unnest(ids) FROM crashed)`,
 		forgetOldSQL: `DELETE FROM ` + instances + ` WHERE lease_until < now() - interval '1 hour'`,
 	}
 }
