@@ -13,10 +13,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/testcontainers/testcontainers-go/modules/redpanda"
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
-	"github.com/testcontainers/testcontainers-go/modules/redpanda"
 
 	"github.com/onceflow/onceflow/internal/pgtest"
 )
