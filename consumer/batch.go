@@ -91,7 +91,7 @@ func (p *Processor) attemptBatch(ctx context.Context, msgs []Message) error {
 		}
 	}
 	if len(todo) > 0 {
-		if err := p.call(ctx, tx, func() error { return p.batch(ctx, tx, todo) }); err != nil {
+		if err := p.call(ctx, func() error { return p.batch(ctx, tx, todo) }); err != nil {
 			return err
 		}
 		if err := tx.Commit(ctx); err != nil {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/crc32"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -69,7 +70,11 @@ func TestConcurrentDuplicateBlocksThenSkips(t *testing.T) {
 	entered := make(chan struct{}, 2)
 	handler := func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
 		entered <- struct{}{}
-		<-release
+		select {
+		case <-release:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
 		return b.record(ctx, tx, "ledger", m)
 	}
 	hooks := &counter{}
@@ -79,20 +84,21 @@ func TestConcurrentDuplicateBlocksThenSkips(t *testing.T) {
 	tr1, tr2 := &memTransport{}, &memTransport{}
 	ctx := context.Background()
 	w1 := p1.StartPartition(ctx, tr1)
-	defer w1.Stop(ctx)
+	defer w1.Stop(canceled())
 	if err := w1.Add(ctx, msg(0, "race", "")); err != nil {
 		t.Fatal(err)
 	}
 	<-entered // the first holds the dedup row in an open transaction
 	w2 := p2.StartPartition(ctx, tr2)
-	defer w2.Stop(ctx)
+	defer w2.Stop(canceled())
 	if err := w2.Add(ctx, msg(5, "race", "")); err != nil {
 		t.Fatal(err)
 	}
+	table := pgx.Identifier{b.schema, "processed_messages"}.Sanitize()
 	waitFor(t, 10*time.Second, "the second insert to wait on a lock", func() bool {
 		var waiting int
 		err := b.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-			WHERE wait_event_type = 'Lock' AND query LIKE 'INSERT INTO '||$1||'%'`, pgx.Identifier{b.schema, "processed_messages"}.Sanitize()).Scan(&waiting)
+			WHERE wait_event_type = 'Lock' AND (query LIKE '%INSERT INTO '||$1||'%' OR query LIKE '%EXECUTE '||$2||'(%')`, table, fmt.Sprintf("onceflow_dedup_%x", crc32.ChecksumIEEE([]byte(table)))).Scan(&waiting)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -369,4 +375,55 @@ func (pgxBeginner) Begin(context.Context) (pgx.Tx, error) { return nil, errors.N
 
 func contains(s, sub string) bool {
 	return len(sub) == 0 || len(s) >= len(sub) && (s[:len(sub)] == sub || contains(s[1:], sub))
+}
+
+// canceled returns a canceled context: Stop with it abandons work at once.
+func canceled() context.Context {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	return ctx
+}
+
+// beginOnly hides the pool's Acquire, so the Processor takes its general
+// path: BEGIN, then INSERT … ON CONFLICT DO NOTHING.
+type beginOnly struct{ db consumer.Beginner }
+
+func (b beginOnly) Begin(ctx context.Context) (pgx.Tx, error) { return b.db.Begin(ctx) }
+
+func TestBeginnerWithoutPool(t *testing.T) {
+	b := setup(t)
+	var calls atomic.Int32
+	hooks := &counter{}
+	p, err := consumer.New(beginOnly{b.pool}, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		if calls.Add(1) == 1 {
+			return errors.New("transient")
+		}
+		return b.record(ctx, tx, "ledger", m)
+	}, &consumer.Config{Schema: b.schema, MinBackoff: time.Millisecond, Hooks: []consumer.Hook{hooks}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	run(t, p, &memTransport{}, msg(0, "id-1", ""), msg(1, "id-1", ""), msg(2, "id-2", ""))
+	if b.count(t, "") != 2 || hooks.get(consumer.Duplicate) != 1 || hooks.retries != 1 {
+		t.Fatalf("effects %d duplicates %d retries %d, want 2, 1, 1", b.count(t, ""), hooks.get(consumer.Duplicate), hooks.retries)
+	}
+}
+
+// A message id that looks like SQL, or like the dollar quote, is only data.
+func TestMessageIDIsNeverSQL(t *testing.T) {
+	b := setup(t)
+	p, _ := consumer.New(b.pool, "led'ger$of$", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		return b.record(ctx, tx, "x", m)
+	}, &consumer.Config{Schema: b.schema})
+	ids := []string{`'); DROP TABLE x; --`, `$of$); DROP TABLE x; --`, `a\'b`, `$of0$$of$`, `$of`}
+	var msgs []consumer.Message
+	for i, id := range ids {
+		msgs = append(msgs, msg(int64(i), id, ""), msg(int64(i+100), id, ""))
+	}
+	run(t, p, &memTransport{}, msgs...)
+	for _, id := range ids {
+		if got := b.count(t, "message_id = $1", id); got != 1 {
+			t.Errorf("effects of %q = %d, want 1", id, got)
+		}
+	}
 }

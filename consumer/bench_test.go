@@ -1,0 +1,242 @@
+package consumer_test
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceflow/onceflow/consumer"
+	"github.com/onceflow/onceflow/internal/pgtest"
+)
+
+// The benchmarks measure the PostgreSQL path of the consumer (dedup insert,
+// handler, commit, offset marking) with messages fed from memory, beside the
+// raw rate of the same database at the same concurrency, measured in the
+// same run in alternating rounds. Kafka is left out: it is not what limits
+// an idempotent consumer, and kfake's speed says nothing about a real
+// broker.
+//
+//	go test -run '^$' -bench . -benchtime 1x ./consumer/
+
+const (
+	benchConcurrency = 8     // partitions (or key-parallel workers), and raw goroutines
+	benchMessages    = 8000  // per round, per-message modes
+	benchBatchMsgs   = 60000 // per round, batch mode
+	benchBatchSize   = 100   // messages per batch transaction, and rows per raw insert
+	benchRounds      = 3
+	benchAccounts    = 10000
+)
+
+type benchEnv struct {
+	pool     *pgxpool.Pool
+	schema   string
+	raw      string
+	accounts string
+	run      atomic.Int64 // makes message ids unique across rounds
+}
+
+func benchSetup(b *testing.B) *benchEnv {
+	b.Helper()
+	schema := pgtest.Schema(b)
+	pool := pgtest.Pool(b)
+	e := &benchEnv{pool: pool, schema: schema,
+		raw:      pgx.Identifier{schema, "raw_messages"}.Sanitize(),
+		accounts: pgx.Identifier{schema, "accounts"}.Sanitize()}
+	ctx := context.Background()
+	for _, q := range []string{
+		// The raw ceiling writes a table shaped like processed_messages.
+		`CREATE TABLE ` + e.raw + ` (consumer text, message_id text, processed_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (consumer, message_id))`,
+		`CREATE TABLE ` + e.accounts + ` (id int PRIMARY KEY, balance bigint NOT NULL)`,
+		`INSERT INTO ` + e.accounts + ` SELECT i, 0 FROM generate_series(0, ` + strconv.Itoa(benchAccounts-1) + `) i`,
+	} {
+		if _, err := pool.Exec(ctx, q); err != nil {
+			b.Fatal(err)
+		}
+	}
+	return e
+}
+
+// rawSingle runs n single-row insert transactions (BEGIN; INSERT; COMMIT)
+// on c goroutines and returns rows/s.
+func (e *benchEnv) rawSingle(b *testing.B, n, c int) float64 {
+	ctx := context.Background()
+	tag := strconv.FormatInt(e.run.Add(1), 10)
+	var next atomic.Int64
+	start := time.Now()
+	var wg sync.WaitGroup
+	for range c {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				i := next.Add(1)
+				if i > int64(n) {
+					return
+				}
+				err := pgx.BeginFunc(ctx, e.pool, func(tx pgx.Tx) error {
+					_, err := tx.Exec(ctx, `INSERT INTO `+e.raw+` (consumer, message_id) VALUES ($1, $2)`, "raw", tag+"-"+strconv.FormatInt(i, 10))
+					return err
+				})
+				if err != nil {
+					b.Error(err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	return float64(n) / time.Since(start).Seconds()
+}
+
+// rawMulti inserts n rows in transactions of size rows each on c goroutines
+// and returns rows/s.
+func (e *benchEnv) rawMulti(b *testing.B, n, size, c int) float64 {
+	ctx := context.Background()
+	tag := strconv.FormatInt(e.run.Add(1), 10)
+	var next atomic.Int64
+	start := time.Now()
+	var wg sync.WaitGroup
+	for range c {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				hi := next.Add(int64(size))
+				if hi-int64(size) >= int64(n) {
+					return
+				}
+				ids := make([]string, size)
+				for j := range ids {
+					ids[j] = tag + "-" + strconv.FormatInt(hi-int64(j), 10)
+				}
+				err := pgx.BeginFunc(ctx, e.pool, func(tx pgx.Tx) error {
+					_, err := tx.Exec(ctx, `INSERT INTO `+e.raw+` (consumer, message_id) SELECT 'raw', unnest($1::text[])`, ids)
+					return err
+				})
+				if err != nil {
+					b.Error(err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	return float64(n) / time.Since(start).Seconds()
+}
+
+// countTransport counts marked messages.
+type countTransport struct {
+	done atomic.Int64
+	last atomic.Int64
+}
+
+func (c *countTransport) MarkDone(m consumer.Message) { c.last.Store(m.Offset) }
+
+func (c *countTransport) PublishDeadLetter(context.Context, consumer.DeadLetter) error {
+	return fmt.Errorf("unexpected dead letter")
+}
+
+// consume feeds n messages over parts partitions through p and returns
+// messages/s, from the first Add to the last offset marked.
+func (e *benchEnv) consume(b *testing.B, p *consumer.Processor, n, parts int) float64 {
+	ctx := context.Background()
+	tag := strconv.FormatInt(e.run.Add(1), 10)
+	per := n / parts
+	start := time.Now()
+	var wg sync.WaitGroup
+	for part := range parts {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			tr := &countTransport{}
+			tr.last.Store(-1)
+			w := p.StartPartition(ctx, tr)
+			defer w.Stop(ctx)
+			for i := range per {
+				acct := (part*per + i) % benchAccounts
+				m := consumer.Message{Topic: "bench", Partition: int32(part), Offset: int64(i),
+					Key:     []byte(strconv.Itoa(acct)),
+					Headers: []consumer.Header{{Key: consumer.MessageIDHeader, Value: []byte(tag + "-" + strconv.Itoa(part) + "-" + strconv.Itoa(i))}}}
+				if err := w.Add(ctx, m); err != nil {
+					b.Error(err)
+					return
+				}
+			}
+			for tr.last.Load() != int64(per-1) {
+				time.Sleep(200 * time.Microsecond)
+			}
+		}()
+	}
+	wg.Wait()
+	return float64(per*parts) / time.Since(start).Seconds()
+}
+
+func (e *benchEnv) updateOne(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+	_, err := tx.Exec(ctx, `UPDATE `+e.accounts+` SET balance = balance + 1 WHERE id = $1`, string(m.Key))
+	return err
+}
+
+func (e *benchEnv) updateBatch(ctx context.Context, tx pgx.Tx, ms []consumer.Message) error {
+	// One UPDATE for the whole batch.
+	ids := make([]string, len(ms))
+	for i, m := range ms {
+		ids[i] = string(m.Key)
+	}
+	_, err := tx.Exec(ctx, `UPDATE `+e.accounts+` a SET balance = a.balance + d.n
+		FROM (SELECT id::int, count(*) AS n FROM unnest($1::text[]) id GROUP BY 1) d WHERE a.id = d.id`, ids)
+	return err
+}
+
+// report runs raw and mode alternately benchRounds times and reports the
+// best of each, so both see the same machine load.
+func report(b *testing.B, rawName string, raw, mode func() float64) {
+	var bestRaw, bestMode float64
+	for range b.N * benchRounds {
+		bestRaw = max(bestRaw, raw())
+		bestMode = max(bestMode, mode())
+	}
+	b.ReportMetric(bestMode, "msgs/s")
+	b.ReportMetric(bestRaw, rawName)
+	b.ReportMetric(100*bestMode/bestRaw, "%raw")
+	b.ReportMetric(0, "ns/op")
+}
+
+func BenchmarkPerMessage(b *testing.B) {
+	e := benchSetup(b)
+	p, err := consumer.New(e.pool, "bench", e.updateOne, &consumer.Config{Schema: e.schema})
+	if err != nil {
+		b.Fatal(err)
+	}
+	report(b, "raw-tx/s",
+		func() float64 { return e.rawSingle(b, benchMessages, benchConcurrency) },
+		func() float64 { return e.consume(b, p, benchMessages, benchConcurrency) })
+}
+
+func BenchmarkKeyParallel(b *testing.B) {
+	e := benchSetup(b)
+	p, err := consumer.New(e.pool, "bench", e.updateOne, &consumer.Config{Schema: e.schema, Concurrency: benchConcurrency})
+	if err != nil {
+		b.Fatal(err)
+	}
+	report(b, "raw-tx/s",
+		func() float64 { return e.rawSingle(b, benchMessages, benchConcurrency) },
+		func() float64 { return e.consume(b, p, benchMessages, 1) })
+}
+
+func BenchmarkBatch(b *testing.B) {
+	e := benchSetup(b)
+	p, err := consumer.NewBatch(e.pool, "bench", e.updateBatch, &consumer.Config{Schema: e.schema, BatchSize: benchBatchSize})
+	if err != nil {
+		b.Fatal(err)
+	}
+	report(b, "raw-100row/s",
+		func() float64 { return e.rawMulti(b, benchBatchMsgs, benchBatchSize, benchConcurrency) },
+		func() float64 { return e.consume(b, p, benchBatchMsgs, benchConcurrency) })
+}
