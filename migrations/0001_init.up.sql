@@ -91,13 +91,15 @@ CREATE TABLE relay_instances (
     lease_until  timestamptz NOT NULL
 );
 
--- The outbox ids of the round each relay is publishing, cleared when the
--- round's outcome is recorded and left behind by a crash, so survivors can
--- charge those events an attempt. Unlogged: it is written every round and
--- only matters while the database stays up.
+-- The span of outbox ids (and the shards) each relay has in flight, cleared
+-- as rounds land and left behind by a crash, so survivors can charge those
+-- events an attempt. A span, not a list: one small row per round. Unlogged:
+-- it is written every round and only matters while the database stays up.
 CREATE UNLOGGED TABLE relay_rounds (
     instance text PRIMARY KEY,
-    ids      bigint[]
+    lo       bigint NOT NULL,
+    hi       bigint NOT NULL,
+    shards   smallint[] NOT NULL
 );
 
 -- Shard ownership. All times come from the database clock, so relays on

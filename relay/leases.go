@@ -97,6 +97,12 @@ func (l *leases) tick(ctx context.Context) error {
 	return nil
 }
 
+func (l *leases) hasExcess() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.excess > 0
+}
+
 // releaseExcess hands back the shards above the fair share. The publish loop
 // calls it between rounds.
 func (l *leases) releaseExcess(ctx context.Context) error {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -188,16 +189,24 @@ func (r *Relay) signal() {
 }
 
 func (r *Relay) publishLoop(ctx context.Context) {
+	var ahead *prefetch
 	for ctx.Err() == nil {
+		if r.leases.hasExcess() {
+			ahead = nil // it may hold events of shards about to go
+		}
 		if err := r.leases.releaseExcess(ctx); err != nil && ctx.Err() == nil {
 			r.log.Warn("relay: hand back shards", "err", err)
 		}
 		shards := r.leases.snapshot()
+		if ahead != nil && !slices.Equal(ahead.shards, shards) {
+			ahead = nil // ownership changed since it was read
+		}
 		if len(shards) == 0 {
 			r.idle(ctx)
 			continue
 		}
-		res, err := r.round(ctx, shards)
+		res, next, err := r.round(ctx, shards, ahead)
+		ahead = next
 		switch {
 		case err != nil && ctx.Err() == nil:
 			wait := r.roundBackoff.NextBackOff()
@@ -240,27 +249,59 @@ type roundResult struct {
 	claimed, acked, dead int
 }
 
+// prefetch is the next round, read while the current one was with Kafka.
+type prefetch struct {
+	shards []int16
+	events []pendingEvent
+}
+
 // round publishes one batch: claim the oldest pending events of the owned
-// shards (counting an attempt), publish them, wait for every ack, then
-// delete exactly the acknowledged ones, dead-letter the refused ones and
-// hold back the keys of the ones that failed.
-func (r *Relay) round(ctx context.Context, shards []int16) (roundResult, error) {
+// shards (recording them as in flight), publish them, wait for every ack,
+// then delete exactly the acknowledged ones, dead-letter the refused ones
+// and hold back the keys of the ones that failed.
+//
+// While a full round is with Kafka, the next round is read (excluding this
+// one's events) so the database and the broker work at the same time. It is
+// published only after this round's outcome is known, and its events of
+// keys that just failed are left out, so a key's events still go out in
+// order and stop at the first failure.
+func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (roundResult, *prefetch, error) {
 	start := time.Now()
 	keys, ids := r.exclusions(start)
-	events, err := r.st.claim(ctx, r.cfg.InstanceID, shards, r.cfg.BatchSize, keys, ids)
-	if err != nil {
-		return roundResult{}, fmt.Errorf("relay: read pending events: %w", err)
+	var events []pendingEvent
+	if ahead != nil {
+		events = r.withoutBlocked(ahead.events, start)
+	} else {
+		var err error
+		events, err = r.st.claim(ctx, r.cfg.InstanceID, shards, r.cfg.BatchSize, keys, ids)
+		if err != nil {
+			return roundResult{}, nil, fmt.Errorf("relay: read pending events: %w", err)
+		}
 	}
 	if len(events) == 0 {
-		return roundResult{}, nil
+		return roundResult{}, nil, nil
 	}
 	records := make([]Record, len(events))
 	for i := range events {
 		records[i] = toRecord(&events[i])
 	}
-	errs := r.pub.Publish(ctx, records)
+	published := make(chan []error, 1)
+	go func() { published <- r.pub.Publish(ctx, records) }()
+
+	var next *prefetch
+	if len(events) == r.cfg.BatchSize {
+		inFlight := ids
+		for i := range events {
+			inFlight = append(inFlight, events[i].id)
+		}
+		nextEvents, err := r.st.claim(ctx, r.cfg.InstanceID, shards, r.cfg.BatchSize, keys, inFlight)
+		if err == nil && len(nextEvents) > 0 {
+			next = &prefetch{shards: shards, events: nextEvents}
+		}
+	}
+	errs := <-published
 	if len(errs) != len(records) {
-		return roundResult{claimed: len(events)}, fmt.Errorf("relay: publisher returned %d results for %d records", len(errs), len(records))
+		return roundResult{claimed: len(events)}, nil, fmt.Errorf("relay: publisher returned %d results for %d records", len(errs), len(records))
 	}
 
 	var acked []int64
@@ -314,7 +355,14 @@ func (r *Relay) round(ctx context.Context, shards []int16) (roundResult, error) 
 	// not be published again needlessly.
 	finishCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	defer cancel()
-	deleted, err := r.st.finish(finishCtx, r.cfg.InstanceID, acked, dead, failed)
+	var nextLo int64
+	if next != nil {
+		nextLo = next.events[0].id
+		for _, e := range next.events {
+			nextLo = min(nextLo, e.id)
+		}
+	}
+	deleted, err := r.st.finish(finishCtx, r.cfg.InstanceID, acked, dead, failed, nextLo)
 	stats := BatchStats{
 		Published:       int(deleted),
 		Failed:          len(failed),
@@ -325,7 +373,7 @@ func (r *Relay) round(ctx context.Context, shards []int16) (roundResult, error) 
 	}
 	r.cfg.Observer.ObserveBatch(stats)
 	if err != nil {
-		return roundResult{claimed: len(events)}, fmt.Errorf("relay: %d events were published but %w; they will be published again", len(acked), err)
+		return roundResult{claimed: len(events)}, nil, fmt.Errorf("relay: %d events were published but %w; they will be published again", len(acked), err)
 	}
 	if stats.NotDeleted > 0 {
 		r.log.Warn("relay: lost shard ownership mid-round; the new owner republishes", "events", stats.NotDeleted)
@@ -333,7 +381,21 @@ func (r *Relay) round(ctx context.Context, shards []int16) (roundResult, error) 
 	if len(failed) > 0 {
 		r.log.Warn("relay: events failed; their keys wait and retry", "failed", len(failed), "first_err", failed[0].err)
 	}
-	return roundResult{claimed: len(events), acked: len(acked), dead: len(dead)}, nil
+	return roundResult{claimed: len(events), acked: len(acked), dead: len(dead)}, next, nil
+}
+
+// withoutBlocked drops prefetched events whose key is waiting out a retry;
+// they stay pending and are read again once the key may go.
+func (r *Relay) withoutBlocked(events []pendingEvent, now time.Time) []pendingEvent {
+	out := events[:0:0]
+	for i := range events {
+		k := r.blocked[blockKey(&events[i])]
+		if k != nil && now.Before(k.retryAt) && events[i].id >= k.firstID {
+			continue
+		}
+		out = append(out, events[i])
+	}
+	return out
 }
 
 func toRecord(e *pendingEvent) Record {

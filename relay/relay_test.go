@@ -449,3 +449,37 @@ func TestRunFailsOnUnmigratedSchema(t *testing.T) {
 		t.Fatalf("Run on an unmigrated schema: %v", err)
 	}
 }
+
+// A relay that died mid-round leaves its in-flight span behind; the next
+// relay charges those events an attempt before publishing them, so an event
+// that keeps crashing relays shows it.
+func TestCrashedRoundChargesAnAttempt(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	fake := b.kafka.RequireFake(t)
+	forbidden := b.kafka.Topic(t, 1)
+	fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: forbidden, Err: kerr.TopicAuthorizationFailed, Count: -1})
+	b.write(t, outbox.Message{Topic: forbidden, Key: []byte("k"), Value: []byte("poison")})
+	var id int64
+	ctx := context.Background()
+	if err := b.pool.QueryRow(ctx, `SELECT id FROM `+pgx.Identifier{b.schema, "outbox"}.Sanitize()).Scan(&id); err != nil {
+		t.Fatal(err)
+	}
+	// What a SIGKILLed relay leaves: its span, and no live instance.
+	if _, err := b.pool.Exec(ctx, `INSERT INTO `+pgx.Identifier{b.schema, "relay_rounds"}.Sanitize()+` (instance, lo, hi, shards)
+VALUES ('dead-relay', $1, $1, (SELECT array_agg(g::smallint) FROM generate_series(0, 255) g))`, id); err != nil {
+		t.Fatal(err)
+	}
+	b.startRelay(t, relay.Config{})
+	waitFor(t, "the event to be dead-lettered", 30*time.Second, func() bool { return b.count(t, "outbox_dead") == 1 })
+	dead, err := relay.ListDead(ctx, b.pool, b.schema, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if dead[0].Attempts != 2 {
+		t.Fatalf("attempts = %d, want 2 (one cut short by the crash, one refused)", dead[0].Attempts)
+	}
+	if n := b.count(t, "relay_rounds"); n != 0 {
+		t.Fatalf("%d in-flight spans left after the relay's rounds landed", n)
+	}
+}

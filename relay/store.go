@@ -43,6 +43,7 @@ type store struct {
 	releaseAllSQL    string
 	goodbyeSQL       string
 	landedSQL        string
+	landedBeforeSQL  string
 	chargeCrashedSQL string
 	forgetOldSQL     string
 	liveInstancesSQL string
@@ -59,10 +60,10 @@ func newStore(pool *pgxpool.Pool, schema string) *store {
 	owned := func(owner string) string {
 		return `EXISTS (SELECT 1 FROM ` + shards + ` s WHERE s.shard = o.shard AND s.owner = ` + owner + ` AND s.lease_until > now())`
 	}
-	// The same statement that reads the round records its ids as this
-	// relay's in-flight set (one row written, not one per event): if the
-	// relay dies before recording the outcome, a survivor charges each of
-	// them an attempt (chargeCrashedSQL).
+	// The same statement that reads the round records the span of ids in
+	// flight (one small row, not one write per event): if the relay dies
+	// before the round lands, a survivor charges the span's events an
+	// attempt (chargeCrashedSQL).
 	claim := func(exclude, owner string) string {
 		return `WITH round AS (
     SELECT o.id, o.event_id::text, o.topic, o.key, o.value, o.headers, o.shard, o.attempts, o.created_at, o.first_refused_at
@@ -71,8 +72,10 @@ func newStore(pool *pgxpool.Pool, schema string) *store {
     ORDER BY o.id
     LIMIT $2),
 mark AS (
-    INSERT INTO ` + rounds + ` (instance, ids) SELECT ` + owner + `, array_agg(id) FROM round
-    ON CONFLICT (instance) DO UPDATE SET ids = excluded.ids)
+    INSERT INTO ` + rounds + ` AS r (instance, lo, hi, shards)
+    SELECT ` + owner + `, min(id), max(id), $1::smallint[] FROM round HAVING count(*) > 0
+    ON CONFLICT (instance) DO UPDATE
+        SET lo = least(r.lo, excluded.lo), hi = greatest(r.hi, excluded.hi), shards = excluded.shards)
 SELECT * FROM round`
 	}
 	return &store{
@@ -115,14 +118,16 @@ RETURNING shard`,
 		releaseAllSQL: `UPDATE ` + shards + ` SET owner = NULL, lease_until = NULL WHERE owner = $1`,
 		goodbyeSQL:    `DELETE FROM ` + instances + ` WHERE id = $1`,
 		landedSQL:     `DELETE FROM ` + rounds + ` WHERE instance = $1`,
+		// With a round still in flight, the span shrinks to start at it.
+		landedBeforeSQL: `UPDATE ` + rounds + ` SET lo = $2 WHERE instance = $1`,
 		// A round whose relay's lease lapsed (or whose instance row is gone)
 		// was cut short.
 		chargeCrashedSQL: `WITH crashed AS (
     DELETE FROM ` + rounds + ` r
     WHERE NOT EXISTS (SELECT 1 FROM ` + instances + ` i WHERE i.id = r.instance AND i.lease_until > now())
-    RETURNING ids)
-UPDATE ` + outbox + ` SET attempts = attempts + 1, last_error = coalesce(last_error, 'relay died while publishing')
-WHERE id IN (SELECT unnest(ids) FROM crashed)`,
+    RETURNING lo, hi, shards)
+UPDATE ` + outbox + ` o SET attempts = o.attempts + 1, last_error = coalesce(o.last_error, 'relay died while publishing')
+FROM crashed c WHERE o.id BETWEEN c.lo AND c.hi AND o.shard = ANY(c.shards)`,
 		forgetOldSQL: `DELETE FROM ` + instances + ` WHERE lease_until < now() - interval '1 hour'`,
 	}
 }
@@ -182,7 +187,9 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 // acknowledged events and moves the refused ones to outbox_dead (both only
 // on shards this relay still owns), and notes the errors of the ones to
 // retry. It returns how many acknowledged events it deleted.
-func (s *store) finish(ctx context.Context, owner string, acked []int64, dead []deadEvent, failed []failedEvent) (deleted int64, err error) {
+// nextLo, when not zero, is the lowest id of the round read ahead, still in
+// flight.
+func (s *store) finish(ctx context.Context, owner string, acked []int64, dead []deadEvent, failed []failedEvent, nextLo int64) (deleted int64, err error) {
 	b := &pgx.Batch{}
 	if len(acked) > 0 {
 		b.Queue(s.deleteSQL, acked, owner).Exec(func(tag pgconn.CommandTag) error {
@@ -207,7 +214,11 @@ func (s *store) finish(ctx context.Context, owner string, acked []int64, dead []
 		}
 		b.Queue(s.failSQL, ids, errs, refused)
 	}
-	b.Queue(s.landedSQL, owner)
+	if nextLo != 0 {
+		b.Queue(s.landedBeforeSQL, owner, nextLo)
+	} else {
+		b.Queue(s.landedSQL, owner)
+	}
 	if err := s.pool.SendBatch(ctx, b).Close(); err != nil {
 		return deleted, fmt.Errorf("record outcome: %w", err)
 	}
