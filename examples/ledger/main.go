@@ -1,0 +1,141 @@
+// Command ledger is a Kafka worker built on onceflow's idempotent consumer.
+// It reads payment events and adds each amount to an account balance, once
+// per message id, however often Kafka delivers the event.
+//
+//	go run ./examples/ledger --database-url URL --brokers ADDR --topic payments --group ledger
+//
+// An event is JSON: {"account":"a1","amount_cents":250}, with a "message-id"
+// header (onceflow's relay sets one on every event). Balances live in
+// ledger_accounts, in the connection's default schema.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceflow/onceflow/consumer"
+	"github.com/onceflow/onceflow/consumer/kgoconsumer"
+	"github.com/onceflow/onceflow/migrations"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
+	if err := run(ctx, os.Args[1:], log); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return
+		}
+		fmt.Fprintln(os.Stderr, "ledger:", err)
+		os.Exit(1)
+	}
+}
+
+func run(ctx context.Context, args []string, log *slog.Logger) error {
+	fs := flag.NewFlagSet("ledger", flag.ContinueOnError)
+	dbURL := fs.String("database-url", os.Getenv("ONCEFLOW_DATABASE_URL"), "PostgreSQL URL (env ONCEFLOW_DATABASE_URL)")
+	brokers := fs.String("brokers", os.Getenv("ONCEFLOW_BROKERS"), "Kafka brokers, comma-separated host:port (env ONCEFLOW_BROKERS)")
+	schema := fs.String("schema", envOr("ONCEFLOW_SCHEMA", migrations.DefaultSchema), "schema holding onceflow's tables (env ONCEFLOW_SCHEMA)")
+	topic := fs.String("topic", "payments", "topic to consume")
+	group := fs.String("group", "ledger", "consumer group, also the name payments are deduplicated under")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *dbURL == "" || *brokers == "" {
+		return errors.New("--database-url and --brokers are required")
+	}
+
+	pool, err := pgxpool.New(ctx, *dbURL)
+	if err != nil {
+		return fmt.Errorf("connect: %w", err)
+	}
+	defer pool.Close()
+	if _, err := migrations.Up(ctx, pool, *schema); err != nil {
+		return fmt.Errorf("migrate: %w", err)
+	}
+	if err := createTable(ctx, pool); err != nil {
+		return err
+	}
+
+	p, err := consumer.New(pool, *group, addPayment, &consumer.Config{Schema: *schema, Logger: log})
+	if err != nil {
+		return err
+	}
+	c, err := kgoconsumer.New(p, &kgoconsumer.Config{
+		Brokers: strings.Split(*brokers, ","),
+		Topics:  []string{*topic},
+		Group:   *group,
+		Logger:  log,
+	})
+	if err != nil {
+		return err
+	}
+	log.Info("ledger: consuming", "topic", *topic, "group", *group)
+	if err := c.Run(ctx); err != nil { // returns nil once ctx is canceled (SIGTERM, SIGINT)
+		return err
+	}
+	log.Info("ledger: stopped")
+	return nil
+}
+
+// payment is the event this worker consumes.
+type payment struct {
+	Account     string `json:"account"`
+	AmountCents int64  `json:"amount_cents"`
+}
+
+// addPayment is the handler. It runs inside the transaction that records the
+// message id, so the balance changes at most once per message id. A payment
+// that cannot be decoded will never succeed: Permanent sends it straight to the
+// dead-letter topic (<topic>.dlq) instead of retrying.
+func addPayment(ctx context.Context, tx pgx.Tx, msg consumer.Message) error {
+	var p payment
+	if err := json.Unmarshal(msg.Value, &p); err != nil {
+		return consumer.Permanent(fmt.Errorf("decode payment: %w", err))
+	}
+	if p.Account == "" {
+		return consumer.Permanent(errors.New("decode payment: no account"))
+	}
+	_, err := tx.Exec(ctx, `INSERT INTO ledger_accounts (account, balance_cents) VALUES ($1, $2)
+		ON CONFLICT (account) DO UPDATE SET balance_cents = ledger_accounts.balance_cents + excluded.balance_cents`,
+		p.Account, p.AmountCents)
+	return err
+}
+
+// createTable creates ledger_accounts if it is missing. Two processes running
+// CREATE TABLE IF NOT EXISTS at once can still collide on the catalog's unique
+// index, so they take turns on an advisory lock.
+func createTable(ctx context.Context, pool *pgxpool.Pool) error {
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtext('onceflow-example-ledger'))`); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS ledger_accounts (
+			account       text PRIMARY KEY,
+			balance_cents bigint NOT NULL
+		)`)
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("create ledger_accounts: %w", err)
+	}
+	return nil
+}
+
+func envOr(name, fallback string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return fallback
+}
