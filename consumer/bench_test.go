@@ -51,8 +51,9 @@ func benchSetup(b *testing.B) *benchEnv {
 		accounts: pgx.Identifier{schema, "accounts"}.Sanitize()}
 	ctx := context.Background()
 	for _, q := range []string{
-		// The raw ceiling writes a table shaped like processed_messages.
-		`CREATE TABLE ` + e.raw + ` (consumer text, message_id text, processed_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (consumer, message_id))`,
+		// The raw ceiling writes a copy of processed_messages: same
+		// columns, defaults and indexes.
+		`CREATE TABLE ` + e.raw + ` (LIKE ` + pgx.Identifier{schema, "processed_messages"}.Sanitize() + ` INCLUDING ALL)`,
 		`CREATE TABLE ` + e.accounts + ` (id int PRIMARY KEY, balance bigint NOT NULL)`,
 		`INSERT INTO ` + e.accounts + ` SELECT i, 0 FROM generate_series(0, ` + strconv.Itoa(benchAccounts-1) + `) i`,
 	} {

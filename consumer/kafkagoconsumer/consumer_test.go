@@ -37,6 +37,9 @@ func TestMain(m *testing.M) {
 	conformance.MaybeChild(adapter)
 	goleak.VerifyTestMain(m,
 		goleak.IgnoreTopFunction("github.com/jackc/pgx/v5/pgxpool.(*Pool).backgroundHealthCheck"),
+		// pgconn's background reader of a connection of the shared test
+		// pool, which outlives the tests by design.
+		goleak.IgnoreAnyFunction("github.com/jackc/pgx/v5/pgconn/internal/bgreader.(*BGReader).bgRead"),
 	)
 	os.Exit(0)
 }

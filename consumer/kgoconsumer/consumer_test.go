@@ -36,6 +36,9 @@ func TestMain(m *testing.M) {
 	conformance.MaybeChild(adapter)
 	goleak.VerifyTestMain(m,
 		goleak.IgnoreTopFunction("github.com/jackc/pgx/v5/pgxpool.(*Pool).backgroundHealthCheck"),
+		// pgconn's background reader of a connection of the shared test
+		// pool, which outlives the tests by design.
+		goleak.IgnoreAnyFunction("github.com/jackc/pgx/v5/pgconn/internal/bgreader.(*BGReader).bgRead"),
 		goleak.IgnoreAnyFunction("github.com/twmb/franz-go/pkg/kfake.(*Cluster).run"),
 	)
 	os.Exit(0)
