@@ -45,7 +45,9 @@
 // headers plus onceflow-error, onceflow-attempts, onceflow-consumer and
 // onceflow-origin-topic/-partition/-offset, and the partition moves on.
 // The dead-letter publish itself is retried until the broker acknowledges
-// it: a message is never dropped.
+// it: a message is never dropped. Database outages (the transaction cannot
+// begin, the connection breaks) are waited out with backoff and never spend
+// a message's retry budget, so an outage does not dead-letter messages.
 //
 // # Modes
 //

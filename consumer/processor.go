@@ -140,6 +140,20 @@ func (p *Processor) runOne(ctx context.Context, stop <-chan struct{}, msg Messag
 	bo := p.newBackoff()
 	for attempt := 1; ; attempt++ {
 		outcome, dur, err := p.attempt(ctx, msg, batchMode)
+		var unavailable *unavailableError
+		if errors.As(err, &unavailable) && ctx.Err() == nil {
+			// The database, not the message, failed: wait for it
+			// without spending the message's retry budget.
+			attempt--
+			wait := bo.NextBackOff()
+			p.log.LogAttrs(ctx, slog.LevelWarn, "consumer: database unavailable; retrying",
+				slog.String("topic", msg.Topic), slog.Int("partition", int(msg.Partition)), slog.Int64("offset", msg.Offset),
+				slog.Duration("backoff", wait), slog.Any("error", err))
+			if !sleep(ctx, stop, wait) {
+				return errAbandoned
+			}
+			continue
+		}
 		if err == nil {
 			n := attempt
 			if outcome == Duplicate {
@@ -183,7 +197,7 @@ func (p *Processor) attempt(ctx context.Context, msg Message, batchMode bool) (O
 	start := time.Now()
 	tx, release, dup, err := p.begin(ctx, msg)
 	if err != nil {
-		return 0, 0, err
+		return 0, 0, &unavailableError{err}
 	}
 	if dup {
 		return Duplicate, time.Since(start), nil
@@ -196,10 +210,20 @@ func (p *Processor) attempt(ctx context.Context, msg Message, batchMode bool) (O
 		err = p.call(ctx, func() error { return p.handler(ctx, tx, msg) })
 	}
 	if err != nil {
+		if tx.Conn().IsClosed() {
+			err = &unavailableError{err}
+		}
 		return 0, 0, err
 	}
 	if err := tx.Commit(ctx); err != nil {
-		return 0, 0, fmt.Errorf("consumer %s: commit message %s: %w", p.name, msg.ID, err)
+		err = fmt.Errorf("consumer %s: commit message %s: %w", p.name, msg.ID, err)
+		var pgErr *pgconn.PgError
+		if !errors.As(err, &pgErr) {
+			// The connection broke; the commit may or may not have
+			// happened, and the retry will tell (the dedup record).
+			err = &unavailableError{err}
+		}
+		return 0, 0, err
 	}
 	return Processed, time.Since(start), nil
 }
@@ -333,3 +357,14 @@ func itoa(n int64) []byte { return strconv.AppendInt(nil, n, 10) }
 
 // uniqueViolation is SQLSTATE unique_violation.
 const uniqueViolation = "23505"
+
+// unavailableError marks a failure of the database rather than of the
+// message: beginning the transaction or recording the message failed, or
+// the connection broke. Such failures are retried with backoff for as long
+// as they last and never spend the message's retry budget, so a database
+// outage does not dead-letter the messages that arrive during it.
+type unavailableError struct{ err error }
+
+func (e *unavailableError) Error() string { return e.err.Error() }
+
+func (e *unavailableError) Unwrap() error { return e.err }

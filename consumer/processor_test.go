@@ -427,3 +427,44 @@ func TestMessageIDIsNeverSQL(t *testing.T) {
 		}
 	}
 }
+
+// flakyBeginner fails its first n Begins the way a database outage does.
+type flakyBeginner struct {
+	db consumer.Beginner
+	n  atomic.Int32
+}
+
+func (f *flakyBeginner) Begin(ctx context.Context) (pgx.Tx, error) {
+	if f.n.Add(-1) >= 0 {
+		return nil, errors.New("dial tcp 127.0.0.1:5432: connect: connection refused")
+	}
+	return f.db.Begin(ctx)
+}
+
+// A database outage is waited out; it never spends a message's retry
+// budget, so it never dead-letters messages.
+func TestDatabaseOutageDoesNotDeadLetter(t *testing.T) {
+	b := setup(t)
+	db := &flakyBeginner{db: b.pool}
+	db.n.Store(5)
+	var calls atomic.Int32
+	p, _ := consumer.New(db, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		if calls.Add(1) == 1 {
+			// The connection dies under the handler.
+			_, err := tx.Exec(ctx, `SELECT pg_terminate_backend(pg_backend_pid())`)
+			if err == nil {
+				err = errors.New("backend survived")
+			}
+			return err
+		}
+		return b.record(ctx, tx, "ledger", m)
+	}, &consumer.Config{Schema: b.schema, MaxAttempts: 1, MinBackoff: time.Millisecond, MaxBackoff: 5 * time.Millisecond})
+	tr := &memTransport{}
+	run(t, p, tr, msg(0, "id-1", ""))
+	if len(tr.deadLetters()) != 0 {
+		t.Fatalf("dead-lettered during an outage: %v", tr.deadLetters()[0].Err)
+	}
+	if b.count(t, "") != 1 {
+		t.Fatalf("effects = %d, want 1", b.count(t, ""))
+	}
+}
