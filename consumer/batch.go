@@ -99,6 +99,9 @@ func (p *Processor) attemptBatch(ctx context.Context, msgs []Message) error {
 		}
 	}
 	dur := time.Since(start)
+	for _, h := range p.hooks.batch {
+		h.OnBatch(BatchEvent{Consumer: p.name, Size: len(msgs), New: len(todo), Duration: dur})
+	}
 	for i, m := range msgs {
 		o, n := Duplicate, 0
 		if isNew[i] {

@@ -83,12 +83,29 @@ type HookDeadLetter interface {
 	OnDeadLetter(DeadLetterEvent)
 }
 
+// BatchEvent reports a batch-mode transaction that ended well: committed,
+// or rolled back because every message was a duplicate.
+type BatchEvent struct {
+	Consumer string
+	// Size is the number of messages in the batch, New how many of them
+	// the handler got.
+	Size, New int
+	// Duration is begin to commit.
+	Duration time.Duration
+}
+
+// HookBatch is called once per batch transaction in batch mode.
+type HookBatch interface {
+	OnBatch(BatchEvent)
+}
+
 // hooks is the Config.Hooks sorted by interface, so the hot path does no
 // type assertions.
 type hooks struct {
 	done  []HookDone
 	retry []HookRetry
 	dead  []HookDeadLetter
+	batch []HookBatch
 }
 
 func newHooks(hs []Hook) hooks {
@@ -102,6 +119,9 @@ func newHooks(hs []Hook) hooks {
 		}
 		if d, ok := x.(HookDeadLetter); ok {
 			h.dead = append(h.dead, d)
+		}
+		if b, ok := x.(HookBatch); ok {
+			h.batch = append(h.batch, b)
 		}
 	}
 	return h

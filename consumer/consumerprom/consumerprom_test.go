@@ -1,0 +1,76 @@
+package consumerprom_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/onceflow/onceflow/consumer"
+	"github.com/onceflow/onceflow/consumer/consumerprom"
+	"github.com/onceflow/onceflow/internal/pgtest"
+)
+
+type transport struct{ last chan int64 }
+
+func (t transport) MarkDone(m consumer.Message) { t.last <- m.Offset }
+
+func (transport) PublishDeadLetter(context.Context, consumer.DeadLetter) error { return nil }
+
+func TestHookCountsOutcomes(t *testing.T) {
+	schema := pgtest.Schema(t)
+	reg := prometheus.NewPedanticRegistry()
+	hook := consumerprom.NewHook(reg)
+	p, err := consumer.New(pgtest.Pool(t), "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		if string(m.Value) == "bad" {
+			return errors.New("bad")
+		}
+		return nil
+	}, &consumer.Config{Schema: schema, MaxAttempts: 2, MinBackoff: time.Millisecond, Hooks: []consumer.Hook{hook}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := transport{last: make(chan int64, 10)}
+	ctx := context.Background()
+	w := p.StartPartition(ctx, tr)
+	defer w.Stop(ctx)
+	id := func(s string) []consumer.Header { return []consumer.Header{{Key: "message-id", Value: []byte(s)}} }
+	_ = w.Add(ctx,
+		consumer.Message{Topic: "t", Offset: 0, Headers: id("a")},
+		consumer.Message{Topic: "t", Offset: 1, Headers: id("a")},
+		consumer.Message{Topic: "t", Offset: 2, Headers: id("b"), Value: []byte("bad")},
+	)
+	for want := int64(0); want < 3; {
+		select {
+		case got := <-tr.last:
+			want = got + 1
+		case <-time.After(20 * time.Second):
+			t.Fatal("messages not finished")
+		}
+	}
+	want := `
+# HELP onceflow_consumer_messages_total Messages finished, by outcome: processed (handler committed), duplicate (skipped), dead-lettered.
+# TYPE onceflow_consumer_messages_total counter
+onceflow_consumer_messages_total{consumer="ledger",outcome="dead-lettered"} 1
+onceflow_consumer_messages_total{consumer="ledger",outcome="duplicate"} 1
+onceflow_consumer_messages_total{consumer="ledger",outcome="processed"} 1
+# HELP onceflow_consumer_retries_total Failed handler attempts that will be retried.
+# TYPE onceflow_consumer_retries_total counter
+onceflow_consumer_retries_total{consumer="ledger"} 1
+# HELP onceflow_consumer_dead_letters_total Messages published to a dead-letter topic.
+# TYPE onceflow_consumer_dead_letters_total counter
+onceflow_consumer_dead_letters_total{consumer="ledger",topic="t.dlq"} 1
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want),
+		"onceflow_consumer_messages_total", "onceflow_consumer_retries_total", "onceflow_consumer_dead_letters_total"); err != nil {
+		t.Fatal(err)
+	}
+	if n := testutil.CollectAndCount(reg, "onceflow_consumer_transaction_seconds"); n != 1 {
+		t.Fatalf("transaction histograms = %d, want 1", n)
+	}
+}
