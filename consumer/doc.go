@@ -88,5 +88,6 @@
 //
 // A Processor is safe for concurrent use; handlers run concurrently for
 // different partitions (and keys, in key-parallel mode), so a Handler must
-// be too. Hooks (Config.Hooks) are called synchronously and must be cheap.
+// be too. Hooks (Config.Hooks) are called synchronously and must be cheap;
+// package consumerprom turns them into Prometheus metrics.
 package consumer
