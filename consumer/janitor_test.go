@@ -47,3 +47,31 @@ func TestJanitorDeletesOnlyExpiredRecordsInBatches(t *testing.T) {
 		t.Fatalf("Run = %v, want nil", err)
 	}
 }
+
+// The janitor's batch query walks the processed_at index, not the table.
+func TestJanitorUsesProcessedAtIndex(t *testing.T) {
+	b := setup(t)
+	ctx := context.Background()
+	table := pgx.Identifier{b.schema, "processed_messages"}.Sanitize()
+	_, err := b.pool.Exec(ctx, `INSERT INTO `+table+` (consumer, message_id, processed_at)
+		SELECT 'ledger', 'm-'||i, now() - (i || ' seconds')::interval FROM generate_series(1, 200000) i`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.pool.Exec(ctx, `ANALYZE `+table); err != nil {
+		t.Fatal(err)
+	}
+	rows, _ := b.pool.Query(ctx, `EXPLAIN SELECT ctid FROM `+table+
+		` WHERE processed_at < now() - interval '7 days' ORDER BY processed_at LIMIT 1000 FOR UPDATE SKIP LOCKED`)
+	lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	joined := ""
+	for _, l := range lines {
+		joined += l + "\n"
+	}
+	if !contains(joined, "processed_messages_processed_at_idx") {
+		t.Fatalf("janitor query does not use the processed_at index:\n%s", joined)
+	}
+}

@@ -22,6 +22,7 @@ func Run(t *testing.T, a Adapter) {
 	t.Run("Batch", func(t *testing.T) { testMode(t, a, "batch") })
 	t.Run("RebalanceWhileFlowing", func(t *testing.T) { testRebalance(t, a) })
 	t.Run("TransactionMarkers", func(t *testing.T) { testTransactions(t, a) })
+	t.Run("ShutdownFinishesInFlight", func(t *testing.T) { testShutdownDrains(t, a) })
 	t.Run("CrashAfterDatabaseCommit", func(t *testing.T) { testCrashAfterCommit(t, a) })
 	t.Run("CrashBeforeDatabaseCommit", func(t *testing.T) { testCrashBeforeCommit(t, a) })
 	t.Run("TwoProcessesRaceOnOneID", func(t *testing.T) { testRacingProcesses(t, a) })
@@ -244,5 +245,38 @@ func testTransactions(t *testing.T, a Adapter) {
 	e.exactlyOnce(t, "ledger", 7)
 	if o.dead.Load() != 0 {
 		t.Fatalf("%d records dead-lettered: transaction markers were treated as messages", o.dead.Load())
+	}
+}
+
+// testShutdownDrains cancels Run while a handler is in its transaction: the
+// transaction finishes within the grace, and its offset is committed before
+// Run returns.
+func testShutdownDrains(t *testing.T, a Adapter) {
+	e := setup(t, a)
+	topic := e.k.Topic(t, 1)
+	e.produce(t, topic, rec{id: "id-0", value: "a"})
+	entered, release := make(chan struct{}), make(chan struct{})
+	p, err := consumer.New(e.pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		close(entered)
+		<-release
+		return record(ctx, tx, e.effects, "ledger", m)
+	}, &consumer.Config{Schema: e.schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := e.start(t, p, "g", topic)
+	<-entered
+	stopped := make(chan struct{})
+	go func() { stop(); close(stopped) }()
+	select {
+	case <-stopped:
+		t.Fatal("Run returned while a transaction was in flight")
+	case <-time.After(100 * time.Millisecond): // Run must still be draining: a negative check needs a bound
+	}
+	close(release)
+	<-stopped
+	e.exactlyOnce(t, "ledger", 1)
+	if !e.committed(t, "g", topic) {
+		t.Fatal("the drained message's offset was not committed at shutdown")
 	}
 }
