@@ -20,6 +20,7 @@ func Run(t *testing.T, a Adapter) {
 	t.Run("InOrder", func(t *testing.T) { testMode(t, a, "in-order") })
 	t.Run("KeyParallel", func(t *testing.T) { testMode(t, a, "key-parallel") })
 	t.Run("Batch", func(t *testing.T) { testMode(t, a, "batch") })
+	t.Run("SmallQueue", func(t *testing.T) { testMode(t, a, "small-queue") })
 	t.Run("RebalanceWhileFlowing", func(t *testing.T) { testRebalance(t, a) })
 	t.Run("TransactionMarkers", func(t *testing.T) { testTransactions(t, a) })
 	t.Run("ShutdownFinishesInFlight", func(t *testing.T) { testShutdownDrains(t, a) })
@@ -150,6 +151,11 @@ func testMode(t *testing.T, a Adapter, mode string) {
 	var err error
 	cfg := &consumer.Config{Schema: e.schema, Concurrency: 1}
 	switch mode {
+	case "small-queue":
+		// Queues far smaller than a fetch: adapters must hold records
+		// back (pause, or block) without losing or reordering any.
+		cfg.QueueSize = 2
+		p, err = consumer.New(e.pool, "ledger", e.handler("ledger"), cfg)
 	case "key-parallel":
 		cfg.Concurrency = 4
 		fallthrough
