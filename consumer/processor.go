@@ -91,6 +91,9 @@ func newProcessor(db Beginner, name string, h Handler, bh BatchHandler, cfg *Con
 	if name == "" {
 		return nil, errors.New("consumer: name is empty; it scopes deduplication, so choose it once and keep it")
 	}
+	if _, err := checkID(name); err != nil {
+		return nil, fmt.Errorf("consumer: name %.40q: must be valid UTF-8 without NUL bytes, at most %d bytes", name, maxMessageIDLen)
+	}
 	c, err := cfg.withDefaults()
 	if err != nil {
 		return nil, err
@@ -242,11 +245,11 @@ type acquirer interface {
 // query, saving a round trip per message (a quarter of the cost of a
 // one-statement handler). A duplicate then shows as a unique violation,
 // which PostgreSQL logs as an ERROR; the transaction is rolled back and the
-// connection stays usable. Other Beginners get BEGIN, then INSERT … ON
-// CONFLICT DO NOTHING.
+// connection stays usable. Other Beginners, and Config.PlainBegin, get
+// BEGIN, then INSERT … ON CONFLICT DO NOTHING.
 func (p *Processor) begin(ctx context.Context, msg Message) (tx pgx.Tx, release func(), dup bool, err error) {
 	pool, ok := p.db.(acquirer)
-	if !ok {
+	if !ok || p.cfg.PlainBegin {
 		tx, err := p.db.Begin(ctx)
 		if err != nil {
 			return nil, nil, false, fmt.Errorf("consumer %s: begin: %w", p.name, err)

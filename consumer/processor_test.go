@@ -391,15 +391,28 @@ type beginOnly struct{ db consumer.Beginner }
 func (b beginOnly) Begin(ctx context.Context) (pgx.Tx, error) { return b.db.Begin(ctx) }
 
 func TestBeginnerWithoutPool(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		db    func(*bundle) consumer.Beginner
+		plain bool
+	}{
+		{"beginner", func(b *bundle) consumer.Beginner { return beginOnly{b.pool} }, false},
+		{"pool with PlainBegin", func(b *bundle) consumer.Beginner { return b.pool }, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) { testPlainBegin(t, tc.db, tc.plain) })
+	}
+}
+
+func testPlainBegin(t *testing.T, db func(*bundle) consumer.Beginner, plain bool) {
 	b := setup(t)
 	var calls atomic.Int32
 	hooks := &counter{}
-	p, err := consumer.New(beginOnly{b.pool}, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+	p, err := consumer.New(db(b), "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
 		if calls.Add(1) == 1 {
 			return errors.New("transient")
 		}
 		return b.record(ctx, tx, "ledger", m)
-	}, &consumer.Config{Schema: b.schema, MinBackoff: time.Millisecond, Hooks: []consumer.Hook{hooks}})
+	}, &consumer.Config{Schema: b.schema, MinBackoff: time.Millisecond, Hooks: []consumer.Hook{hooks}, PlainBegin: plain})
 	if err != nil {
 		t.Fatal(err)
 	}
