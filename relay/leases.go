@@ -28,6 +28,7 @@ type leases struct {
 	owned      []int16   // sorted
 	validUntil time.Time // local clock: when the leases may have lapsed
 	excess     int       // shards to hand back at the next chance
+	releasing  []int16   // shards being handed back now
 	changed    chan struct{}
 }
 
@@ -82,12 +83,15 @@ func (l *leases) tick(ctx context.Context) error {
 	renewed = slices.Compact(renewed)
 
 	l.mu.Lock()
+	// Shards being handed back right now stay out, even if renewed above.
+	renewed = slices.DeleteFunc(renewed, func(s int16) bool { return slices.Contains(l.releasing, s) })
 	before := len(l.owned)
 	l.owned = renewed
 	l.validUntil = start.Add(l.duration - l.duration/6)
 	l.excess = max(len(renewed)-fair, 0)
+	signal := before != len(renewed) || l.excess > 0
 	l.mu.Unlock()
-	if before != len(renewed) || l.excess > 0 {
+	if signal {
 		l.obs.ObserveShards(len(renewed))
 		select {
 		case l.changed <- struct{}{}:
@@ -115,9 +119,14 @@ func (l *leases) releaseExcess(ctx context.Context) error {
 	give := slices.Clone(l.owned[len(l.owned)-n:])
 	l.owned = l.owned[:len(l.owned)-n]
 	l.excess = 0
+	l.releasing = give
 	owned := len(l.owned)
 	l.mu.Unlock()
-	if _, err := l.st.pool.Exec(ctx, l.st.releaseSQL, l.id, give); err != nil {
+	_, err := l.st.pool.Exec(ctx, l.st.releaseSQL, l.id, give)
+	l.mu.Lock()
+	l.releasing = nil
+	l.mu.Unlock()
+	if err != nil {
 		return fmt.Errorf("release shards: %w", err)
 	}
 	l.obs.ObserveShards(owned)

@@ -50,7 +50,8 @@ var (
 	// Config.UnknownTopicGrace, then dead-letters the event.
 	ErrUnknownTopic = errors.New("unknown topic")
 	// ErrRecordInvalid: the broker refused the record itself (e.g. a keyless
-	// record on a compacted topic). Dead-lettered at once.
+	// record on a compacted topic). Published alone to find the offender
+	// (the broker fails the whole batch), then dead-lettered.
 	ErrRecordInvalid = errors.New("record invalid")
 )
 
@@ -62,14 +63,17 @@ const (
 	tooLarge
 	forbidden
 	unknownTopic
+	invalid
 )
 
 func classify(err error) refusal {
 	switch {
 	case errors.Is(err, ErrRecordTooLarge):
 		return tooLarge
-	case errors.Is(err, ErrTopicForbidden), errors.Is(err, ErrRecordInvalid):
+	case errors.Is(err, ErrTopicForbidden):
 		return forbidden
+	case errors.Is(err, ErrRecordInvalid):
+		return invalid
 	case errors.Is(err, ErrUnknownTopic):
 		return unknownTopic
 	default:

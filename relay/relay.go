@@ -94,6 +94,11 @@ func (r *Relay) Run(ctx context.Context) error {
 	if err := r.checkSchema(ctx); err != nil {
 		return err
 	}
+	// A relay restarted under the same InstanceID may find its own
+	// crashed round: charge it before anything else.
+	if _, err := r.pool.Exec(ctx, r.st.chargeOwnSQL, r.cfg.InstanceID); err != nil {
+		return fmt.Errorf("relay: charge a crashed round: %w", err)
+	}
 	if err := r.leases.tick(ctx); err != nil {
 		return fmt.Errorf("relay: first lease round: %w", err)
 	}
@@ -150,7 +155,7 @@ func (r *Relay) leaseLoop(ctx context.Context) {
 func (r *Relay) listenLoop(ctx context.Context) {
 	bo := newBackoff(5 * time.Second)
 	for ctx.Err() == nil {
-		err := r.listen(ctx)
+		err := r.listen(ctx, bo)
 		if ctx.Err() != nil {
 			return
 		}
@@ -160,7 +165,7 @@ func (r *Relay) listenLoop(ctx context.Context) {
 	}
 }
 
-func (r *Relay) listen(ctx context.Context) error {
+func (r *Relay) listen(ctx context.Context, bo backoff.BackOff) error {
 	conn, err := pgx.ConnectConfig(ctx, r.pool.Config().ConnConfig.Copy())
 	if err != nil {
 		return err
@@ -169,6 +174,7 @@ func (r *Relay) listen(ctx context.Context) error {
 	if _, err := conn.Exec(ctx, "LISTEN "+notifyChannel); err != nil {
 		return err
 	}
+	bo.Reset()
 	r.signal() // anything committed while we were not listening
 	for {
 		n, err := conn.WaitForNotification(ctx)
@@ -311,13 +317,21 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 	failedKeys := map[string]bool{}
 	for i := range events {
 		e := &events[i]
+		bk := blockKey(e)
 		err := errs[i]
 		kind := classify(err)
-		if kind == tooLarge && len(events) > 1 {
-			// The broker may have refused a whole batch for one record:
-			// publish this one alone to know whether it is the offender.
-			err = r.pub.Publish(ctx, records[i:i+1])[0]
-			kind = classify(err)
+		if (kind == tooLarge || kind == invalid) && len(events) > 1 {
+			if failedKeys[bk] {
+				// An earlier event of this key failed: nothing of the
+				// key may go out past it.
+				err, kind = errHeldBack, retriable
+			} else {
+				// The broker may have refused a whole batch for one
+				// record: publish this one alone to know whether it is
+				// the offender.
+				err = r.pub.Publish(ctx, records[i:i+1])[0]
+				kind = classify(err)
+			}
 		}
 		switch {
 		case err == nil:
@@ -325,10 +339,10 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 			if oldest.IsZero() || e.createdAt.Before(oldest) {
 				oldest = e.createdAt
 			}
-		case kind == tooLarge || kind == forbidden:
+		case kind == tooLarge || kind == forbidden || kind == invalid:
 			dead = append(dead, deadEvent{id: e.id, err: err.Error()})
 			r.log.Warn("relay: Kafka refused an event for good; dead-lettered", "event_id", e.eventID, "topic", e.topic, "err", err)
-		case kind == unknownTopic && e.firstRefusedAt != nil && time.Since(*e.firstRefusedAt) >= r.cfg.UnknownTopicGrace:
+		case kind == unknownTopic && e.refusedFor != nil && *e.refusedFor >= r.cfg.UnknownTopicGrace.Seconds():
 			dead = append(dead, deadEvent{id: e.id, err: fmt.Sprintf("%v (still unknown after %s)", err, r.cfg.UnknownTopicGrace)})
 			r.log.Warn("relay: topic still unknown after grace; dead-lettered", "event_id", e.eventID, "topic", e.topic)
 		default:
@@ -337,11 +351,24 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 				continue
 			}
 			failed = append(failed, failedEvent{id: e.id, err: err.Error(), refused: kind == unknownTopic})
-			bk := blockKey(e)
 			if !failedKeys[bk] {
 				failedKeys[bk] = true
-				r.block(bk, e, start)
+				r.block(bk, e)
 			}
+		}
+	}
+	if next != nil && len(failedKeys) > 0 {
+		// The round read ahead must not carry a failed key past its
+		// failure; those events stay pending for the key's retry.
+		kept := next.events[:0:0]
+		for i := range next.events {
+			if !failedKeys[blockKey(&next.events[i])] {
+				kept = append(kept, next.events[i])
+			}
+		}
+		next.events = kept
+		if len(kept) == 0 {
+			next = nil
 		}
 	}
 	for i := range events {
@@ -422,7 +449,14 @@ func blockKey(e *pendingEvent) string {
 	return "k:" + string(e.key)
 }
 
-func (r *Relay) block(bk string, e *pendingEvent, now time.Time) {
+// errHeldBack fails an event not published because an earlier event of its
+// key failed in the same round.
+var errHeldBack = errors.New("held back: an earlier event of its key failed")
+
+// block holds back the key of failed event e until its backoff passes,
+// counted from now (not from the round's start, which may be long ago).
+func (r *Relay) block(bk string, e *pendingEvent) {
+	now := time.Now()
 	k := r.blocked[bk]
 	if k == nil {
 		k = &keyState{key: e.key, keyless: e.key == nil, backoff: newBackoff(r.cfg.MaxRetryBackoff)}

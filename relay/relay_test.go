@@ -3,6 +3,7 @@ package relay_test
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -481,5 +482,68 @@ VALUES ('dead-relay', $1, $1, (SELECT array_agg(g::smallint) FROM generate_serie
 	}
 	if n := b.count(t, "relay_rounds"); n != 0 {
 		t.Fatalf("%d in-flight spans left after the relay's rounds landed", n)
+	}
+}
+
+// orderingPublisher fails its first call slowly, then acknowledges, and
+// records the order in which values were acknowledged.
+type orderingPublisher struct {
+	mu    sync.Mutex
+	calls int
+	acked []string
+}
+
+func (p *orderingPublisher) Publish(ctx context.Context, records []relay.Record) []error {
+	p.mu.Lock()
+	p.calls++
+	first := p.calls == 1
+	p.mu.Unlock()
+	errs := make([]error, len(records))
+	if first {
+		// Longer than the first retry backoff, so a block counted from
+		// the round's start would already have run out.
+		time.Sleep(400 * time.Millisecond)
+		for i := range errs {
+			errs[i] = errors.New("broker unavailable")
+		}
+		return errs
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, r := range records {
+		p.acked = append(p.acked, string(r.Value))
+	}
+	return errs
+}
+
+func (p *orderingPublisher) Close() error { return nil }
+
+// A round that fails slowly must not let the round read ahead publish the
+// key's later events first (G3).
+func TestSlowFailureKeepsKeyOrderAcrossReadAhead(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.write(t,
+		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("1")},
+		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("2")},
+		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("3")},
+	)
+	pub := &orderingPublisher{}
+	r, err := relay.New(b.pool, pub, &relay.Config{Schema: b.schema, BatchSize: 2, PollInterval: 20 * time.Millisecond, LeaseDuration: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	waitFor(t, "the outbox to drain", 30*time.Second, func() bool { return b.count(t, "outbox") == 0 })
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	pub.mu.Lock()
+	defer pub.mu.Unlock()
+	if got := strings.Join(pub.acked, ","); got != "1,2,3" {
+		t.Fatalf("acknowledged in order %s, want 1,2,3", got)
 	}
 }

@@ -14,16 +14,18 @@ import (
 
 // pendingEvent is an outbox row being published.
 type pendingEvent struct {
-	id             int64
-	eventID        string
-	topic          string
-	key            []byte
-	value          []byte
-	headers        map[string]string
-	shard          int16
-	attempts       int
-	createdAt      time.Time
-	firstRefusedAt *time.Time
+	id        int64
+	eventID   string
+	topic     string
+	key       []byte
+	value     []byte
+	headers   map[string]string
+	shard     int16
+	attempts  int
+	createdAt time.Time
+	// refusedFor is how long, in seconds on the database clock, the event's
+	// topic has been unknown; nil if it never was.
+	refusedFor *float64
 }
 
 // store holds the relay's SQL for one schema. Every statement is short and
@@ -45,6 +47,7 @@ type store struct {
 	landedSQL        string
 	landedBeforeSQL  string
 	chargeCrashedSQL string
+	chargeOwnSQL     string
 	forgetOldSQL     string
 	liveInstancesSQL string
 }
@@ -66,7 +69,8 @@ func newStore(pool *pgxpool.Pool, schema string) *store {
 	// attempt (chargeCrashedSQL).
 	claim := func(exclude, owner string) string {
 		return `WITH round AS (
-    SELECT o.id, o.event_id::text, o.topic, o.key, o.value, o.headers, o.shard, o.attempts, o.created_at, o.first_refused_at
+    SELECT o.id, o.event_id::text, o.topic, o.key, o.value, o.headers, o.shard, o.attempts, o.created_at,
+           extract(epoch FROM now() - o.first_refused_at)::float8 AS refused_for
     FROM ` + outbox + ` o
     WHERE o.shard = ANY($1::smallint[])` + exclude + `
     ORDER BY o.id
@@ -120,6 +124,10 @@ RETURNING shard`,
 		landedSQL:     `DELETE FROM ` + rounds + ` WHERE instance = $1`,
 		// With a round still in flight, the span shrinks to start at it.
 		landedBeforeSQL: `UPDATE ` + rounds + ` SET lo = $2 WHERE instance = $1`,
+		chargeOwnSQL: `WITH crashed AS (
+    DELETE FROM ` + rounds + ` WHERE instance = $1 RETURNING lo, hi, shards)
+UPDATE ` + outbox + ` o SET attempts = o.attempts + 1, last_error = coalesce(o.last_error, 'relay died while publishing')
+FROM crashed c WHERE o.id BETWEEN c.lo AND c.hi AND o.shard = ANY(c.shards)`,
 		// A round whose relay's lease lapsed (or whose instance row is gone)
 		// was cut short.
 		chargeCrashedSQL: `WITH crashed AS (
@@ -163,7 +171,7 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 	for rows.Next() {
 		var e pendingEvent
 		var headers []byte
-		if err := rows.Scan(&e.id, &e.eventID, &e.topic, &e.key, &e.value, &headers, &e.shard, &e.attempts, &e.createdAt, &e.firstRefusedAt); err != nil {
+		if err := rows.Scan(&e.id, &e.eventID, &e.topic, &e.key, &e.value, &headers, &e.shard, &e.attempts, &e.createdAt, &e.refusedFor); err != nil {
 			rows.Close()
 			return nil, err
 		}

@@ -179,7 +179,7 @@ func classify(err error) error {
 		return fmt.Errorf("%w: %w", relay.ErrTopicForbidden, err)
 	case errors.Is(err, kafka.UnknownTopicOrPartition), errors.Is(err, kafka.UnknownTopicID):
 		return fmt.Errorf("%w: %w", relay.ErrUnknownTopic, err)
-	case errors.Is(err, kafka.InvalidRecord), errors.Is(err, kafka.InvalidMessage):
+	case errors.Is(err, kafka.InvalidRecord): // not InvalidMessage (CORRUPT_MESSAGE): Kafka retries that
 		return fmt.Errorf("%w: %w", relay.ErrRecordInvalid, err)
 	default:
 		return err
