@@ -156,23 +156,44 @@ func Down(ctx context.Context, db Beginner, schema string, steps int) ([]int, er
 }
 
 // List reports every known migration and when it was applied to schema.
+// It only reads: a schema that does not exist lists every migration as
+// pending.
 func List(ctx context.Context, db Beginner, schema string) ([]Status, error) {
+	if err := ValidateSchema(schema); err != nil {
+		return nil, fmt.Errorf("migrations: %w", err)
+	}
 	all, err := All()
 	if err != nil {
 		return nil, err
 	}
-	var out []Status
-	err = inLockedTx(ctx, db, schema, func(_ pgx.Tx, done map[int]time.Time) error {
-		for _, m := range all {
-			s := Status{Migration: m}
-			if at, ok := done[m.Version]; ok {
-				s.AppliedAt = &at
-			}
-			out = append(out, s)
+	done := map[int]time.Time{}
+	err = pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+		table := pgx.Identifier{schema, "schema_migrations"}.Sanitize()
+		var exists bool
+		if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, table).Scan(&exists); err != nil || !exists {
+			return err
 		}
-		return nil
+		rows, err := tx.Query(ctx, `SELECT version, applied_at FROM `+table)
+		if err != nil {
+			return err
+		}
+		var v int
+		var at time.Time
+		_, err = pgx.ForEachRow(rows, []any{&v, &at}, func() error { done[v] = at; return nil })
+		return err
 	})
-	return out, err
+	if err != nil {
+		return nil, fmt.Errorf("migrations: read versions: %w", err)
+	}
+	out := make([]Status, 0, len(all))
+	for _, m := range all {
+		s := Status{Migration: m}
+		if at, ok := done[m.Version]; ok {
+			s.AppliedAt = &at
+		}
+		out = append(out, s)
+	}
+	return out, nil
 }
 
 // ValidateSchema rejects schema names that cannot be a PostgreSQL identifier.

@@ -19,6 +19,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -46,6 +47,10 @@ var errUsage = errors.New("usage")
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
+	go func() {
+		<-ctx.Done()
+		stop() // a second signal kills at once, should shutdown hang
+	}()
 	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	switch {
 	case err == nil || errors.Is(err, flag.ErrHelp):
@@ -100,23 +105,34 @@ func env(name, fallback string) string {
 	return fallback
 }
 
+// envErrs collects environment values that do not parse, reported by parse
+// as a usage error rather than silently replaced by the default.
+var envErrs []error
+
 func envDuration(name string, fallback time.Duration) time.Duration {
-	if v, ok := os.LookupEnv(name); ok {
-		if d, err := time.ParseDuration(v); err == nil {
-			return d
-		}
+	v, ok := os.LookupEnv(name)
+	if !ok || v == "" {
+		return fallback
 	}
-	return fallback
+	d, err := time.ParseDuration(v)
+	if err != nil {
+		envErrs = append(envErrs, fmt.Errorf("%s=%q is not a duration (e.g. 500ms, 6s, 1m)", name, v))
+		return fallback
+	}
+	return d
 }
 
 func envInt(name string, fallback int) int {
-	if v, ok := os.LookupEnv(name); ok {
-		var n int
-		if _, err := fmt.Sscan(v, &n); err == nil {
-			return n
-		}
+	v, ok := os.LookupEnv(name)
+	if !ok || v == "" {
+		return fallback
 	}
-	return fallback
+	n, err := strconv.Atoi(v)
+	if err != nil {
+		envErrs = append(envErrs, fmt.Errorf("%s=%q is not a whole number", name, v))
+		return fallback
+	}
+	return n
 }
 
 func newFlagSet(name, summary string, stderr io.Writer) *flag.FlagSet {
@@ -146,6 +162,12 @@ func (c *common) parse(fs *flag.FlagSet, args []string, needBrokers bool) error 
 			return err
 		}
 		return fmt.Errorf("%w: %v", errUsage, err)
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("%w: unexpected argument %q", errUsage, fs.Arg(0))
+	}
+	if len(envErrs) > 0 {
+		return fmt.Errorf("%w: %v", errUsage, envErrs[0])
 	}
 	if c.databaseURL == "" {
 		return fmt.Errorf("%w: --database-url (or ONCEFLOW_DATABASE_URL) is required", errUsage)

@@ -1,0 +1,88 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/internal/pgtest"
+)
+
+func runCLI(t *testing.T, args ...string) (string, error) {
+	t.Helper()
+	var out, errOut bytes.Buffer
+	err := run(context.Background(), args, &out, &errOut)
+	return out.String() + errOut.String(), err
+}
+
+func TestBadInputIsAUsageError(t *testing.T) {
+	t.Setenv("ONCEFLOW_DATABASE_URL", "")
+	t.Setenv("ONCEFLOW_BROKERS", "")
+	url := pgtest.URL(t)
+	cases := map[string][]string{
+		"no command":       {},
+		"unknown command":  {"frobnicate"},
+		"no database url":  {"status"},
+		"bad database url": {"status", "--database-url", "::nope"},
+		"relay no brokers": {"relay", "--database-url", url},
+		"broker not h:p":   {"relay", "--database-url", url, "--brokers", "localhost"},
+		"bad publisher":    {"relay", "--database-url", url, "--brokers", "a:1", "--publisher", "sarama"},
+		"bad log level":    {"status", "--database-url", url, "--log-level", "loud"},
+		"stray argument":   {"status", "--database-url", url, "extra"},
+		"migrate sideways": {"migrate", "sideways"},
+		"replay nothing":   {"dead", "replay", "--database-url", url},
+		"replay bad id":    {"dead", "replay", "--database-url", url, "--ids", "x"},
+		"schema too long":  {"status", "--database-url", url, "--schema", strings.Repeat("s", 64)},
+	}
+	for name, args := range cases {
+		if _, err := runCLI(t, args...); !errors.Is(err, errUsage) {
+			t.Errorf("%s: err = %v, want a usage error", name, err)
+		}
+	}
+}
+
+func TestUnreachableDatabaseFailsAtStart(t *testing.T) {
+	_, err := runCLI(t, "relay", "--database-url", "postgres://postgres@127.0.0.1:1/x?connect_timeout=2", "--brokers", "127.0.0.1:9092")
+	if err == nil || errors.Is(err, errUsage) || !strings.Contains(err.Error(), "connect to database") {
+		t.Fatalf("err = %v, want a connection error", err)
+	}
+}
+
+func TestMigrateStatusDeadReplay(t *testing.T) {
+	schema := pgtest.EmptySchema(t)
+	url := pgtest.URL(t)
+	common := []string{"--database-url", url, "--schema", schema}
+	out, err := runCLI(t, append([]string{"migrate", "status"}, common...)...)
+	if err != nil || !strings.Contains(out, "0001 init") || !strings.Contains(out, "pending") {
+		t.Fatalf("status before up: %v\n%s", err, out)
+	}
+	if out, err = runCLI(t, append([]string{"migrate", "up"}, common...)...); err != nil || !strings.Contains(out, "applied 0001") {
+		t.Fatalf("up: %v\n%s", err, out)
+	}
+	if out, err = runCLI(t, append([]string{"migrate", "up"}, common...)...); err != nil || !strings.Contains(out, "up to date") {
+		t.Fatalf("second up: %v\n%s", err, out)
+	}
+	ctx := context.Background()
+	pool := pgtest.Pool(t)
+	_, err = pool.Exec(ctx, `INSERT INTO `+pgx.Identifier{schema, "outbox_dead"}.Sanitize()+
+		` (outbox_id, event_id, topic, key, value, created_at, error, attempts) VALUES (1, gen_random_uuid(), 'gone', 'k', 'v', now(), 'unknown topic', 3)`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if out, err = runCLI(t, append([]string{"dead", "list"}, common...)...); err != nil || !strings.Contains(out, "unknown topic") {
+		t.Fatalf("dead list: %v\n%s", err, out)
+	}
+	if out, err = runCLI(t, append([]string{"dead", "replay", "--all"}, common...)...); err != nil || !strings.Contains(out, "replayed 1") {
+		t.Fatalf("dead replay: %v\n%s", err, out)
+	}
+	if out, err = runCLI(t, append([]string{"status"}, common...)...); err != nil || !strings.Contains(out, "backlog:         1 events") || !strings.Contains(out, "dead letters:    0") {
+		t.Fatalf("status: %v\n%s", err, out)
+	}
+	if out, err = runCLI(t, append([]string{"migrate", "down", "--steps", "9"}, common...)...); err != nil || !strings.Contains(out, "reverted 0001") {
+		t.Fatalf("down: %v\n%s", err, out)
+	}
+}
