@@ -241,3 +241,17 @@ func BenchmarkBatch(b *testing.B) {
 		func() float64 { return e.rawMulti(b, benchBatchMsgs, benchBatchSize, benchConcurrency) },
 		func() float64 { return e.consume(b, p, benchBatchMsgs, benchConcurrency) })
 }
+
+// BenchmarkPerMessageEmptyHandler isolates the consumer's own cost: the
+// same transaction shape as the raw ceiling (BEGIN, one insert, COMMIT),
+// with a handler that writes nothing.
+func BenchmarkPerMessageEmptyHandler(b *testing.B) {
+	e := benchSetup(b)
+	p, err := consumer.New(e.pool, "bench", func(context.Context, pgx.Tx, consumer.Message) error { return nil }, &consumer.Config{Schema: e.schema})
+	if err != nil {
+		b.Fatal(err)
+	}
+	report(b, "raw-tx/s",
+		func() float64 { return e.rawSingle(b, benchMessages, benchConcurrency) },
+		func() float64 { return e.consume(b, p, benchMessages, benchConcurrency) })
+}
