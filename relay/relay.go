@@ -38,6 +38,11 @@ type Relay struct {
 	// Owned by the publish loop.
 	blocked      map[string]*keyState
 	roundBackoff backoff.BackOff
+	// The previous round's outcome is recorded while the next round is
+	// published; finishing is closed once it is, and finishingSpan is that
+	// round's id span, which reads must skip until then.
+	finishing     chan struct{}
+	finishingSpan idSpan
 }
 
 // keyState is a key (or a keyless event) whose event failed and waits for
@@ -66,15 +71,16 @@ func New(pool *pgxpool.Pool, pub Publisher, cfg *Config) (*Relay, error) {
 	}
 	st := newStore(pool, c.Schema)
 	return &Relay{
-		cfg:          c,
-		pool:         pool,
-		pub:          pub,
-		st:           st,
-		leases:       newLeases(st, c.InstanceID, c.LeaseDuration, c.Observer),
-		log:          c.Logger.With("relay", c.InstanceID),
-		wake:         make(chan struct{}, 1),
-		blocked:      map[string]*keyState{},
-		roundBackoff: newBackoff(c.MaxRetryBackoff),
+		cfg:           c,
+		pool:          pool,
+		pub:           pub,
+		st:            st,
+		leases:        newLeases(st, c.InstanceID, c.LeaseDuration, c.Observer),
+		log:           c.Logger.With("relay", c.InstanceID),
+		wake:          make(chan struct{}, 1),
+		blocked:       map[string]*keyState{},
+		roundBackoff:  newBackoff(c.MaxRetryBackoff),
+		finishingSpan: idSpan{lo: 1},
 	}, nil
 }
 
@@ -111,6 +117,7 @@ func (r *Relay) Run(ctx context.Context) error {
 	go func() { defer wg.Done(); r.listenLoop(bg) }()
 
 	r.publishLoop(ctx)
+	r.waitFinish()
 
 	stopBackground()
 	wg.Wait()
@@ -198,7 +205,8 @@ func (r *Relay) publishLoop(ctx context.Context) {
 	var ahead *prefetch
 	for ctx.Err() == nil {
 		if r.leases.hasExcess() {
-			ahead = nil // it may hold events of shards about to go
+			ahead = nil    // it may hold events of shards about to go
+			r.waitFinish() // and their deletes still need the lease
 		}
 		if err := r.leases.releaseExcess(ctx); err != nil && ctx.Err() == nil {
 			r.log.Warn("relay: hand back shards", "err", err)
@@ -278,8 +286,9 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 	if ahead != nil {
 		events = r.withoutBlocked(ahead.events, start)
 	} else {
+		r.waitFinish() // a fresh read must not see the last round's rows
 		var err error
-		events, err = r.st.claim(ctx, r.cfg.InstanceID, shards, r.cfg.BatchSize, keys, ids)
+		events, err = r.st.claim(ctx, r.cfg.InstanceID, shards, r.cfg.BatchSize, keys, ids, idSpan{lo: 1})
 		if err != nil {
 			return roundResult{}, nil, fmt.Errorf("relay: read pending events: %w", err)
 		}
@@ -296,11 +305,17 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 
 	var next *prefetch
 	if len(events) == r.cfg.BatchSize {
-		inFlight := ids
+		inFlight := idSpan{lo: events[0].id, hi: events[0].id}
 		for i := range events {
-			inFlight = append(inFlight, events[i].id)
+			inFlight.lo = min(inFlight.lo, events[i].id)
+			inFlight.hi = max(inFlight.hi, events[i].id)
 		}
-		nextEvents, err := r.st.claim(ctx, r.cfg.InstanceID, shards, r.cfg.BatchSize, keys, inFlight)
+		skip := inFlight
+		if !r.finishingSpan.empty() {
+			skip.lo = min(skip.lo, r.finishingSpan.lo)
+			skip.hi = max(skip.hi, r.finishingSpan.hi)
+		}
+		nextEvents, err := r.st.claim(ctx, r.cfg.InstanceID, shards, r.cfg.BatchSize, keys, ids, skip)
 		if err == nil && len(nextEvents) > 0 {
 			next = &prefetch{shards: shards, events: nextEvents}
 		}
@@ -378,10 +393,6 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 	}
 	r.forgetStaleBlocks(start)
 
-	// Record the outcome even when ctx is done: acknowledged events must
-	// not be published again needlessly.
-	finishCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
-	defer cancel()
 	var nextLo int64
 	if next != nil {
 		nextLo = next.events[0].id
@@ -389,6 +400,29 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 			nextLo = min(nextLo, e.id)
 		}
 	}
+	span := idSpan{lo: events[0].id, hi: events[0].id}
+	for i := range events {
+		span.lo, span.hi = min(span.lo, events[i].id), max(span.hi, events[i].id)
+	}
+	// Record the outcome while the next round goes to Kafka. One outcome
+	// is recorded at a time, in round order.
+	r.waitFinish()
+	done := make(chan struct{})
+	r.finishing, r.finishingSpan = done, span
+	go func() {
+		defer close(done)
+		r.record(ctx, start, oldest, acked, dead, failed, nextLo)
+	}()
+	return roundResult{claimed: len(events), acked: len(acked), dead: len(dead)}, next, nil
+}
+
+// record writes a round's outcome: even when ctx is done, since
+// acknowledged events must not be published again needlessly. A failure
+// leaves the events pending: they are published again (duplicates, not
+// loss).
+func (r *Relay) record(ctx context.Context, start, oldest time.Time, acked []int64, dead []deadEvent, failed []failedEvent, nextLo int64) {
+	finishCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	defer cancel()
 	deleted, err := r.st.finish(finishCtx, r.cfg.InstanceID, acked, dead, failed, nextLo)
 	stats := BatchStats{
 		Published:       int(deleted),
@@ -398,17 +432,26 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		Duration:        time.Since(start),
 		OldestCreatedAt: oldest,
 	}
-	r.cfg.Observer.ObserveBatch(stats)
 	if err != nil {
-		return roundResult{claimed: len(events)}, nil, fmt.Errorf("relay: %d events were published but %w; they will be published again", len(acked), err)
+		stats.Published, stats.NotDeleted = 0, 0
+		r.log.Warn("relay: events were published but their outcome could not be recorded; they will be published again",
+			"events", len(acked), "err", err)
 	}
+	r.cfg.Observer.ObserveBatch(stats)
 	if stats.NotDeleted > 0 {
 		r.log.Warn("relay: lost shard ownership mid-round; the new owner republishes", "events", stats.NotDeleted)
 	}
 	if len(failed) > 0 {
 		r.log.Warn("relay: events failed; their keys wait and retry", "failed", len(failed), "first_err", failed[0].err)
 	}
-	return roundResult{claimed: len(events), acked: len(acked), dead: len(dead)}, next, nil
+}
+
+// waitFinish waits until the previous round's outcome is recorded.
+func (r *Relay) waitFinish() {
+	if r.finishing != nil {
+		<-r.finishing
+		r.finishing, r.finishingSpan = nil, idSpan{lo: 1}
+	}
 }
 
 // withoutBlocked drops prefetched events whose key is waiting out a retry;
