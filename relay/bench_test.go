@@ -129,7 +129,16 @@ func BenchmarkRelayDrain(b *testing.B) {
 		start = time.Now()
 		bu.startRelay(b, relay.Config{})
 		deadline := time.Now().Add(5 * time.Minute)
-		for bu.countB(b, "outbox") > 0 {
+		// A cheap check (stops at the first row), so the polling does not
+		// compete with the relay the way count(*) over 100k rows would.
+		for {
+			var pending bool
+			if err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+pgx.Identifier{bu.schema, "outbox"}.Sanitize()+`)`).Scan(&pending); err != nil {
+				b.Fatal(err)
+			}
+			if !pending {
+				break
+			}
 			if time.Now().After(deadline) {
 				b.Fatal("relay did not drain in 5 minutes")
 			}

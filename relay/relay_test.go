@@ -96,15 +96,6 @@ func setupBench(t testing.TB) *bundle {
 	return &bundle{pool: pgtest.Pool(t), kafka: kafkatest.New(t)}
 }
 
-func (b *bundle) countB(t testing.TB, table string) int {
-	t.Helper()
-	var n int
-	if err := b.pool.QueryRow(context.Background(), `SELECT count(*) FROM `+pgx.Identifier{b.schema, table}.Sanitize()).Scan(&n); err != nil {
-		t.Fatal(err)
-	}
-	return n
-}
-
 func (b *bundle) write(t *testing.T, msgs ...outbox.Message) {
 	t.Helper()
 	if err := pgx.BeginFunc(context.Background(), b.pool, func(tx pgx.Tx) error {
