@@ -1,11 +1,16 @@
-# The targets CI runs (.ci/run calls `make test`).
+# The targets CI runs (.ci/run calls `make test`: vet, gofmt, staticcheck, go test -race).
 GO ?= go
 
-.PHONY: test check vet fmt-check race bench demo
+.PHONY: test check vet fmt-check staticcheck race bench demo
 
 test: check race
 
-check: vet fmt-check
+check: vet fmt-check staticcheck
+
+STATICCHECK ?= honnef.co/go/tools/cmd/staticcheck@v0.8.2
+
+staticcheck:
+	$(GO) run $(STATICCHECK) ./...
 
 vet:
 	$(GO) vet ./...

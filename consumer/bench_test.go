@@ -134,7 +134,6 @@ func (e *benchEnv) rawMulti(b *testing.B, n, size, c int) float64 {
 
 // countTransport counts marked messages.
 type countTransport struct {
-	done atomic.Int64
 	last atomic.Int64
 }
 

@@ -55,7 +55,6 @@ func checkLeaks() error {
 type bundle struct {
 	pool   *pgxpool.Pool
 	schema string
-	url    string
 }
 
 // setup returns a fresh schema with an "effects" table for handlers to write

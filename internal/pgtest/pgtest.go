@@ -140,8 +140,8 @@ func connect() (string, *pgxpool.Pool, error) {
 		}
 		url = containerURL
 	}
-	return "", nil, fmt.Errorf("no PostgreSQL reachable at %s: %v\n"+
-		"Start one (e.g. `pg_ctlcluster 15 main start`), or set ONCEFLOW_TEST_DATABASE_URL to a database the tests may create schemas in.", redact(url), err)
+	return "", nil, fmt.Errorf("no PostgreSQL reachable at %s: %v; start one (e.g. `pg_ctlcluster 15 main start`), "+
+		"or set ONCEFLOW_TEST_DATABASE_URL to a database the tests may create schemas in", redact(url), err)
 }
 
 func open(url string) (*pgxpool.Pool, error) {
