@@ -91,15 +91,18 @@ CREATE TABLE relay_instances (
     lease_until  timestamptz NOT NULL
 );
 
--- The span of outbox ids (and the shards) each relay has in flight, cleared
--- as rounds land and left behind by a crash, so survivors can charge those
--- events an attempt. A span, not a list: one small row per round. Unlogged:
--- it is written every round and only matters while the database stays up.
+-- The span of outbox ids (and the shards) of each round a relay has in
+-- flight: a row written by the statement that reads the round, deleted with
+-- the round's outcome, and left behind by a crash, so survivors can charge
+-- those events an attempt. One small row per round, not one write per event;
+-- one row per round, so reading a round never waits on the previous round's
+-- commit. Unlogged: it only matters while the database stays up.
 CREATE UNLOGGED TABLE relay_rounds (
-    instance text PRIMARY KEY,
-    lo       bigint NOT NULL,
-    hi       bigint NOT NULL,
-    shards   smallint[] NOT NULL
+    instance text     NOT NULL,
+    lo       bigint   NOT NULL,
+    hi       bigint   NOT NULL,
+    shards   smallint[] NOT NULL,
+    PRIMARY KEY (instance, lo)
 );
 
 -- Shard ownership. All times come from the database clock, so relays on

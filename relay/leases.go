@@ -143,7 +143,7 @@ func (l *leases) releaseAll(ctx context.Context) error {
 		return fmt.Errorf("release shards: %w", err)
 	}
 	// A round read ahead but never sent was not cut short: forget it.
-	if _, err := l.st.pool.Exec(ctx, l.st.landedSQL, l.id); err != nil {
+	if _, err := l.st.pool.Exec(ctx, l.st.forgetRoundsSQL, l.id); err != nil {
 		return fmt.Errorf("clear in-flight span: %w", err)
 	}
 	if _, err := l.st.pool.Exec(ctx, l.st.goodbyeSQL, l.id); err != nil {

@@ -213,6 +213,7 @@ func (r *Relay) publishLoop(ctx context.Context) {
 		}
 		shards := r.leases.snapshot()
 		if ahead != nil && !slices.Equal(ahead.shards, shards) {
+			r.forgetRound(ctx, ahead.lo)
 			ahead = nil // ownership changed since it was read
 		}
 		if len(shards) == 0 {
@@ -267,6 +268,7 @@ type roundResult struct {
 type prefetch struct {
 	shards []int16
 	events []pendingEvent
+	lo     int64 // the lowest id read: the round's relay_rounds key
 }
 
 // round publishes one batch: claim the oldest pending events of the owned
@@ -283,8 +285,13 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 	start := time.Now()
 	keys, ids := r.exclusions(start)
 	var events []pendingEvent
+	var roundLo int64
 	if ahead != nil {
+		roundLo = ahead.lo
 		events = r.withoutBlocked(ahead.events, start)
+		if len(events) == 0 {
+			r.forgetRound(ctx, roundLo)
+		}
 	} else {
 		r.waitFinish() // a fresh read must not see the last round's rows
 		var err error
@@ -292,6 +299,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		if err != nil {
 			return roundResult{}, nil, fmt.Errorf("relay: read pending events: %w", err)
 		}
+		roundLo = lowestID(events)
 	}
 	if len(events) == 0 {
 		return roundResult{}, nil, nil
@@ -317,7 +325,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		}
 		nextEvents, err := r.st.claim(ctx, r.cfg.InstanceID, shards, r.cfg.BatchSize, keys, ids, skip)
 		if err == nil && len(nextEvents) > 0 {
-			next = &prefetch{shards: shards, events: nextEvents}
+			next = &prefetch{shards: shards, events: nextEvents, lo: lowestID(nextEvents)}
 		}
 	}
 	errs := <-published
@@ -383,6 +391,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		}
 		next.events = kept
 		if len(kept) == 0 {
+			r.forgetRound(ctx, next.lo)
 			next = nil
 		}
 	}
@@ -393,13 +402,6 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 	}
 	r.forgetStaleBlocks(start)
 
-	var nextLo int64
-	if next != nil {
-		nextLo = next.events[0].id
-		for _, e := range next.events {
-			nextLo = min(nextLo, e.id)
-		}
-	}
 	span := idSpan{lo: events[0].id, hi: events[0].id}
 	for i := range events {
 		span.lo, span.hi = min(span.lo, events[i].id), max(span.hi, events[i].id)
@@ -411,7 +413,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 	r.finishing, r.finishingSpan = done, span
 	go func() {
 		defer close(done)
-		r.record(ctx, start, oldest, acked, dead, failed, nextLo)
+		r.record(ctx, start, oldest, acked, dead, failed, roundLo)
 	}()
 	return roundResult{claimed: len(events), acked: len(acked), dead: len(dead)}, next, nil
 }
@@ -420,10 +422,10 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 // acknowledged events must not be published again needlessly. A failure
 // leaves the events pending: they are published again (duplicates, not
 // loss).
-func (r *Relay) record(ctx context.Context, start, oldest time.Time, acked []int64, dead []deadEvent, failed []failedEvent, nextLo int64) {
+func (r *Relay) record(ctx context.Context, start, oldest time.Time, acked []int64, dead []deadEvent, failed []failedEvent, roundLo int64) {
 	finishCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	defer cancel()
-	deleted, err := r.st.finish(finishCtx, r.cfg.InstanceID, acked, dead, failed, nextLo)
+	deleted, err := r.st.finish(finishCtx, r.cfg.InstanceID, acked, dead, failed, roundLo)
 	stats := BatchStats{
 		Published:       int(deleted),
 		Failed:          len(failed),
@@ -444,6 +446,24 @@ func (r *Relay) record(ctx context.Context, start, oldest time.Time, acked []int
 	if len(failed) > 0 {
 		r.log.Warn("relay: events failed; their keys wait and retry", "failed", len(failed), "first_err", failed[0].err)
 	}
+}
+
+// forgetRound drops the in-flight record of a round read but not sent.
+func (r *Relay) forgetRound(ctx context.Context, lo int64) {
+	if _, err := r.pool.Exec(context.WithoutCancel(ctx), r.st.landedSQL, r.cfg.InstanceID, lo); err != nil {
+		r.log.Warn("relay: forget an unsent round", "err", err)
+	}
+}
+
+func lowestID(events []pendingEvent) int64 {
+	if len(events) == 0 {
+		return 0
+	}
+	lo := events[0].id
+	for i := range events {
+		lo = min(lo, events[i].id)
+	}
+	return lo
 }
 
 // waitFinish waits until the previous round's outcome is recorded.

@@ -45,7 +45,7 @@ type store struct {
 	releaseAllSQL    string
 	goodbyeSQL       string
 	landedSQL        string
-	landedBeforeSQL  string
+	forgetRoundsSQL  string
 	chargeCrashedSQL string
 	chargeOwnSQL     string
 	forgetOldSQL     string
@@ -78,8 +78,7 @@ func newStore(pool *pgxpool.Pool, schema string) *store {
 mark AS (
     INSERT INTO ` + rounds + ` AS r (instance, lo, hi, shards)
     SELECT ` + owner + `, min(id), max(id), $1::smallint[] FROM round HAVING count(*) > 0
-    ON CONFLICT (instance) DO UPDATE
-        SET lo = least(r.lo, excluded.lo), hi = greatest(r.hi, excluded.hi), shards = excluded.shards)
+    ON CONFLICT (instance, lo) DO UPDATE SET hi = greatest(r.hi, excluded.hi), shards = excluded.shards)
 SELECT * FROM round`
 	}
 	return &store{
@@ -119,12 +118,11 @@ WHERE shard IN (
     LIMIT $3
     FOR UPDATE SKIP LOCKED)
 RETURNING shard`,
-		releaseSQL:    `UPDATE ` + shards + ` SET owner = NULL, lease_until = NULL WHERE owner = $1 AND shard = ANY($2::smallint[])`,
-		releaseAllSQL: `UPDATE ` + shards + ` SET owner = NULL, lease_until = NULL WHERE owner = $1`,
-		goodbyeSQL:    `DELETE FROM ` + instances + ` WHERE id = $1`,
-		landedSQL:     `DELETE FROM ` + rounds + ` WHERE instance = $1`,
-		// With a round still in flight, the span shrinks to start at it.
-		landedBeforeSQL: `UPDATE ` + rounds + ` SET lo = $2 WHERE instance = $1`,
+		releaseSQL:      `UPDATE ` + shards + ` SET owner = NULL, lease_until = NULL WHERE owner = $1 AND shard = ANY($2::smallint[])`,
+		releaseAllSQL:   `UPDATE ` + shards + ` SET owner = NULL, lease_until = NULL WHERE owner = $1`,
+		goodbyeSQL:      `DELETE FROM ` + instances + ` WHERE id = $1`,
+		landedSQL:       `DELETE FROM ` + rounds + ` WHERE instance = $1 AND lo = $2`,
+		forgetRoundsSQL: `DELETE FROM ` + rounds + ` WHERE instance = $1`,
 		chargeOwnSQL: `WITH crashed AS (
     DELETE FROM ` + rounds + ` WHERE instance = $1 RETURNING lo, hi, shards)
 UPDATE ` + outbox + ` o SET attempts = o.attempts + 1, last_error = coalesce(o.last_error, 'relay died while publishing')
@@ -209,9 +207,8 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 // acknowledged events and moves the refused ones to outbox_dead (both only
 // on shards this relay still owns), and notes the errors of the ones to
 // retry. It returns how many acknowledged events it deleted.
-// nextLo, when not zero, is the lowest id of the round read ahead, still in
-// flight.
-func (s *store) finish(ctx context.Context, owner string, acked []int64, dead []deadEvent, failed []failedEvent, nextLo int64) (deleted int64, err error) {
+// roundLo is the lowest id of the round as read: its relay_rounds key.
+func (s *store) finish(ctx context.Context, owner string, acked []int64, dead []deadEvent, failed []failedEvent, roundLo int64) (deleted int64, err error) {
 	b := &pgx.Batch{}
 	if len(acked) > 0 {
 		b.Queue(s.deleteSQL, acked, owner).Exec(func(tag pgconn.CommandTag) error {
@@ -236,11 +233,7 @@ func (s *store) finish(ctx context.Context, owner string, acked []int64, dead []
 		}
 		b.Queue(s.failSQL, ids, errs, refused)
 	}
-	if nextLo != 0 {
-		b.Queue(s.landedBeforeSQL, owner, nextLo)
-	} else {
-		b.Queue(s.landedSQL, owner)
-	}
+	b.Queue(s.landedSQL, owner, roundLo)
 	if err := s.pool.SendBatch(ctx, b).Close(); err != nil {
 		return deleted, fmt.Errorf("record outcome: %w", err)
 	}
