@@ -1,0 +1,38 @@
+// Package relay publishes committed outbox events to Kafka: at least once
+// (G2), in per-key order (G3), each with a stable message-id header (G4),
+// dead-lettering only what Kafka refuses for good (G7). Several relays may
+// run against one database at once.
+//
+//	pub, err := kgopublisher.New([]string{"kafka:9092"}, nil)
+//	r, err := relay.New(pool, pub, &relay.Config{Logger: logger})
+//	err = r.Run(ctx) // until ctx is canceled; then hands its shards back
+//
+// # How it works
+//
+// Events are spread over NumShards shards by a hash of their key. Each shard
+// is owned by one relay at a time through a lease in relay_shards, renewed on
+// the database clock; live relays share the shards evenly and take over a
+// dead relay's shards when its lease lapses (Config.LeaseDuration). A relay
+// reads the oldest pending events of its shards, publishes them, waits for
+// every acknowledgement, then deletes exactly the acknowledged ones,
+// re-checking that it still owns their shards. It keeps no cursor (a row
+// committed late behind a higher id is still read) and holds no transaction
+// open while Kafka answers. A failed event holds back its key's later events
+// until it is retried. Commits wake the relay through NOTIFY; polling is the
+// backstop.
+//
+// # Refusals
+//
+// A Publisher classifies refusals by wrapping ErrRecordTooLarge,
+// ErrTopicForbidden, ErrRecordInvalid or ErrUnknownTopic. Too large and
+// invalid records are published alone first (a broker fails whole batches),
+// an unknown topic is retried for Config.UnknownTopicGrace, and then the
+// event moves to outbox_dead with the error (ListDead, ReplayDead). Every
+// other error is passing: it is retried with backoff, forever.
+//
+// # Concurrency
+//
+// A Relay runs once (Run); New and InstanceID are safe for concurrent use.
+// ReadStatus, ListDead and ReplayDead take any Querier and may be called
+// from anywhere.
+package relay
