@@ -21,6 +21,7 @@ import (
 type leases struct {
 	st       *store
 	id       string
+	host     string
 	duration time.Duration
 	obs      Observer
 
@@ -33,7 +34,8 @@ type leases struct {
 }
 
 func newLeases(st *store, id string, duration time.Duration, obs Observer) *leases {
-	return &leases{st: st, id: id, duration: duration, obs: obs, changed: make(chan struct{}, 1)}
+	host, _ := os.Hostname()
+	return &leases{st: st, id: id, host: host, duration: duration, obs: obs, changed: make(chan struct{}, 1)}
 }
 
 // snapshot returns the shards this relay may publish now.
@@ -52,8 +54,7 @@ func (l *leases) interval() time.Duration { return l.duration / 3 }
 func (l *leases) tick(ctx context.Context) error {
 	start := time.Now()
 	dur := l.duration.String()
-	host, _ := os.Hostname()
-	if _, err := l.st.pool.Exec(ctx, l.st.heartbeatSQL, l.id, host, os.Getpid(), dur); err != nil {
+	if _, err := l.st.pool.Exec(ctx, l.st.heartbeatSQL, l.id, l.host, os.Getpid(), dur); err != nil {
 		return fmt.Errorf("heartbeat: %w", err)
 	}
 	// Charge an attempt to the events a dead relay had in flight.

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -18,6 +17,7 @@ import (
 
 	"github.com/onceflow/onceflow/internal/kafkatest"
 	"github.com/onceflow/onceflow/internal/pgtest"
+	"github.com/onceflow/onceflow/internal/proctest"
 	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/relay"
 )
@@ -32,16 +32,9 @@ var (
 func buildBinary(t *testing.T) string {
 	t.Helper()
 	buildOnce.Do(func() {
-		dir, err := os.MkdirTemp("", "onceflow-bin-")
-		if err != nil {
-			buildErr = err
-			return
-		}
+		var dir string
+		dir, buildErr = proctest.Build(false, ".")
 		binary = filepath.Join(dir, "onceflow")
-		out, err := exec.Command("go", "build", "-o", binary, ".").CombinedOutput()
-		if err != nil {
-			buildErr = fmt.Errorf("go build: %v\n%s", err, out)
-		}
 	})
 	if buildErr != nil {
 		t.Fatal(buildErr)
@@ -49,60 +42,21 @@ func buildBinary(t *testing.T) string {
 	return binary
 }
 
-type relayProc struct {
-	cmd    *exec.Cmd
-	exited chan struct{} // closed when the process has exited
-	err    error         // its exit status, once exited is closed
-	logMu  *sync.Mutex
-	log    *strings.Builder
-}
-
-// wait returns the exit status, or false if the process runs past timeout.
-func (p *relayProc) wait(timeout time.Duration) (error, bool) {
-	select {
-	case <-p.exited:
-		return p.err, true
-	case <-time.After(timeout):
-		return nil, false
-	}
-}
-
-func (p *relayProc) started() bool {
-	p.logMu.Lock()
-	defer p.logMu.Unlock()
-	return strings.Contains(p.log.String(), "relay started")
-}
-
-func (p *relayProc) kill() {
-	_ = p.cmd.Process.Signal(syscall.SIGKILL)
-	<-p.exited
-}
-
-func startRelayProc(t *testing.T, bin string, env []string, args ...string) *relayProc {
+// startRelayProc runs `onceflow relay args…`, killed when the test ends.
+func startRelayProc(t *testing.T, bin string, env []string, args ...string) *proctest.Proc {
 	t.Helper()
-	cmd := exec.Command(bin, append([]string{"relay"}, args...)...)
-	cmd.Env = append(os.Environ(), env...)
-	var log strings.Builder
-	w := &syncWriter{b: &log}
-	cmd.Stderr = w
-	if err := cmd.Start(); err != nil {
+	p, err := proctest.Start(bin, env, append([]string{"relay"}, args...)...)
+	if err != nil {
 		t.Fatal(err)
 	}
-	p := &relayProc{cmd: cmd, exited: make(chan struct{}), log: &log, logMu: &w.mu}
-	go func() { p.err = cmd.Wait(); close(p.exited) }()
-	t.Cleanup(p.kill)
+	t.Cleanup(p.Kill)
 	return p
 }
 
-type syncWriter struct {
-	mu sync.Mutex
-	b  *strings.Builder
-}
-
-func (w *syncWriter) Write(p []byte) (int, error) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.b.Write(p)
+// relayStarted reports whether a relay run with --log-level info is past its
+// start-up checks (and has its signal handler installed).
+func relayStarted(p *proctest.Proc) func() bool {
+	return func() bool { return p.Printed("relay started") }
 }
 
 func relayEnv(t *testing.T, schema string, k *kafkatest.Kafka) []string {
@@ -167,7 +121,7 @@ func TestCrashRelaysWhileWriting(t *testing.T) {
 	events := map[string]event{}
 	writer, _ := outbox.NewWriter(&outbox.Config{Schema: schema})
 
-	relays := make([]*relayProc, 3)
+	relays := make([]*proctest.Proc, 3)
 	for i := range relays {
 		relays[i] = startRelayProc(t, bin, env, relayArgs...)
 	}
@@ -228,7 +182,7 @@ func TestCrashRelaysWhileWriting(t *testing.T) {
 		}
 		time.Sleep(time.Duration(200+rng.IntN(600)) * time.Millisecond)
 		i := rng.IntN(len(relays))
-		relays[i].kill()
+		relays[i].Kill()
 		kills++
 		relays[i] = startRelayProc(t, bin, env, relayArgs...)
 	}
@@ -238,16 +192,16 @@ func TestCrashRelaysWhileWriting(t *testing.T) {
 
 	for _, r := range relays {
 		// A signal before main installs its handler would kill by default.
-		waitUntil(t, "a restarted relay to start", 30*time.Second, r.started)
-		_ = r.cmd.Process.Signal(syscall.SIGTERM)
+		waitUntil(t, "a restarted relay to start", 30*time.Second, relayStarted(r))
+		_ = r.Signal(syscall.SIGTERM)
 	}
 	for _, r := range relays {
-		err, exited := r.wait(30 * time.Second)
+		err, exited := r.Wait(30 * time.Second)
 		switch {
 		case !exited:
 			t.Errorf("relay did not exit within 30s of SIGTERM")
 		case err != nil:
-			t.Errorf("relay exit after SIGTERM: %v\n%s", err, r.log.String())
+			t.Errorf("relay exit after SIGTERM: %v\n%s", err, r.Output())
 		}
 	}
 	if n := count(t, schema, "outbox_dead"); n != 0 {
@@ -312,7 +266,7 @@ func TestKilledRelayShardsTakenOverWithin10s(t *testing.T) {
 		return 0
 	}
 	waitUntil(t, "a and b to split the shards", 30*time.Second, func() bool { return owned("a") == 128 && owned("b") == 128 })
-	a.kill()
+	a.Kill()
 	killed := time.Now()
 	waitUntil(t, "b to own every shard", 15*time.Second, func() bool { return owned("b") == relay.NumShards })
 	if d := time.Since(killed); d > 10*time.Second {

@@ -51,7 +51,7 @@ func TestRelayServesMetricsAndHealth(t *testing.T) {
 	topic := k.Topic(t, 2)
 	addr := freeAddr(t)
 	p := startRelayProc(t, bin, relayEnv(t, schema, k), "--http-addr", addr, "--log-level", "info")
-	waitUntil(t, "the relay to start", 30*time.Second, p.started)
+	waitUntil(t, "the relay to start", 30*time.Second, relayStarted(p))
 	w, _ := outbox.NewWriter(&outbox.Config{Schema: schema})
 	var msgs []outbox.Message
 	for i := range 50 {
@@ -84,8 +84,8 @@ func TestRelayServesMetricsAndHealth(t *testing.T) {
 			t.Errorf("/metrics lacks %q", want)
 		}
 	}
-	_ = p.cmd.Process.Signal(syscall.SIGTERM)
-	if err, exited := p.wait(30 * time.Second); !exited || err != nil {
+	_ = p.Signal(syscall.SIGTERM)
+	if err, exited := p.Wait(30 * time.Second); !exited || err != nil {
 		t.Fatalf("after SIGTERM: exited %v, err %v", exited, err)
 	}
 }

@@ -29,6 +29,7 @@ import (
 
 	"github.com/onceflow/onceflow/internal/kafkatest"
 	"github.com/onceflow/onceflow/internal/pgtest"
+	"github.com/onceflow/onceflow/internal/proctest"
 	"github.com/onceflow/onceflow/outbox"
 )
 
@@ -105,7 +106,7 @@ func TestEndToEndCrashesAndFaults(t *testing.T) {
 	ctx := context.Background()
 	pool := pgtest.Pool(t)
 	schema := pgtest.Schema(t)
-	brokerLog := &syncBuffer{}
+	brokerLog := &proctest.Buffer{}
 	k := kafkatest.New(t, kfake.WithLogger(kfake.BasicLogger(brokerLog, kfake.LogLevelWarn)))
 	fake := k.RequireFake(t)
 	capGroupTimeouts(fake)

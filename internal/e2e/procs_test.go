@@ -1,16 +1,14 @@
 package e2e_test
 
 import (
-	"bytes"
 	"fmt"
-	"os"
-	"os/exec"
 	"path/filepath"
-	"strings"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/onceflow/onceflow/internal/proctest"
 )
 
 // binaries are cmd/onceflow and examples/ledger, built once per test binary
@@ -29,20 +27,12 @@ var (
 func buildBinaries(t *testing.T) binaries {
 	t.Helper()
 	buildOnce.Do(func() {
-		dir, err := os.MkdirTemp("", "onceflow-e2e-")
-		if err != nil {
-			buildErr = err
-			return
-		}
-		// One go command builds both packages in parallel; -o dir/ names
-		// each binary after its package directory.
-		cmd := exec.Command("go", "build", "-o", dir+string(filepath.Separator),
+		// One go command builds both packages; each binary is named after
+		// its package directory.
+		var dir string
+		dir, buildErr = proctest.Build(false,
 			"github.com/onceflow/onceflow/cmd/onceflow",
 			"github.com/onceflow/onceflow/examples/ledger")
-		if out, err := cmd.CombinedOutput(); err != nil {
-			buildErr = fmt.Errorf("go build: %v\n%s", err, out)
-			return
-		}
 		built = binaries{onceflow: filepath.Join(dir, "onceflow"), ledger: filepath.Join(dir, "ledger")}
 	})
 	if buildErr != nil {
@@ -66,23 +56,17 @@ type role struct {
 }
 
 type proc struct {
-	cmd    *exec.Cmd
-	out    *syncBuffer
-	done   chan struct{}
-	err    error // exit status, set before done is closed
-	killed bool  // by the test
+	*proctest.Proc
+	killed bool // by the test
 }
 
 func (r *role) start(t *testing.T) {
 	t.Helper()
-	cmd := exec.Command(r.bin, r.args...)
-	cmd.Env = append(os.Environ(), r.env...)
-	p := &proc{cmd: cmd, out: &syncBuffer{}, done: make(chan struct{})}
-	cmd.Stdout, cmd.Stderr = p.out, p.out
-	if err := cmd.Start(); err != nil {
+	started, err := proctest.Start(r.bin, r.env, r.args...)
+	if err != nil {
 		t.Fatalf("start %s: %v", r.name, err)
 	}
-	go func() { p.err = cmd.Wait(); close(p.done) }()
+	p := &proc{Proc: started}
 	if r.cur != nil {
 		r.past = append(r.past, r.cur)
 	}
@@ -96,23 +80,18 @@ func (r *role) kill() {
 		return
 	}
 	p.killed = true
-	_ = p.cmd.Process.Signal(syscall.SIGKILL)
-	<-p.done
+	p.Kill()
 }
 
 // exitedOnItsOwn reports whether the current process ended without the test
 // killing it, with its exit status.
 func (r *role) exitedOnItsOwn() (error, bool) {
-	select {
-	case <-r.cur.done:
-		return r.cur.err, !r.cur.killed
-	default:
-		return nil, false
-	}
+	err, exited := r.cur.Exited()
+	return err, exited && !r.cur.killed
 }
 
 func (r *role) isReady() bool {
-	return strings.Contains(r.cur.out.String(), r.ready)
+	return r.cur.Printed(r.ready)
 }
 
 // stop sends SIGTERM once the process is ready (a signal that arrives before
@@ -130,32 +109,27 @@ func (r *role) stop(t *testing.T, timeout time.Duration) {
 		return nil
 	})
 	r.cur.killed = true // by the test, though gracefully
-	if err := r.cur.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+	if err := r.cur.Signal(syscall.SIGTERM); err != nil {
 		t.Fatalf("SIGTERM %s: %v", r.name, err)
 	}
-	select {
-	case <-r.cur.done:
-	case <-time.After(timeout):
+	err, exited := r.cur.Wait(timeout)
+	switch {
+	case !exited:
 		t.Fatalf("%s did not exit within %v of SIGTERM", r.name, timeout)
-	}
-	if r.cur.err != nil {
-		t.Errorf("%s exited with %v after SIGTERM, want exit code 0", r.name, r.cur.err)
+	case err != nil:
+		t.Errorf("%s exited with %v after SIGTERM, want exit code 0", r.name, err)
 	}
 }
 
 // dumpStacks sends SIGQUIT, which makes a Go program print every
 // goroutine's stack and exit, and waits for it to exit.
 func (r *role) dumpStacks() {
-	select {
-	case <-r.cur.done:
+	if _, exited := r.cur.Exited(); exited {
 		return
-	default:
 	}
 	r.cur.killed = true
-	_ = r.cur.cmd.Process.Signal(syscall.SIGQUIT)
-	select {
-	case <-r.cur.done:
-	case <-time.After(10 * time.Second):
+	_ = r.cur.Signal(syscall.SIGQUIT)
+	if _, exited := r.cur.Wait(10 * time.Second); !exited {
 		r.kill()
 	}
 }
@@ -166,36 +140,18 @@ func (r *role) cleanup(t *testing.T) {
 	if r.cur == nil {
 		return
 	}
-	select {
-	case <-r.cur.done:
-	default:
+	if _, exited := r.cur.Exited(); !exited {
 		r.kill()
 	}
 	if !t.Failed() {
 		return
 	}
 	for i, p := range append(r.past, r.cur) {
-		out := tail(p.out.String(), 60000)
+		out := tail(p.Output(), 60000)
+		exit, _ := p.Exited()
 		t.Logf("output of %s, incarnation %d (pid %d, exit %v, killed by test %v):\n%s",
-			r.name, i+1, p.cmd.Process.Pid, p.err, p.killed, out)
+			r.name, i+1, p.Pid(), exit, p.killed, out)
 	}
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.b.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.b.String()
 }
 
 // waitFor polls cond every 50ms until it returns nil, failing the test with

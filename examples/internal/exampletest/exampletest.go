@@ -4,39 +4,42 @@
 package exampletest
 
 import (
-	"bytes"
-	"fmt"
 	"net/url"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/onceflow/onceflow/internal/proctest"
 )
 
 // Build compiles the package in the current directory (with -race when the
 // tests run with it) into a temporary directory and returns the binary's path
 // and a function removing it. Call it from TestMain.
 func Build(name string) (bin string, cleanup func(), err error) {
-	dir, err := os.MkdirTemp("", "onceflow-example-")
+	dir, err := proctest.Build(raceEnabled, ".")
 	if err != nil {
 		return "", nil, err
 	}
-	cleanup = func() { os.RemoveAll(dir) }
+	// The binary is named after the package directory; name it as asked.
 	bin = filepath.Join(dir, name)
-	args := []string{"build", "-o", bin}
-	if raceEnabled {
-		args = append(args, "-race")
+	if built := filepath.Join(dir, filepath.Base(mustGetwd())); built != bin {
+		if err := os.Rename(built, bin); err != nil {
+			os.RemoveAll(dir)
+			return "", nil, err
+		}
 	}
-	out, err := exec.Command("go", append(args, ".")...).CombinedOutput()
+	return bin, func() { os.RemoveAll(dir) }, nil
+}
+
+func mustGetwd() string {
+	wd, err := os.Getwd()
 	if err != nil {
-		cleanup()
-		return "", nil, fmt.Errorf("go build %s: %v\n%s", name, err, out)
+		panic(err)
 	}
-	return bin, cleanup, nil
+	return wd
 }
 
 // WithSearchPath returns dbURL with search_path set as a runtime parameter, so
@@ -56,31 +59,22 @@ func WithSearchPath(t testing.TB, dbURL, schema string) string {
 // Proc is a running example program.
 type Proc struct {
 	name string
-	cmd  *exec.Cmd
-	out  *buffer
-	done chan struct{}
-	err  error // set before done is closed
+	*proctest.Proc
 }
 
 // Start runs bin with args. The process is killed when the test ends if it is
 // still running, and its output is logged if the test failed.
 func Start(t testing.TB, bin string, args ...string) *Proc {
 	t.Helper()
-	p := &Proc{name: filepath.Base(bin), cmd: exec.Command(bin, args...), out: &buffer{}, done: make(chan struct{})}
-	p.cmd.Stdout, p.cmd.Stderr = p.out, p.out
-	if err := p.cmd.Start(); err != nil {
-		t.Fatalf("exampletest: start %s: %v", bin, err)
+	started, err := proctest.Start(bin, nil, args...)
+	if err != nil {
+		t.Fatalf("exampletest: %v", err)
 	}
-	go func() { p.err = p.cmd.Wait(); close(p.done) }()
+	p := &Proc{name: filepath.Base(bin), Proc: started}
 	t.Cleanup(func() {
-		select {
-		case <-p.done:
-		default:
-			_ = p.cmd.Process.Kill()
-			<-p.done
-		}
+		p.Kill()
 		if t.Failed() {
-			t.Logf("output of %s (pid %d):\n%s", p.name, p.cmd.Process.Pid, p.out.String())
+			t.Logf("output of %s (pid %d):\n%s", p.name, p.Pid(), p.Output())
 		}
 	})
 	return p
@@ -92,13 +86,11 @@ func (p *Proc) WaitOutput(t testing.TB, re *regexp.Regexp, timeout time.Duration
 	t.Helper()
 	deadline := time.Now().Add(timeout)
 	for {
-		if m := re.FindStringSubmatch(p.out.String()); m != nil {
+		if m := re.FindStringSubmatch(p.Output()); m != nil {
 			return m
 		}
-		select {
-		case <-p.done:
-			t.Fatalf("%s exited (%v) before printing %q:\n%s", p.name, p.err, re, p.out.String())
-		case <-time.After(20 * time.Millisecond):
+		if err, exited := p.Wait(20 * time.Millisecond); exited {
+			t.Fatalf("%s exited (%v) before printing %q:\n%s", p.name, err, re, p.Output())
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("%s did not print %q within %v", p.name, re, timeout)
@@ -110,21 +102,17 @@ func (p *Proc) WaitOutput(t testing.TB, re *regexp.Regexp, timeout time.Duration
 // timeout.
 func (p *Proc) Stop(t testing.TB, timeout time.Duration) {
 	t.Helper()
-	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+	if err := p.Signal(syscall.SIGTERM); err != nil {
 		t.Fatalf("exampletest: SIGTERM %s: %v", p.name, err)
 	}
-	select {
-	case <-p.done:
-	case <-time.After(timeout):
+	err, exited := p.Wait(timeout)
+	switch {
+	case !exited:
 		t.Fatalf("%s did not exit within %v of SIGTERM", p.name, timeout)
-	}
-	if p.err != nil {
-		t.Fatalf("%s exited with %v after SIGTERM, want exit code 0", p.name, p.err)
+	case err != nil:
+		t.Fatalf("%s exited with %v after SIGTERM, want exit code 0", p.name, err)
 	}
 }
-
-// Output returns what the process printed so far.
-func (p *Proc) Output() string { return p.out.String() }
 
 // Eventually polls cond every 50ms until it returns nil or timeout passes,
 // then fails the test with cond's last error.
@@ -141,21 +129,4 @@ func Eventually(t testing.TB, timeout time.Duration, cond func() error) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-}
-
-type buffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (b *buffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.b.Write(p)
-}
-
-func (b *buffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.b.String()
 }
