@@ -1,7 +1,8 @@
-package relay_test
+package relay
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 
@@ -10,9 +11,12 @@ import (
 	"github.com/onceflow/onceflow/internal/pgtest"
 )
 
-// With a backlog of 1M rows the relay's pending-rows query must read an
-// index in id order and stop at the batch, never sort or scan the table.
-func TestPendingQueryStaysOnIndexWith1MRows(t *testing.T) {
+// With a backlog of 1M rows the relay's claim must read the primary key in
+// id order and stop at the batch, never sort or scan the table, and test
+// shard ownership and in-flight ids with hashed subplans (a hash probe per
+// row), also under the generic plan PostgreSQL switches a prepared
+// statement to after five runs.
+func TestClaimStaysOnIndexWith1MRows(t *testing.T) {
 	if testing.Short() {
 		t.Skip("inserts 1M rows; skipped with -short")
 	}
@@ -28,34 +32,68 @@ SELECT 'bench', ('key-' || (g % 1000))::bytea, repeat('x', 64)::bytea FROM gener
 	if _, err := pool.Exec(ctx, `ANALYZE `+outbox); err != nil {
 		t.Fatal(err)
 	}
-	// The claim's inner query, as store.go runs it, for a relay owning
-	// every shard and for one owning a quarter.
-	for _, shards := range [][]int16{allShards(256), allShards(64)} {
-		var plan []string
-		rows, err := pool.Query(ctx, `EXPLAIN (ANALYZE, BUFFERS) SELECT o.id FROM `+outbox+` o
-WHERE o.shard = ANY($1::smallint[]) ORDER BY o.id LIMIT 1000`, shards)
-		if err != nil {
-			t.Fatal(err)
-		}
-		plan, err = pgx.CollectRows(rows, pgx.RowTo[string])
-		if err != nil {
-			t.Fatal(err)
-		}
-		text := strings.Join(plan, "\n")
-		t.Logf("%d shards owned:\n%s", len(shards), text)
-		if strings.Contains(text, "Seq Scan") || strings.Contains(text, "Sort") {
-			t.Fatalf("pending-rows query scans or sorts with a 1M backlog:\n%s", text)
-		}
-		if !strings.Contains(text, "Index") {
-			t.Fatalf("pending-rows query uses no index:\n%s", text)
-		}
+	var firstID int64
+	if err := pool.QueryRow(ctx, `SELECT min(id) FROM `+outbox).Scan(&firstID); err != nil {
+		t.Fatal(err)
+	}
+	inFlight := make([]int64, 1000) // a round in flight: the oldest 1,000
+	for i := range inFlight {
+		inFlight[i] = firstID + int64(i)
+	}
+	claimSQL := newStore(pool, schema).claimSQL
+
+	for _, c := range []struct {
+		name     string
+		owned    []int16
+		excluded []int64
+	}{
+		{"every shard", everyShard(), nil},
+		{"a quarter of the shards", everyShard()[:NumShards/4], nil},
+		{"every shard, a round in flight", everyShard(), inFlight},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			notOwned := everyShard()[len(c.owned):]
+			tx, err := pool.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer tx.Rollback(ctx) // the claim records its round
+			if _, err := tx.Exec(ctx, `SET LOCAL plan_cache_mode = force_generic_plan`); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := tx.Exec(ctx, `PREPARE claim AS `+claimSQL); err != nil {
+				t.Fatal(err)
+			}
+			rows, _ := tx.Query(ctx, fmt.Sprintf(`EXPLAIN (ANALYZE, BUFFERS) EXECUTE claim('%s', 1000, 'plan-test', '%s', '%s')`,
+				pgArray(notOwned), pgArray(c.excluded), pgArray(c.owned)), pgx.QueryExecModeSimpleProtocol)
+			plan, err := pgx.CollectRows(rows, pgx.RowTo[string])
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := tx.Exec(ctx, `DEALLOCATE claim`); err != nil { // prepared statements outlive the transaction
+				t.Fatal(err)
+			}
+			text := strings.Join(plan, "\n")
+			t.Logf("%s:\n%s", c.name, text)
+			for _, bad := range []string{"Seq Scan on outbox", "Sort", "Bitmap"} {
+				if strings.Contains(text, bad) {
+					t.Errorf("claim plan has %q with a 1M backlog", bad)
+				}
+			}
+			for _, good := range []string{"Index Scan using outbox_pkey", "hashed SubPlan"} {
+				if !strings.Contains(text, good) {
+					t.Errorf("claim plan lacks %q", good)
+				}
+			}
+		})
 	}
 }
 
-func allShards(n int) []int16 {
-	out := make([]int16, n)
-	for i := range out {
-		out[i] = int16(i * (256 / n))
+// pgArray renders integers as a PostgreSQL array literal.
+func pgArray[T int16 | int64](xs []T) string {
+	parts := make([]string, len(xs))
+	for i, x := range xs {
+		parts[i] = fmt.Sprint(x)
 	}
-	return out
+	return "{" + strings.Join(parts, ",") + "}"
 }

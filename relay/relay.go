@@ -39,10 +39,10 @@ type Relay struct {
 	blocked      map[string]*keyState
 	roundBackoff backoff.BackOff
 	// The previous round's outcome is recorded while the next round is
-	// published; finishing is closed once it is, and finishingSpan is that
-	// round's id span, which reads must skip until then.
-	finishing     chan struct{}
-	finishingSpan idSpan
+	// published; finishing is closed once it is, and finishingIDs are that
+	// round's events, which reads must leave out until then.
+	finishing    chan struct{}
+	finishingIDs []int64
 }
 
 // keyState is a key (or a keyless event) whose event failed and waits for
@@ -71,16 +71,15 @@ func New(pool *pgxpool.Pool, pub Publisher, cfg *Config) (*Relay, error) {
 	}
 	st := newStore(pool, c.Schema)
 	return &Relay{
-		cfg:           c,
-		pool:          pool,
-		pub:           pub,
-		st:            st,
-		leases:        newLeases(st, c.InstanceID, c.LeaseDuration, c.Observer),
-		log:           c.Logger.With("relay", c.InstanceID),
-		wake:          make(chan struct{}, 1),
-		blocked:       map[string]*keyState{},
-		roundBackoff:  newBackoff(c.MaxRetryBackoff),
-		finishingSpan: idSpan{lo: 1},
+		cfg:          c,
+		pool:         pool,
+		pub:          pub,
+		st:           st,
+		leases:       newLeases(st, c.InstanceID, c.LeaseDuration, c.Observer),
+		log:          c.Logger.With("relay", c.InstanceID),
+		wake:         make(chan struct{}, 1),
+		blocked:      map[string]*keyState{},
+		roundBackoff: newBackoff(c.MaxRetryBackoff),
 	}, nil
 }
 
@@ -295,7 +294,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 	} else {
 		r.waitFinish() // a fresh read must not see the last round's rows
 		var err error
-		events, err = r.st.claim(ctx, r.cfg.InstanceID, shards, r.cfg.BatchSize, keys, ids, idSpan{lo: 1})
+		events, err = r.st.claim(ctx, r.cfg.InstanceID, shards, r.cfg.BatchSize, keys, ids)
 		if err != nil {
 			return roundResult{}, nil, fmt.Errorf("relay: read pending events: %w", err)
 		}
@@ -313,17 +312,12 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 
 	var next *prefetch
 	if len(events) == r.cfg.BatchSize {
-		inFlight := idSpan{lo: events[0].id, hi: events[0].id}
+		inFlight := make([]int64, 0, len(ids)+len(events)+len(r.finishingIDs))
+		inFlight = append(append(inFlight, ids...), r.finishingIDs...)
 		for i := range events {
-			inFlight.lo = min(inFlight.lo, events[i].id)
-			inFlight.hi = max(inFlight.hi, events[i].id)
+			inFlight = append(inFlight, events[i].id)
 		}
-		skip := inFlight
-		if !r.finishingSpan.empty() {
-			skip.lo = min(skip.lo, r.finishingSpan.lo)
-			skip.hi = max(skip.hi, r.finishingSpan.hi)
-		}
-		nextEvents, err := r.st.claim(ctx, r.cfg.InstanceID, shards, r.cfg.BatchSize, keys, ids, skip)
+		nextEvents, err := r.st.claim(ctx, r.cfg.InstanceID, shards, r.cfg.BatchSize, keys, inFlight)
 		if err == nil && len(nextEvents) > 0 {
 			next = &prefetch{shards: shards, events: nextEvents, lo: lowestID(nextEvents)}
 		}
@@ -402,15 +396,15 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 	}
 	r.forgetStaleBlocks(start)
 
-	span := idSpan{lo: events[0].id, hi: events[0].id}
+	roundIDs := make([]int64, len(events))
 	for i := range events {
-		span.lo, span.hi = min(span.lo, events[i].id), max(span.hi, events[i].id)
+		roundIDs[i] = events[i].id
 	}
 	// Record the outcome while the next round goes to Kafka. One outcome
 	// is recorded at a time, in round order.
 	r.waitFinish()
 	done := make(chan struct{})
-	r.finishing, r.finishingSpan = done, span
+	r.finishing, r.finishingIDs = done, roundIDs
 	go func() {
 		defer close(done)
 		r.record(ctx, start, oldest, acked, dead, failed, roundLo)
@@ -470,7 +464,7 @@ func lowestID(events []pendingEvent) int64 {
 func (r *Relay) waitFinish() {
 	if r.finishing != nil {
 		<-r.finishing
-		r.finishing, r.finishingSpan = nil, idSpan{lo: 1}
+		r.finishing, r.finishingIDs = nil, nil
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"slices"
 	"sort"
 	"time"
 
@@ -34,7 +35,7 @@ type store struct {
 	pool *pgxpool.Pool
 
 	claimSQL         string
-	claimExcludeSQL  string
+	claimBlockedSQL  string
 	deleteSQL        string
 	deadSQL          string
 	failSQL          string
@@ -67,33 +68,41 @@ func newStore(pool *pgxpool.Pool, schema string) *store {
 	// flight (one small row, not one write per event): if the relay dies
 	// before the round lands, a survivor charges the span's events an
 	// attempt (chargeCrashedSQL).
-	claim := func(exclude, owner string) string {
+	//
+	// $1 lists the shards this relay does NOT own and $4 the ids to leave
+	// out (rounds in flight, keyless events waiting out a retry). Both are
+	// NOT IN subqueries because PostgreSQL runs those as hashed subplans,
+	// one hash probe per row scanned; "= ANY($array)" becomes a linear
+	// search per row once the prepared statement goes to a generic plan
+	// (measured: 1,000 rows over 128 shards and 1,000 excluded ids, 6.6 ms
+	// against 1.8 ms).
+	claim := func(blockedKeys string) string {
 		return `WITH round AS (
     SELECT o.id, o.event_id::text, o.topic, o.key, o.value, o.headers, o.shard, o.attempts, o.created_at,
            extract(epoch FROM now() - o.first_refused_at)::float8 AS refused_for
     FROM ` + outbox + ` o
-    WHERE o.shard = ANY($1::smallint[])` + exclude + `
+    WHERE o.shard NOT IN (SELECT unnest($1::smallint[]))
+      AND o.id NOT IN (SELECT unnest($4::bigint[]))` + blockedKeys + `
     ORDER BY o.id
     LIMIT $2),
 mark AS (
     INSERT INTO ` + rounds + ` AS r (instance, lo, hi, shards)
-    SELECT ` + owner + `, min(id), max(id), $1::smallint[] FROM round HAVING count(*) > 0
+    SELECT $3, min(id), max(id), $5::smallint[] FROM round HAVING count(*) > 0
     ON CONFLICT (instance, lo) DO UPDATE SET hi = greatest(r.hi, excluded.hi), shards = excluded.shards)
 SELECT * FROM round`
 	}
 	return &store{
 		pool:     pool,
-		claimSQL: claim("", "$3"),
+		claimSQL: claim(""),
 		// Keys that are waiting out a retry backoff: no event of theirs at
 		// or after the failed one may go first.
-		claimExcludeSQL: claim(`
-      AND NOT EXISTS (SELECT 1 FROM unnest($3::bytea[], $4::bigint[]) AS b(k, first_id)
-                      WHERE o.key = b.k AND o.id >= b.first_id)
-      AND o.id <> ALL($5::bigint[])
-      AND o.id NOT BETWEEN $7 AND $8`, "$6"),
-		// The ownership re-check reads relay_shards once, not per row.
+		claimBlockedSQL: claim(`
+      AND NOT EXISTS (SELECT 1 FROM unnest($6::bytea[], $7::bigint[]) AS b(k, first_id)
+                      WHERE o.key = b.k AND o.id >= b.first_id)`),
+		// The ownership re-check reads relay_shards once into a hashed
+		// subplan (the shards not owned, as in claim), not per row.
 		deleteSQL: `DELETE FROM ` + outbox + ` o WHERE o.id = ANY($1::bigint[])
-    AND o.shard = ANY((SELECT array_agg(shard) FROM ` + shards + ` WHERE owner = $2 AND lease_until > now())::smallint[])`,
+    AND o.shard NOT IN (SELECT shard FROM ` + shards + ` WHERE (owner = $2 AND lease_until > now()) IS NOT TRUE)`,
 		deadSQL: `WITH moved AS (
     DELETE FROM ` + outbox + ` o USING unnest($1::bigint[], $2::text[]) AS x(id, error)
     WHERE o.id = x.id AND ` + owned("$3") + `
@@ -139,42 +148,41 @@ FROM crashed c WHERE o.id BETWEEN c.lo AND c.hi AND o.shard = ANY(c.shards)`,
 	}
 }
 
-// idSpan is an inclusive range of outbox ids; lo > hi is empty.
-type idSpan struct{ lo, hi int64 }
-
-func (s idSpan) empty() bool { return s.lo > s.hi }
-
 // keyBlock keeps a key's later events back while its failed event waits.
 type keyBlock struct {
 	key     []byte
 	firstID int64
 }
 
-// claim reads and counts an attempt on the oldest pending events of shards,
-// skipping blocked keys and ids, and returns them in id order.
+// claim reads the oldest pending events of shards, leaving out the events of
+// blocked keys and the excluded ids, records them as in flight, and returns
+// them in id order.
 //
-// skip, when not empty, is the id span of the rounds in flight: a read-ahead
-// leaves it out whole. (A list of 1,000 ids costs a linear NOT IN per row
-// scanned; a span is one comparison. Rows of the span that were not in the
-// round, committed late, are read one round later.)
-func (s *store) claim(ctx context.Context, owner string, shards []int16, limit int, blockedKeys []keyBlock, blockedIDs []int64, skip idSpan) ([]pendingEvent, error) {
+// A read-ahead passes the ids of the rounds still in flight as excluded: the
+// exact ids, never a range. A row inside a round's id range that was not in
+// the round (its transaction committed late) must still be read before any
+// later event of its key.
+func (s *store) claim(ctx context.Context, owner string, shards []int16, limit int, blockedKeys []keyBlock, excluded []int64) ([]pendingEvent, error) {
+	notOwned := make([]int16, 0, NumShards-len(shards))
+	for sh := int16(0); sh < NumShards; sh++ {
+		if _, found := slices.BinarySearch(shards, sh); !found {
+			notOwned = append(notOwned, sh)
+		}
+	}
+	if excluded == nil {
+		excluded = []int64{}
+	}
 	var rows pgx.Rows
 	var err error
-	if len(blockedKeys) == 0 && len(blockedIDs) == 0 && skip.empty() {
-		rows, err = s.pool.Query(ctx, s.claimSQL, shards, limit, owner)
+	if len(blockedKeys) == 0 {
+		rows, err = s.pool.Query(ctx, s.claimSQL, notOwned, limit, owner, excluded, shards)
 	} else {
 		keys := make([][]byte, len(blockedKeys))
 		ids := make([]int64, len(blockedKeys))
 		for i, b := range blockedKeys {
 			keys[i], ids[i] = b.key, b.firstID
 		}
-		if blockedIDs == nil {
-			blockedIDs = []int64{}
-		}
-		if skip.empty() {
-			skip = idSpan{lo: 1, hi: 0}
-		}
-		rows, err = s.pool.Query(ctx, s.claimExcludeSQL, shards, limit, keys, ids, blockedIDs, owner, skip.lo, skip.hi)
+		rows, err = s.pool.Query(ctx, s.claimBlockedSQL, notOwned, limit, owner, excluded, shards, keys, ids)
 	}
 	if err != nil {
 		return nil, err

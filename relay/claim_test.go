@@ -1,0 +1,130 @@
+package relay
+
+import (
+	"context"
+	"slices"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/onceflow/onceflow/internal/pgtest"
+)
+
+type execer interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
+func claimSetup(t *testing.T) (context.Context, *store, string, func(execer, string) int64) {
+	t.Helper()
+	schema := pgtest.Schema(t)
+	insertSQL := `INSERT INTO ` + pgx.Identifier{schema, "outbox"}.Sanitize() + ` (topic, key) VALUES ('t', $1::bytea) RETURNING id`
+	insert := func(db execer, key string) int64 {
+		t.Helper()
+		var id int64
+		if err := db.QueryRow(context.Background(), insertSQL, key).Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		return id
+	}
+	return context.Background(), newStore(pgtest.Pool(t), schema), schema, insert
+}
+
+func everyShard() []int16 {
+	out := make([]int16, NumShards)
+	for i := range out {
+		out[i] = int16(i)
+	}
+	return out
+}
+
+func claimedIDs(t *testing.T, st *store, shards []int16, limit int, blocked []keyBlock, excluded []int64) []int64 {
+	t.Helper()
+	events, err := st.claim(context.Background(), "me", shards, limit, blocked, excluded)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ids := make([]int64, len(events))
+	for i := range events {
+		ids[i] = events[i].id
+	}
+	return ids
+}
+
+// A read-ahead leaves the rounds in flight out by their exact ids. A row
+// whose id lies inside an in-flight round's range but that was not in the
+// round (its transaction committed after the round was read) must still be
+// read before any later event of its key. An earlier version left out the
+// whole id range and published the later event first (G3).
+func TestClaimReadsALateCommittedRowInsideTheInFlightRange(t *testing.T) {
+	t.Parallel()
+	ctx, st, _, insert := claimSetup(t)
+	pool := st.pool
+
+	a := insert(pool, "a")
+	late, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer late.Rollback(ctx)
+	x := insert(late, "k") // not committed when the first round is read
+	b := insert(pool, "b")
+	c := insert(pool, "c")
+
+	first := claimedIDs(t, st, everyShard(), 3, nil, nil)
+	if want := []int64{a, b, c}; !slices.Equal(first, want) {
+		t.Fatalf("first round read %v, want %v", first, want)
+	}
+
+	if err := late.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	y := insert(pool, "k") // the key's next event, written after x committed
+
+	ahead := claimedIDs(t, st, everyShard(), 3, nil, first)
+	if want := []int64{x, y}; !slices.Equal(ahead, want) {
+		t.Fatalf("read-ahead with round %v in flight read %v, want %v: event %d of key k would go out before event %d", first, ahead, want, y, x)
+	}
+}
+
+// claim reads only the shards it is given, and leaves out a blocked key's
+// events from its failed one on.
+func TestClaimReadsOwnedShardsAndSkipsBlockedKeys(t *testing.T) {
+	t.Parallel()
+	ctx, st, schema, insert := claimSetup(t)
+	keys := []string{"k1", "k2", "k3", "k1", "k4", "k2", "k1"}
+	ids := make([]int64, len(keys))
+	for i, key := range keys {
+		ids[i] = insert(st.pool, key)
+	}
+	shardOf := map[string]int16{}
+	rows, _ := st.pool.Query(ctx, `SELECT convert_from(key, 'UTF8'), shard FROM `+pgx.Identifier{schema, "outbox"}.Sanitize())
+	var key string
+	var shard int16
+	if _, err := pgx.ForEachRow(rows, []any{&key, &shard}, func() error { shardOf[key] = shard; return nil }); err != nil {
+		t.Fatal(err)
+	}
+	owned := []int16{shardOf["k1"], shardOf["k2"]}
+	slices.Sort(owned)
+	owned = slices.Compact(owned)
+
+	var want, wantBlocked []int64
+	for i, key := range keys {
+		if slices.Contains(owned, shardOf[key]) {
+			want = append(want, ids[i])
+			if !(key == "k1" && ids[i] >= ids[3]) {
+				wantBlocked = append(wantBlocked, ids[i])
+			}
+		}
+	}
+	got := claimedIDs(t, st, owned, 100, nil, nil)
+	if !slices.Equal(got, want) {
+		t.Fatalf("owning shards %v (of k1 and k2) read %v, want %v", owned, got, want)
+	}
+	blocked := []keyBlock{{key: []byte("k1"), firstID: ids[3]}}
+	got = claimedIDs(t, st, owned, 100, blocked, nil)
+	if !slices.Equal(got, wantBlocked) {
+		t.Fatalf("with k1 blocked from id %d read %v, want %v", ids[3], got, wantBlocked)
+	}
+}
