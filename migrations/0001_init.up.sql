@@ -92,7 +92,7 @@ CREATE TABLE relay_instances (
 );
 
 -- The span of outbox ids (and the shards) of each round a relay has in
--- flight: a row written by the statement that reads the round, deleted with
+-- flight: a row written as the round is read, before it is published, deleted with
 -- the round's outcome, and left behind by a crash, so survivors can charge
 -- those events an attempt. One small row per round, not one write per event;
 -- one row per round, so reading a round never waits on the previous round's

@@ -128,3 +128,41 @@ func TestClaimReadsOwnedShardsAndSkipsBlockedKeys(t *testing.T) {
 		t.Fatalf("with k1 blocked from id %d read %v, want %v", ids[3], got, wantBlocked)
 	}
 }
+
+// When the ids in flight are one run of consecutive integers, claim reads
+// the index below and above the run: a late-committed row below it is still
+// read first, and a row after it is read too.
+func TestClaimAroundARunOfInFlightIDs(t *testing.T) {
+	t.Parallel()
+	ctx, st, _, insert := claimSetup(t)
+	pool := st.pool
+
+	late, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer late.Rollback(ctx)
+	x := insert(late, "k") // not committed when the first round is read
+	var first []int64
+	for _, key := range []string{"a", "b", "c"} {
+		first = append(first, insert(pool, key))
+	}
+	if got := claimedIDs(t, st, everyShard(), 3, nil, nil); !slices.Equal(got, first) {
+		t.Fatalf("first round read %v, want %v", got, first)
+	}
+	if _, _, ok := oneRun(slices.Clone(first)); !ok {
+		t.Fatalf("ids %v are not one run; the test needs them to be", first)
+	}
+	if err := late.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	y := insert(pool, "k")
+	z := insert(pool, "z")
+
+	if got, want := claimedIDs(t, st, everyShard(), 10, nil, first), []int64{x, y, z}; !slices.Equal(got, want) {
+		t.Fatalf("read-ahead around run %v read %v, want %v", first, got, want)
+	}
+	if got, want := claimedIDs(t, st, everyShard(), 2, []keyBlock{{key: []byte("k"), firstID: x}}, first), []int64{z}; !slices.Equal(got, want) {
+		t.Fatalf("read-ahead around run %v with k blocked read %v, want %v", first, got, want)
+	}
+}

@@ -3,6 +3,7 @@ package relay
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 
@@ -36,20 +37,26 @@ SELECT 'bench', ('key-' || (g % 1000))::bytea, repeat('x', 64)::bytea FROM gener
 	if err := pool.QueryRow(ctx, `SELECT min(id) FROM `+outbox).Scan(&firstID); err != nil {
 		t.Fatal(err)
 	}
-	inFlight := make([]int64, 1000) // a round in flight: the oldest 1,000
-	for i := range inFlight {
-		inFlight[i] = firstID + int64(i)
+	// Rounds in flight: the oldest 1,000 events, as one run of ids or with
+	// a gap (which takes the NOT IN form).
+	run := make([]int64, 1000)
+	for i := range run {
+		run[i] = firstID + int64(i)
 	}
-	claimSQL := newStore(pool, schema).claimSQL
+	gapped := append(slices.Clone(run[:500]), run[501:]...)
+	st := newStore(pool, schema)
 
 	for _, c := range []struct {
 		name     string
 		owned    []int16
 		excluded []int64
+		merged   bool // the read is two index ranges around a run
 	}{
-		{"every shard", everyShard(), nil},
-		{"a quarter of the shards", everyShard()[:NumShards/4], nil},
-		{"every shard, a round in flight", everyShard(), inFlight},
+		{"every shard", everyShard(), nil, false},
+		{"a quarter of the shards", everyShard()[:NumShards/4], nil, false},
+		{"every shard, a gapped round in flight", everyShard(), gapped, false},
+		{"every shard, a round of consecutive ids in flight", everyShard(), run, true},
+		{"a quarter of the shards, a round of consecutive ids in flight", everyShard()[:NumShards/4], run, true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			notOwned := everyShard()[len(c.owned):]
@@ -57,15 +64,18 @@ SELECT 'bench', ('key-' || (g % 1000))::bytea, repeat('x', 64)::bytea FROM gener
 			if err != nil {
 				t.Fatal(err)
 			}
-			defer tx.Rollback(ctx) // the claim records its round
+			defer tx.Rollback(ctx)
 			if _, err := tx.Exec(ctx, `SET LOCAL plan_cache_mode = force_generic_plan`); err != nil {
 				t.Fatal(err)
+			}
+			claimSQL, args := st.claimSQL[0][0], fmt.Sprintf(`'%s', 1000, '%s'`, pgArray(notOwned), pgArray(c.excluded))
+			if lo, hi, ok := oneRun(slices.Clone(c.excluded)); ok {
+				claimSQL, args = st.claimSQL[1][0], fmt.Sprintf(`'%s', 1000, %d, %d`, pgArray(notOwned), lo, hi)
 			}
 			if _, err := tx.Exec(ctx, `PREPARE claim AS `+claimSQL); err != nil {
 				t.Fatal(err)
 			}
-			rows, _ := tx.Query(ctx, fmt.Sprintf(`EXPLAIN (ANALYZE, BUFFERS) EXECUTE claim('%s', 1000, 'plan-test', '%s', '%s')`,
-				pgArray(notOwned), pgArray(c.excluded), pgArray(c.owned)), pgx.QueryExecModeSimpleProtocol)
+			rows, _ := tx.Query(ctx, `EXPLAIN (ANALYZE, BUFFERS) EXECUTE claim(`+args+`)`, pgx.QueryExecModeSimpleProtocol)
 			plan, err := pgx.CollectRows(rows, pgx.RowTo[string])
 			if err != nil {
 				t.Fatal(err)
@@ -75,14 +85,18 @@ SELECT 'bench', ('key-' || (g % 1000))::bytea, repeat('x', 64)::bytea FROM gener
 			}
 			text := strings.Join(plan, "\n")
 			t.Logf("%s:\n%s", c.name, text)
-			for _, bad := range []string{"Seq Scan on outbox", "Sort", "Bitmap"} {
+			for _, bad := range []string{"Seq Scan on outbox", "Sort  (", "Bitmap"} {
 				if strings.Contains(text, bad) {
 					t.Errorf("claim plan has %q with a 1M backlog", bad)
 				}
 			}
-			for _, good := range []string{"Index Scan using outbox_pkey", "hashed SubPlan"} {
-				if !strings.Contains(text, good) {
-					t.Errorf("claim plan lacks %q", good)
+			good := []string{"Index Scan using outbox_pkey", "hashed SubPlan"}
+			if c.merged {
+				good = append(good, "Merge Append", "Index Cond: (id < $3)", "Index Cond: (id > $4)")
+			}
+			for _, g := range good {
+				if !strings.Contains(text, g) {
+					t.Errorf("claim plan lacks %q", g)
 				}
 			}
 		})

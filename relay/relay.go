@@ -334,8 +334,15 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 	failedKeys := map[string]bool{}
 	for i := range events {
 		e := &events[i]
-		bk := blockKey(e)
 		err := errs[i]
+		if err == nil {
+			acked = append(acked, e.id)
+			if oldest.IsZero() || e.createdAt.Before(oldest) {
+				oldest = e.createdAt
+			}
+			continue
+		}
+		bk := blockKey(e)
 		kind := classify(err)
 		if (kind == tooLarge || kind == invalid) && len(events) > 1 {
 			if failedKeys[bk] {
@@ -358,10 +365,10 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 			}
 		case kind == tooLarge || kind == forbidden || kind == invalid:
 			dead = append(dead, deadEvent{id: e.id, err: err.Error()})
-			r.log.Warn("relay: Kafka refused an event for good; dead-lettered", "event_id", e.eventID, "topic", e.topic, "err", err)
+			r.log.Warn("relay: Kafka refused an event for good; dead-lettered", "event_id", string(e.eventID), "topic", e.topic, "err", err)
 		case kind == unknownTopic && e.refusedFor != nil && *e.refusedFor >= r.cfg.UnknownTopicGrace.Seconds():
 			dead = append(dead, deadEvent{id: e.id, err: fmt.Sprintf("%v (still unknown after %s)", err, r.cfg.UnknownTopicGrace)})
-			r.log.Warn("relay: topic still unknown after grace; dead-lettered", "event_id", e.eventID, "topic", e.topic)
+			r.log.Warn("relay: topic still unknown after grace; dead-lettered", "event_id", string(e.eventID), "topic", e.topic)
 		default:
 			if ctx.Err() != nil {
 				// Shutting down: the event stays pending as it was.
@@ -389,12 +396,14 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 			next = nil
 		}
 	}
-	for i := range events {
-		if bk := blockKey(&events[i]); !failedKeys[bk] {
-			delete(r.blocked, bk)
+	if len(r.blocked) > 0 {
+		for i := range events {
+			if bk := blockKey(&events[i]); !failedKeys[bk] {
+				delete(r.blocked, bk)
+			}
 		}
+		r.forgetStaleBlocks(start)
 	}
-	r.forgetStaleBlocks(start)
 
 	roundIDs := make([]int64, len(events))
 	for i := range events {
@@ -471,6 +480,9 @@ func (r *Relay) waitFinish() {
 // withoutBlocked drops prefetched events whose key is waiting out a retry;
 // they stay pending and are read again once the key may go.
 func (r *Relay) withoutBlocked(events []pendingEvent, now time.Time) []pendingEvent {
+	if len(r.blocked) == 0 {
+		return events
+	}
 	out := events[:0:0]
 	for i := range events {
 		k := r.blocked[blockKey(&events[i])]
@@ -485,7 +497,7 @@ func (r *Relay) withoutBlocked(events []pendingEvent, now time.Time) []pendingEv
 func toRecord(e *pendingEvent) Record {
 	rec := Record{Topic: e.topic, Key: e.key, Value: e.value}
 	rec.Headers = make([]Header, 0, len(e.headers)+1)
-	rec.Headers = append(rec.Headers, Header{Key: MessageIDHeader, Value: []byte(e.eventID)})
+	rec.Headers = append(rec.Headers, Header{Key: MessageIDHeader, Value: e.eventID})
 	names := make([]string, 0, len(e.headers))
 	for k := range e.headers {
 		if k != MessageIDHeader { // the event id wins: G4
