@@ -416,7 +416,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 	r.finishing, r.finishingIDs = done, roundIDs
 	go func() {
 		defer close(done)
-		r.record(ctx, start, oldest, acked, dead, failed, roundLo)
+		r.record(ctx, start, oldest, shards, acked, dead, failed, roundLo)
 	}()
 	return roundResult{claimed: len(events), acked: len(acked), dead: len(dead)}, next, nil
 }
@@ -425,10 +425,10 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 // acknowledged events must not be published again needlessly. A failure
 // leaves the events pending: they are published again (duplicates, not
 // loss).
-func (r *Relay) record(ctx context.Context, start, oldest time.Time, acked []int64, dead []deadEvent, failed []failedEvent, roundLo int64) {
+func (r *Relay) record(ctx context.Context, start, oldest time.Time, shards []int16, acked []int64, dead []deadEvent, failed []failedEvent, roundLo int64) {
 	finishCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	defer cancel()
-	deleted, err := r.st.finish(finishCtx, r.cfg.InstanceID, acked, dead, failed, roundLo)
+	deleted, err := r.st.finish(finishCtx, r.cfg.InstanceID, shards, acked, dead, failed, roundLo)
 	stats := BatchStats{
 		Published:       int(deleted),
 		Failed:          len(failed),

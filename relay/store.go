@@ -21,8 +21,6 @@ type pendingEvent struct {
 	key       []byte
 	value     []byte
 	headers   map[string]string
-	shard     int16
-	attempts  int
 	createdAt time.Time
 	// refusedFor is how long, in seconds on the database clock, the event's
 	// topic has been unknown; nil if it never was.
@@ -37,6 +35,7 @@ type store struct {
 	claimSQL         [2][2]string // [excluded ids form one run][keys blocked]
 	markSQL          string
 	deleteSQL        string
+	deleteOwnedSQL   string
 	deadSQL          string
 	failSQL          string
 	heartbeatSQL     string
@@ -78,9 +77,17 @@ func newStore(pool *pgxpool.Pool, schema string) *store {
 		// rows were materialised to feed min and max.)
 		markSQL: `INSERT INTO ` + rounds + ` AS r (instance, lo, hi, shards) VALUES ($1, $2, $3, $4)
 ON CONFLICT (instance, lo) DO UPDATE SET hi = greatest(r.hi, excluded.hi), shards = excluded.shards`,
-		// The ownership re-check reads relay_shards once into a hashed
-		// subplan (the shards not owned, as in claim), not per row.
+		// The ownership re-check before delete, in the common case: one
+		// look at relay_shards that this relay still holds every shard the
+		// round was read from ($3), then the delete by id with no per-row
+		// check. If a shard was lost it deletes nothing, and
+		// deleteOwnedSQL decides row by row.
 		deleteSQL: `DELETE FROM ` + outbox + ` o WHERE o.id = ANY($1::bigint[])
+    AND (SELECT count(*) FROM ` + shards + ` WHERE shard = ANY($3::smallint[]) AND owner = $2 AND lease_until > now())
+        = cardinality($3::smallint[])`,
+		// Row by row: a hashed subplan of the shards not (or no longer)
+		// held.
+		deleteOwnedSQL: `DELETE FROM ` + outbox + ` o WHERE o.id = ANY($1::bigint[])
     AND o.shard NOT IN (SELECT shard FROM ` + shards + ` WHERE (owner = $2 AND lease_until > now()) IS NOT TRUE)`,
 		deadSQL: `WITH moved AS (
     DELETE FROM ` + outbox + ` o USING unnest($1::bigint[], $2::text[]) AS x(id, error)
@@ -156,7 +163,7 @@ func claimQuery(outbox string, run, blockedKeys bool) string {
                   WHERE o.key = b.k AND o.id >= b.first_id)`, next, next+1)
 	}
 	read := func(where string) string {
-		return `SELECT o.id, o.event_id, o.topic, o.key, o.value, o.headers, o.shard, o.attempts, o.created_at,
+		return `SELECT o.id, o.event_id, o.topic, o.key, o.value, o.headers, o.created_at,
        extract(epoch FROM now() - o.first_refused_at)::float8 AS refused_for
 FROM ` + outbox + ` o
 WHERE ` + where + `
@@ -228,7 +235,7 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 		var e pendingEvent
 		var headers []byte
 		var eventID [16]byte
-		if err := rows.Scan(&e.id, &eventID, &e.topic, &e.key, &e.value, &headers, &e.shard, &e.attempts, &e.createdAt, &e.refusedFor); err != nil {
+		if err := rows.Scan(&e.id, &eventID, &e.topic, &e.key, &e.value, &headers, &e.createdAt, &e.refusedFor); err != nil {
 			rows.Close()
 			return nil, err
 		}
@@ -289,11 +296,12 @@ func formatUUID(u [16]byte) []byte {
 // acknowledged events and moves the refused ones to outbox_dead (both only
 // on shards this relay still owns), and notes the errors of the ones to
 // retry. It returns how many acknowledged events it deleted.
-// roundLo is the lowest id of the round as read: its relay_rounds key.
-func (s *store) finish(ctx context.Context, owner string, acked []int64, dead []deadEvent, failed []failedEvent, roundLo int64) (deleted int64, err error) {
+// shards are the shards the round was read from; roundLo is its lowest id
+// as read: its relay_rounds key.
+func (s *store) finish(ctx context.Context, owner string, shards []int16, acked []int64, dead []deadEvent, failed []failedEvent, roundLo int64) (deleted int64, err error) {
 	b := &pgx.Batch{}
 	if len(acked) > 0 {
-		b.Queue(s.deleteSQL, acked, owner).Exec(func(tag pgconn.CommandTag) error {
+		b.Queue(s.deleteSQL, acked, owner, shards).Exec(func(tag pgconn.CommandTag) error {
 			deleted = tag.RowsAffected()
 			return nil
 		})
@@ -318,6 +326,15 @@ func (s *store) finish(ctx context.Context, owner string, acked []int64, dead []
 	b.Queue(s.landedSQL, owner, roundLo)
 	if err := s.pool.SendBatch(ctx, b).Close(); err != nil {
 		return deleted, fmt.Errorf("record outcome: %w", err)
+	}
+	if deleted == 0 && len(acked) > 0 {
+		// A shard of the round changed hands: delete the events of the
+		// shards still held.
+		tag, err := s.pool.Exec(ctx, s.deleteOwnedSQL, acked, owner)
+		if err != nil {
+			return 0, fmt.Errorf("record outcome: %w", err)
+		}
+		deleted = tag.RowsAffected()
 	}
 	return deleted, nil
 }

@@ -77,13 +77,23 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 	var mu sync.Mutex
 	pending := len(records)
 	done := make(chan struct{})
+	// One allocation for all records and one for all headers, not two
+	// per record.
+	krs := make([]kgo.Record, len(records))
+	nHeaders := 0
+	for i := range records {
+		nHeaders += len(records[i].Headers)
+	}
+	headers := make([]kgo.RecordHeader, 0, nHeaders)
 	for i, rec := range records {
-		kr := &kgo.Record{Topic: rec.Topic, Key: rec.Key, Value: rec.Value}
+		kr := &krs[i]
+		kr.Topic, kr.Key, kr.Value = rec.Topic, rec.Key, rec.Value
 		if len(rec.Headers) > 0 {
-			kr.Headers = make([]kgo.RecordHeader, len(rec.Headers))
-			for j, h := range rec.Headers {
-				kr.Headers[j] = kgo.RecordHeader{Key: h.Key, Value: h.Value}
+			start := len(headers)
+			for _, h := range rec.Headers {
+				headers = append(headers, kgo.RecordHeader{Key: h.Key, Value: h.Value})
 			}
+			kr.Headers = headers[start:len(headers):len(headers)]
 		}
 		p.cl.Produce(ctx, kr, func(_ *kgo.Record, err error) {
 			mu.Lock()
