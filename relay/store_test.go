@@ -166,3 +166,67 @@ func TestClaimAroundARunOfInFlightIDs(t *testing.T) {
 		t.Fatalf("read-ahead around run %v with k blocked read %v, want %v", first, got, want)
 	}
 }
+
+// finish deletes acknowledged events only on shards this relay still holds:
+// all of them at once while it holds every shard of the round, row by row
+// once one has changed hands (the new owner publishes those again).
+func TestFinishDeletesOnlyOnShardsStillHeld(t *testing.T) {
+	t.Parallel()
+	ctx, st, schema, insert := claimSetup(t)
+	shardsTable := pgx.Identifier{schema, "relay_shards"}.Sanitize()
+	outboxTable := pgx.Identifier{schema, "outbox"}.Sanitize()
+	if _, err := st.pool.Exec(ctx, `UPDATE `+shardsTable+` SET owner = 'me', lease_until = now() + interval '1 hour'`); err != nil {
+		t.Fatal(err)
+	}
+	shardOf := func(id int64) int16 {
+		var s int16
+		if err := st.pool.QueryRow(ctx, `SELECT shard FROM `+outboxTable+` WHERE id = $1`, id).Scan(&s); err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	pending := func() []int64 {
+		rows, _ := st.pool.Query(ctx, `SELECT id FROM `+outboxTable+` ORDER BY id`)
+		ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ids
+	}
+
+	// Every shard of the round still held: everything acknowledged goes.
+	var round []int64
+	for _, key := range []string{"a", "b", "c"} {
+		round = append(round, insert(st.pool, key))
+	}
+	deleted, err := st.finish(ctx, "me", everyShard(), round, nil, nil, round[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if deleted != 3 || len(pending()) != 0 {
+		t.Fatalf("holding every shard, finish deleted %d of 3 and left %v", deleted, pending())
+	}
+
+	// One shard taken by another relay mid-round: its event stays.
+	round = round[:0]
+	for _, key := range []string{"k1", "k2", "k3", "k4"} {
+		round = append(round, insert(st.pool, key))
+	}
+	lost := shardOf(round[1])
+	if _, err := st.pool.Exec(ctx, `UPDATE `+shardsTable+` SET owner = 'other' WHERE shard = $1`, lost); err != nil {
+		t.Fatal(err)
+	}
+	var want []int64
+	for _, id := range round {
+		if shardOf(id) == lost {
+			want = append(want, id)
+		}
+	}
+	deleted, err = st.finish(ctx, "me", everyShard(), round, nil, nil, round[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := pending(); !slices.Equal(got, want) || deleted != int64(len(round)-len(want)) {
+		t.Fatalf("after losing shard %d, finish deleted %d and left %v, want %v left", lost, deleted, got, want)
+	}
+}
