@@ -78,13 +78,12 @@ func newStore(pool *pgxpool.Pool, schema string) *store {
 		markSQL: `INSERT INTO ` + rounds + ` AS r (instance, lo, hi, shards) VALUES ($1, $2, $3, $4)
 ON CONFLICT (instance, lo) DO UPDATE SET hi = greatest(r.hi, excluded.hi), shards = excluded.shards`,
 		// The ownership re-check before delete, in the common case: one
-		// look at relay_shards that this relay still holds every shard the
-		// round was read from ($3), then the delete by id with no per-row
-		// check. If a shard was lost it deletes nothing, and
-		// deleteOwnedSQL decides row by row.
+		// look at relay_shards that this relay still holds exactly the
+		// shards the round was read from ($3, sorted), then the delete by
+		// id with no per-row check. If a shard changed hands since, it
+		// deletes nothing, and deleteOwnedSQL decides row by row.
 		deleteSQL: `DELETE FROM ` + outbox + ` o WHERE o.id = ANY($1::bigint[])
-    AND (SELECT count(*) FROM ` + shards + ` WHERE shard = ANY($3::smallint[]) AND owner = $2 AND lease_until > now())
-        = cardinality($3::smallint[])`,
+    AND (SELECT array_agg(shard ORDER BY shard) FROM ` + shards + ` WHERE owner = $2 AND lease_until > now()) = $3::smallint[]`,
 		// Row by row: a hashed subplan of the shards not (or no longer)
 		// held.
 		deleteOwnedSQL: `DELETE FROM ` + outbox + ` o WHERE o.id = ANY($1::bigint[])
@@ -296,7 +295,7 @@ func formatUUID(u [16]byte) []byte {
 // acknowledged events and moves the refused ones to outbox_dead (both only
 // on shards this relay still owns), and notes the errors of the ones to
 // retry. It returns how many acknowledged events it deleted.
-// shards are the shards the round was read from; roundLo is its lowest id
+// shards are the shards the round was read from, sorted; roundLo is its lowest id
 // as read: its relay_rounds key.
 func (s *store) finish(ctx context.Context, owner string, shards []int16, acked []int64, dead []deadEvent, failed []failedEvent, roundLo int64) (deleted int64, err error) {
 	b := &pgx.Batch{}
