@@ -37,7 +37,7 @@ func (p *Processor) runBatch(ctx context.Context, stop <-chan struct{}, msgs []M
 				slog.String("topic", good[0].Topic), slog.Int("partition", int(good[0].Partition)),
 				slog.Int64("first_offset", good[0].Offset), slog.Int("size", len(good)), slog.Any("error", err))
 			for _, m := range good {
-				if err := p.runOne(ctx, stop, m, t, true); err != nil {
+				if err := p.runOne(ctx, stop, m, t, true, nil); err != nil {
 					return err
 				}
 			}

@@ -149,13 +149,59 @@ func (w *Partition) next(ctx context.Context) (Message, bool) {
 	}
 }
 
+// tryNext returns the next queued message if one is waiting, without
+// blocking, or false (also once stopped).
+func (w *Partition) tryNext() (Message, bool) {
+	if w.stopped() {
+		return Message{}, false
+	}
+	select {
+	case m := <-w.in:
+		return m, true
+	default:
+		return Message{}, false
+	}
+}
+
+func (w *Partition) stopped() bool {
+	select {
+	case <-w.stop:
+		return true
+	default:
+		return false
+	}
+}
+
 func (w *Partition) runInOrder(ctx context.Context) {
-	for {
-		m, ok := w.next(ctx)
-		if !ok {
-			return
+	// pending is the message taken from the queue to run next, so that
+	// its BEGIN could go with the previous COMMIT.
+	var pending *Message
+	la := &lookahead{next: func() (Message, bool) {
+		if pending == nil {
+			if m, ok := w.tryNext(); ok {
+				pending = &m
+			}
 		}
-		if err := w.p.runOne(ctx, w.stop, m, w.t, false); err != nil {
+		if pending == nil {
+			return Message{}, false
+		}
+		return *pending, true
+	}}
+	defer la.discard()
+	for {
+		var m Message
+		if pending != nil {
+			if w.stopped() || ctx.Err() != nil {
+				return
+			}
+			m, pending = *pending, nil
+		} else {
+			var ok bool
+			if m, ok = w.next(ctx); !ok {
+				return
+			}
+		}
+		if err := w.p.runOne(ctx, w.stop, m, w.t, false, la); err != nil {
 			return
 		}
 		w.t.MarkDone(m)
@@ -290,25 +336,46 @@ func (w *Partition) startLanes(ctx context.Context, wg *sync.WaitGroup) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
+			// held are the slots this lane will run, in order: the
+			// next waiting message of the key it just finished, and
+			// one taken from ready early so that its BEGIN could go
+			// with the previous COMMIT.
+			var held []*slot
+			la := &lookahead{next: func() (Message, bool) {
+				if len(held) == 0 {
+					select {
+					case s := <-ready:
+						held = append(held, s)
+					default:
+						return Message{}, false
+					}
+				}
+				return held[0].msg, true
+			}}
+			defer la.discard()
 			for {
 				var s *slot
-				select {
-				case <-w.stop:
-					return
-				case <-ctx.Done():
-					return
-				case s = <-ready:
+				if len(held) > 0 {
+					s, held = held[0], held[1:]
+				} else {
+					select {
+					case <-w.stop:
+						return
+					case <-ctx.Done():
+						return
+					case s = <-ready:
+					}
 				}
-				for s != nil {
-					if stopped() {
-						return
-					}
-					if err := w.p.runOne(ctx, w.stop, s.msg, w.t, false); err != nil {
-						return
-					}
-					tr.finish(s, w.t.MarkDone)
-					<-credits
-					s = ks.release(s)
+				if stopped() {
+					return
+				}
+				if err := w.p.runOne(ctx, w.stop, s.msg, w.t, false, la); err != nil {
+					return
+				}
+				tr.finish(s, w.t.MarkDone)
+				<-credits
+				if next := ks.release(s); next != nil {
+					held = append(held, next)
 				}
 			}
 		}()

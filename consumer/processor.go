@@ -131,7 +131,9 @@ var errAbandoned = errors.New("consumer: message abandoned")
 // runOne takes msg to a final state (committed, duplicate, dead-lettered)
 // and returns nil, or returns an error when it abandons the message because
 // ctx was canceled or stop closed.
-func (p *Processor) runOne(ctx context.Context, stop <-chan struct{}, msg Message, t Transport, batchMode bool) error {
+//
+// la is the worker's lookahead for pipelined commits, or nil.
+func (p *Processor) runOne(ctx context.Context, stop <-chan struct{}, msg Message, t Transport, batchMode bool, la *lookahead) error {
 	if msg.skip {
 		return nil
 	}
@@ -142,7 +144,7 @@ func (p *Processor) runOne(ctx context.Context, stop <-chan struct{}, msg Messag
 	msg.ID = id
 	bo := p.newBackoff()
 	for attempt := 1; ; attempt++ {
-		outcome, dur, err := p.attempt(ctx, msg, batchMode)
+		outcome, dur, err := p.attempt(ctx, msg, batchMode, la)
 		var unavailable *unavailableError
 		if errors.As(err, &unavailable) && ctx.Err() == nil {
 			// The database, not the message, failed: wait for it
@@ -195,18 +197,34 @@ func (p *Processor) messageID(msg Message) (string, error) {
 	return checkID(id)
 }
 
-// attempt runs one transaction for msg.
-func (p *Processor) attempt(ctx context.Context, msg Message, batchMode bool) (Outcome, time.Duration, error) {
+// attempt runs one transaction for msg. la, when not nil, may hold msg's
+// transaction already begun, and may be handed the next message's (see
+// commit).
+func (p *Processor) attempt(ctx context.Context, msg Message, batchMode bool, la *lookahead) (Outcome, time.Duration, error) {
 	start := time.Now()
-	tx, release, dup, err := p.begin(ctx, msg)
-	if err != nil {
-		return 0, 0, &unavailableError{err}
+	var tx pgx.Tx
+	var release func()
+	if c := la.take(msg); c != nil {
+		tx, release = c.tx, c.release
+	} else {
+		var dup bool
+		var err error
+		tx, release, dup, err = p.begin(ctx, msg)
+		if err != nil {
+			return 0, 0, &unavailableError{err}
+		}
+		if dup {
+			return Duplicate, time.Since(start), nil
+		}
 	}
-	if dup {
-		return Duplicate, time.Since(start), nil
-	}
-	defer release()
-	defer func() { _ = tx.Rollback(ctx) }()
+	committed := false
+	defer func() {
+		if !committed {
+			_ = tx.Rollback(ctx)
+		}
+		release()
+	}()
+	var err error
 	if batchMode {
 		err = p.call(ctx, func() error { return p.batch(ctx, tx, []Message{msg}) })
 	} else {
@@ -218,16 +236,10 @@ func (p *Processor) attempt(ctx context.Context, msg Message, batchMode bool) (O
 		}
 		return 0, 0, err
 	}
-	if err := tx.Commit(ctx); err != nil {
-		err = fmt.Errorf("consumer %s: commit message %s: %w", p.name, msg.ID, err)
-		var pgErr *pgconn.PgError
-		if !errors.As(err, &pgErr) {
-			// The connection broke; the commit may or may not have
-			// happened, and the retry will tell (the dedup record).
-			err = &unavailableError{err}
-		}
+	if err := p.commit(ctx, tx, msg, la, &release); err != nil {
 		return 0, 0, err
 	}
+	committed = true
 	return Processed, time.Since(start), nil
 }
 

@@ -1,0 +1,141 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// Pipelined commits: when a worker (an in-order partition, or a lane in
+// key-parallel mode) already has its next message at hand as it commits a
+// message, it sends
+//
+//	COMMIT; BEGIN; EXECUTE dedup_insert(consumer, next_id)
+//
+// as one simple-protocol query on the same connection. A message then costs
+// two round trips plus the handler's own (dedup insert with BEGIN, COMMIT
+// with the next one's dedup insert), not three. Ordering and crash safety
+// are unchanged: the server runs the statements in order, the message is
+// marked done only once its COMMIT succeeded, and the next message's
+// handler runs only after its dedup record is in.
+
+// lookahead is a worker's view of the message it will run next.
+type lookahead struct {
+	// next returns the message the worker will run next, if one is at
+	// hand without waiting; the worker must run that message next.
+	next func() (Message, bool)
+	// carry is next's transaction, begun by the previous COMMIT's round
+	// trip.
+	carry *carried
+}
+
+// carried is a transaction begun, with its dedup record inserted, for the
+// message at offset.
+type carried struct {
+	offset  int64
+	tx      pgx.Tx
+	release func()
+}
+
+// take returns the carried transaction if it is msg's.
+func (la *lookahead) take(msg Message) *carried {
+	if la == nil || la.carry == nil {
+		return nil
+	}
+	c := la.carry
+	la.carry = nil
+	if c.offset != msg.Offset {
+		c.discard() // not reached: a worker runs the message it announced
+		return nil
+	}
+	return c
+}
+
+// discard rolls back a carried transaction the worker will not run (it
+// stopped); the message stays unmarked and is delivered again.
+func (la *lookahead) discard() {
+	if la != nil && la.carry != nil {
+		la.carry.discard()
+		la.carry = nil
+	}
+}
+
+func (c *carried) discard() {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_ = c.tx.Rollback(ctx)
+	c.release() // the pool closes the connection if the rollback failed
+}
+
+// commit commits msg's transaction. With a pooled connection and the
+// worker's next message at hand, it begins that message's transaction in
+// the same round trip and hands it to la, taking over *release (the
+// connection goes with it). A nil error means msg is committed.
+func (p *Processor) commit(ctx context.Context, tx pgx.Tx, msg Message, la *lookahead, release *func()) error {
+	next, nextID, ok := p.pipelinable(tx, la)
+	if !ok {
+		if err := tx.Commit(ctx); err != nil {
+			return p.commitError(msg, err)
+		}
+		return nil
+	}
+	conn := tx.Conn()
+	ntx, err := conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: "COMMIT; " + p.beginInsert + literal(nextID) + ")"})
+	if err == nil {
+		la.carry = &carried{offset: next.Offset, tx: ntx, release: *release}
+		*release = func() {}
+		return nil
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && conn.PgConn().TxStatus() == 'E' {
+		// COMMIT and BEGIN went through and the next message's dedup
+		// insert failed (a duplicate, most likely): msg is committed;
+		// the next message begins afresh when its turn comes.
+		_, _ = conn.Exec(ctx, "ROLLBACK")
+		return nil
+	}
+	// The COMMIT failed (the server skipped the rest), or the connection
+	// broke and the outcome is unknown.
+	return p.commitError(msg, err)
+}
+
+// pipelinable returns the worker's next message and its id when msg's
+// COMMIT can carry that message's BEGIN and dedup insert.
+func (p *Processor) pipelinable(tx pgx.Tx, la *lookahead) (Message, string, bool) {
+	if la == nil || la.next == nil || la.carry != nil {
+		return Message{}, "", false
+	}
+	if _, pooled := p.db.(acquirer); !pooled || p.cfg.PlainBegin {
+		return Message{}, "", false // the statement is prepared on pooled connections only
+	}
+	// An aborted transaction's COMMIT rolls back without an error; only
+	// tx.Commit reports that (pgx.ErrTxCommitRollback).
+	if tx.Conn().PgConn().TxStatus() != 'T' {
+		return Message{}, "", false
+	}
+	next, ok := la.next()
+	if !ok || next.skip {
+		return Message{}, "", false
+	}
+	id, err := p.messageID(next)
+	if err != nil {
+		return Message{}, "", false
+	}
+	return next, id, true
+}
+
+// commitError classifies a failed COMMIT of msg.
+func (p *Processor) commitError(msg Message, err error) error {
+	err = fmt.Errorf("consumer %s: commit message %s: %w", p.name, msg.ID, err)
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		// The connection broke; the commit may or may not have
+		// happened, and the retry will tell (the dedup record).
+		err = &unavailableError{err}
+	}
+	return err
+}

@@ -1,0 +1,209 @@
+package consumer_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceflow/onceflow/consumer"
+	"github.com/onceflow/onceflow/internal/pgtest"
+)
+
+// pipelineTracer counts the queries that COMMIT one message and BEGIN the
+// next in one round trip.
+type pipelineTracer struct{ pipelined atomic.Int32 }
+
+func (pt *pipelineTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if strings.HasPrefix(d.SQL, "COMMIT; BEGIN;") {
+		pt.pipelined.Add(1)
+	}
+	return ctx
+}
+
+func (pt *pipelineTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// ownPool returns a pool of the test's own, so the test can trace its
+// queries and see that it holds no connection at the end.
+func ownPool(t *testing.T, tracer pgx.QueryTracer) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(pgtest.URL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.Tracer = tracer
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		// Close waits for every connection to come back: a test that
+		// found one kept has failed already and must not hang here.
+		if pool.Stat().AcquiredConns() == 0 {
+			pool.Close()
+		}
+	})
+	return pool
+}
+
+// Messages queued behind one another are committed in pipeline (each
+// COMMIT carries the next message's BEGIN and dedup insert), in order and
+// key-parallel mode alike, with every effect exactly once, duplicates
+// (which fail the pipelined dedup insert) included.
+func TestPipelinedCommitsKeepEffectsExactlyOnce(t *testing.T) {
+	for _, concurrency := range []int{1, 4} {
+		t.Run(fmt.Sprintf("concurrency %d", concurrency), func(t *testing.T) {
+			b := setup(t)
+			tracer := &pipelineTracer{}
+			pool := ownPool(t, tracer)
+			p, err := consumer.New(pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+				return b.record(ctx, tx, "ledger", m)
+			}, &consumer.Config{Schema: b.schema, Concurrency: concurrency})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var msgs []consumer.Message
+			for i := range 60 {
+				id := fmt.Sprintf("id-%d", i)
+				if i%5 == 4 {
+					id = fmt.Sprintf("id-%d", i-1) // a redelivery right behind the first
+				}
+				msgs = append(msgs, msg(int64(i), id, fmt.Sprintf("k%d", i%7)))
+			}
+			run(t, p, &memTransport{}, msgs...)
+
+			for i := range 60 {
+				want := 1
+				if i%5 == 4 {
+					want = 0
+				} else if i%5 == 3 {
+					want = 1 // processed once though delivered twice
+				}
+				if got := b.count(t, "message_id = $1", fmt.Sprintf("id-%d", i)); got != want {
+					t.Errorf("effects of id-%d = %d, want %d", i, got, want)
+				}
+			}
+			if tracer.pipelined.Load() == 0 {
+				t.Fatal("no COMMIT carried the next message's BEGIN: the test exercised nothing")
+			}
+			if n := pool.Stat().AcquiredConns(); n != 0 {
+				t.Errorf("connections still held after the partition stopped: %d", n)
+			}
+		})
+	}
+}
+
+// A COMMIT that fails (here a deferred unique constraint) in a pipelined
+// round trip fails only its own message: the server skips the next
+// message's BEGIN, and that message runs afresh. The unique violation must
+// not be mistaken for the next message being a duplicate.
+func TestFailedPipelinedCommitRetriesItsMessageAndKeepsTheNext(t *testing.T) {
+	b := setup(t)
+	tracer := &pipelineTracer{}
+	pool := ownPool(t, tracer)
+	ctx := context.Background()
+	seats := pgx.Identifier{b.schema, "seats"}.Sanitize()
+	if _, err := pool.Exec(ctx, `CREATE TABLE `+seats+` (seat int UNIQUE DEFERRABLE INITIALLY DEFERRED);
+INSERT INTO `+seats+` VALUES (1)`); err != nil {
+		t.Fatal(err)
+	}
+	p, err := consumer.New(pool, "booking", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		if string(m.Key) == "taken" {
+			// Checked only at COMMIT.
+			if _, err := tx.Exec(ctx, `INSERT INTO `+seats+` VALUES (1)`); err != nil {
+				return err
+			}
+		}
+		return b.record(ctx, tx, "booking", m)
+	}, &consumer.Config{Schema: b.schema, MaxAttempts: 2, MinBackoff: time.Millisecond, MaxBackoff: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := &memTransport{}
+	run(t, p, tr, msg(0, "a", "free"), msg(1, "b", "taken"), msg(2, "c", "free"), msg(3, "d", "free"))
+
+	for id, want := range map[string]int{"a": 1, "b": 0, "c": 1, "d": 1} {
+		if got := b.count(t, "message_id = $1", id); got != want {
+			t.Errorf("effects of %s = %d, want %d", id, got, want)
+		}
+	}
+	if got := b.processedRows(t, "booking"); got != 3 {
+		t.Errorf("dedup rows = %d, want 3 (b's rolled back with its COMMIT)", got)
+	}
+	dead := tr.deadLetters()
+	if len(dead) != 1 || string(dead[0].Value) != "v1" {
+		t.Fatalf("dead letters = %+v, want the message at offset 1 only", dead)
+	}
+	if tracer.pipelined.Load() == 0 {
+		t.Fatal("no COMMIT carried the next message's BEGIN: the test exercised nothing")
+	}
+}
+
+// blockingTransport holds MarkDone of one offset until released.
+type blockingTransport struct {
+	memTransport
+	at       int64
+	entered  chan struct{}
+	released chan struct{}
+}
+
+func (bt *blockingTransport) MarkDone(m consumer.Message) {
+	bt.memTransport.MarkDone(m)
+	if m.Offset == bt.at {
+		close(bt.entered)
+		<-bt.released
+	}
+}
+
+// A worker stopped while it holds the next message's transaction (begun
+// with the previous COMMIT, its handler not yet run) rolls it back: no
+// dedup record, no effect, no mark, no connection kept.
+func TestStopRollsBackACarriedTransaction(t *testing.T) {
+	b := setup(t)
+	tracer := &pipelineTracer{}
+	pool := ownPool(t, tracer)
+	var ran atomic.Int32
+	p, err := consumer.New(pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		ran.Add(1)
+		return b.record(ctx, tx, "ledger", m)
+	}, &consumer.Config{Schema: b.schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := &blockingTransport{at: 0, entered: make(chan struct{}), released: make(chan struct{})}
+	ctx := context.Background()
+	w := p.StartPartition(ctx, tr)
+	if err := w.Add(ctx, msg(0, "m0", ""), msg(1, "m1", "")); err != nil {
+		t.Fatal(err)
+	}
+	<-tr.entered // m0 committed, with m1's BEGIN in the same round trip
+	stopped := make(chan struct{})
+	go func() { w.Stop(ctx); close(stopped) }()
+	for !errors.Is(w.Add(ctx, msg(9, "m9", "")), consumer.ErrStopped) {
+		// Add fails once Stop has begun.
+	}
+	close(tr.released)
+	<-stopped
+
+	if tracer.pipelined.Load() != 1 {
+		t.Fatalf("pipelined commits = %d, want 1: m1's BEGIN should have gone with m0's COMMIT", tracer.pipelined.Load())
+	}
+	if got := ran.Load(); got != 1 {
+		t.Errorf("handler runs = %d, want 1 (m0 only)", got)
+	}
+	if got := b.processedRows(t, "ledger"); got != 1 {
+		t.Errorf("dedup rows = %d, want 1: m1's carried transaction must roll back", got)
+	}
+	if got := tr.lastMark(); got != 0 {
+		t.Errorf("last mark = %d, want 0", got)
+	}
+	if n := pool.Stat().AcquiredConns(); n != 0 {
+		t.Errorf("connections still held after Stop: %d", n)
+	}
+}
