@@ -53,13 +53,14 @@ type Config struct {
 	QueueSize int
 
 	// PlainBegin makes each per-message transaction start with BEGIN and
-	// then INSERT … ON CONFLICT DO NOTHING, two round trips. Otherwise,
-	// with a *pgxpool.Pool, BEGIN and the dedup insert go in one
-	// simple-protocol query that EXECUTEs a per-connection prepared
-	// statement, and a duplicate shows in the server log as a
-	// duplicate-key ERROR. Set it behind PgBouncer in transaction mode
-	// (SQL-level prepared statements do not survive it) or when those log
-	// lines are unwelcome. Defaults to false.
+	// then INSERT … ON CONFLICT DO NOTHING, two round trips, and end with
+	// a COMMIT of its own. Otherwise, with a *pgxpool.Pool, BEGIN and the
+	// dedup insert go in one simple-protocol query that EXECUTEs a
+	// per-connection prepared statement, a message's COMMIT carries the
+	// next queued message's BEGIN and dedup insert, and a duplicate shows
+	// in the server log as a duplicate-key ERROR. Set it behind PgBouncer
+	// in transaction mode (SQL-level prepared statements do not survive
+	// it) or when those log lines are unwelcome. Defaults to false.
 	PlainBegin bool
 
 	// Hooks receive metrics events; see Hook. Defaults to none.
