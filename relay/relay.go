@@ -39,8 +39,9 @@ type Relay struct {
 	blocked      map[string]*keyState
 	roundBackoff backoff.BackOff
 	// The previous round's outcome is recorded while the next round is
-	// published; finishing is closed once it is, and finishingIDs are that
-	// round's events, which reads must leave out until then.
+	// published; finishing is closed once it is, and finishingIDs are the
+	// events that outcome deletes (acknowledged or dead-lettered), which
+	// reads must leave out until then.
 	finishing    chan struct{}
 	finishingIDs []int64
 }
@@ -204,7 +205,10 @@ func (r *Relay) publishLoop(ctx context.Context) {
 	var ahead *prefetch
 	for ctx.Err() == nil {
 		if r.leases.hasExcess() {
-			ahead = nil    // it may hold events of shards about to go
+			if ahead != nil { // it may hold events of shards about to go
+				r.forgetRound(ctx, ahead.lo)
+				ahead = nil
+			}
 			r.waitFinish() // and their deletes still need the lease
 		}
 		if err := r.leases.releaseExcess(ctx); err != nil && ctx.Err() == nil {
@@ -324,6 +328,9 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 	}
 	errs := <-published
 	if len(errs) != len(records) {
+		if next != nil {
+			r.forgetRound(ctx, next.lo)
+		}
 		return roundResult{claimed: len(events)}, nil, fmt.Errorf("relay: publisher returned %d results for %d records", len(errs), len(records))
 	}
 
@@ -405,15 +412,21 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		r.forgetStaleBlocks(start)
 	}
 
-	roundIDs := make([]int64, len(events))
-	for i := range events {
-		roundIDs[i] = events[i].id
+	// Until the outcome is recorded, reads leave out the events it
+	// deletes. The failed ones stay pending and readable, so that once
+	// their key's backoff has passed they are read again ahead of the
+	// key's later events (leaving them out too let a read-ahead publish a
+	// key's later event first).
+	gone := make([]int64, 0, len(acked)+len(dead))
+	gone = append(gone, acked...)
+	for _, d := range dead {
+		gone = append(gone, d.id)
 	}
 	// Record the outcome while the next round goes to Kafka. One outcome
 	// is recorded at a time, in round order.
 	r.waitFinish()
 	done := make(chan struct{})
-	r.finishing, r.finishingIDs = done, roundIDs
+	r.finishing, r.finishingIDs = done, gone
 	go func() {
 		defer close(done)
 		r.record(ctx, start, oldest, shards, acked, dead, failed, roundLo)

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -534,5 +535,70 @@ func TestSlowFailureKeepsKeyOrderAcrossReadAhead(t *testing.T) {
 	defer pub.mu.Unlock()
 	if got := strings.Join(pub.acked, ","); got != "1,2,3" {
 		t.Fatalf("acknowledged in order %s, want 1,2,3", got)
+	}
+}
+
+// scriptedPublisher fails "k1" once (retriably) and refuses "x" as too
+// large within a batch, then acknowledges "x" alone slowly: by the time the
+// next rounds run, k1's key has waited out its backoff while k1 still sits
+// in the round whose outcome is being recorded. It records the order of
+// acknowledgements.
+type scriptedPublisher struct {
+	mu     sync.Mutex
+	failed bool
+	acked  []string
+}
+
+func (p *scriptedPublisher) Publish(ctx context.Context, records []relay.Record) []error {
+	errs := make([]error, len(records))
+	if len(records) == 1 && string(records[0].Value) == "x" {
+		time.Sleep(500 * time.Millisecond) // longer than k1's first backoff (≤ 150 ms)
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for i, r := range records {
+		switch v := string(r.Value); {
+		case v == "k1" && !p.failed:
+			p.failed = true
+			errs[i] = errors.New("not enough replicas")
+		case v == "x" && len(records) > 1:
+			errs[i] = relay.ErrRecordTooLarge
+		default:
+			p.acked = append(p.acked, v)
+		}
+	}
+	return errs
+}
+
+func (p *scriptedPublisher) Close() error { return nil }
+
+// An event that failed in a round whose outcome is still being recorded
+// must be read again, in id order, once its key's backoff has passed: the
+// read-ahead of a later round must not publish the key's next event first
+// (G3).
+func TestFailedEventOfAFinishingRoundKeepsKeyOrder(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	for _, m := range [][2]string{{"K", "k1"}, {"X", "x"}, {"B", "b"}, {"C", "c"}, {"K", "k2"}, {"D", "d"}} {
+		b.write(t, outbox.Message{Topic: "t", Key: []byte(m[0]), Value: []byte(m[1])})
+	}
+	pub := &scriptedPublisher{}
+	r, err := relay.New(b.pool, pub, &relay.Config{Schema: b.schema, BatchSize: 2, PollInterval: 20 * time.Millisecond, LeaseDuration: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	waitFor(t, "the outbox to drain", 30*time.Second, func() bool { return b.count(t, "outbox") == 0 })
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	pub.mu.Lock()
+	defer pub.mu.Unlock()
+	k1, k2 := slices.Index(pub.acked, "k1"), slices.Index(pub.acked, "k2")
+	if k1 < 0 || k2 < 0 || k1 > k2 {
+		t.Fatalf("acknowledged in order %v: k2 went out before k1", pub.acked)
 	}
 }
