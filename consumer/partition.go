@@ -341,22 +341,39 @@ func (w *Partition) startLanes(ctx context.Context, wg *sync.WaitGroup) {
 			// one taken from ready early so that its BEGIN could go
 			// with the previous COMMIT.
 			var held []*slot
+			taken := false // held[0] came from ready through la.next
 			la := &lookahead{next: func() (Message, bool) {
 				if len(held) == 0 {
 					select {
 					case s := <-ready:
-						held = append(held, s)
+						held, taken = append(held, s), true
 					default:
 						return Message{}, false
 					}
 				}
 				return held[0].msg, true
 			}}
+			la.putBack = func() {
+				if !taken {
+					return
+				}
+				s := held[0]
+				held, taken = held[1:], false
+				wg.Add(1)
+				go func() { // to whichever lane is free first
+					defer wg.Done()
+					select {
+					case ready <- s:
+					case <-w.stop:
+					case <-ctx.Done():
+					}
+				}()
+			}
 			defer la.discard()
 			for {
 				var s *slot
 				if len(held) > 0 {
-					s, held = held[0], held[1:]
+					s, held, taken = held[0], held[1:], false
 				} else {
 					select {
 					case <-w.stop:

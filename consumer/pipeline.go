@@ -28,6 +28,10 @@ type lookahead struct {
 	// next returns the message the worker will run next, if one is at
 	// hand without waiting; the worker must run that message next.
 	next func() (Message, bool)
+	// putBack, if set, hands back the message next took when the COMMIT
+	// it was to ride with failed, so that a message of another key does
+	// not wait out this message's retries.
+	putBack func()
 	// carry is next's transaction, begun by the previous COMMIT's round
 	// trip.
 	carry *carried
@@ -55,6 +59,13 @@ func (la *lookahead) take(msg Message) *carried {
 	return c
 }
 
+// giveBack undoes next after a failed COMMIT, where the worker can.
+func (la *lookahead) giveBack() {
+	if la != nil && la.putBack != nil {
+		la.putBack()
+	}
+}
+
 // discard rolls back a carried transaction the worker will not run (it
 // stopped); the message stays unmarked and is delivered again.
 func (la *lookahead) discard() {
@@ -79,6 +90,7 @@ func (p *Processor) commit(ctx context.Context, tx pgx.Tx, msg Message, la *look
 	next, nextID, ok := p.pipelinable(tx, la)
 	if !ok {
 		if err := tx.Commit(ctx); err != nil {
+			la.giveBack()
 			return p.commitError(msg, err)
 		}
 		return nil
@@ -91,16 +103,24 @@ func (p *Processor) commit(ctx context.Context, tx pgx.Tx, msg Message, la *look
 		return nil
 	}
 	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && conn.PgConn().TxStatus() == 'E' {
+	isPgErr := errors.As(err, &pgErr)
+	switch status := conn.PgConn().TxStatus(); {
+	case isPgErr && !conn.IsClosed() && status == 'E':
 		// COMMIT and BEGIN went through and the next message's dedup
 		// insert failed (a duplicate, most likely): msg is committed;
 		// the next message begins afresh when its turn comes.
 		_, _ = conn.Exec(ctx, "ROLLBACK")
 		return nil
+	case isPgErr && !conn.IsClosed() && status == 'I':
+		// The COMMIT failed and the server skipped the rest.
+		la.giveBack()
+		return p.commitError(msg, err)
+	default:
+		// The connection broke: the COMMIT may or may not have
+		// happened, and the retry will tell (the dedup record).
+		la.giveBack()
+		return &unavailableError{fmt.Errorf("consumer %s: commit message %s: %w", p.name, msg.ID, err)}
 	}
-	// The COMMIT failed (the server skipped the rest), or the connection
-	// broke and the outcome is unknown.
-	return p.commitError(msg, err)
 }
 
 // pipelinable returns the worker's next message and its id when msg's

@@ -207,3 +207,52 @@ func TestStopRollsBackACarriedTransaction(t *testing.T) {
 		t.Errorf("connections still held after Stop: %d", n)
 	}
 }
+
+// dlqProbe runs check when a dead letter is published.
+type dlqProbe struct {
+	memTransport
+	check func()
+}
+
+func (d *dlqProbe) PublishDeadLetter(ctx context.Context, dl consumer.DeadLetter) error {
+	d.check()
+	return d.memTransport.PublishDeadLetter(ctx, dl)
+}
+
+// In key-parallel mode a lane takes the next ready message to pipeline it
+// with its COMMIT. If that COMMIT fails, the message goes back to whichever
+// lane is free, rather than wait out the failed message's retries.
+func TestFailedCommitHandsTheTakenMessageBack(t *testing.T) {
+	b := setup(t)
+	ctx := context.Background()
+	seats := pgx.Identifier{b.schema, "seats"}.Sanitize()
+	if _, err := b.pool.Exec(ctx, `CREATE TABLE `+seats+` (seat int UNIQUE DEFERRABLE INITIALLY DEFERRED);
+INSERT INTO `+seats+` VALUES (1)`); err != nil {
+		t.Fatal(err)
+	}
+	p, err := consumer.New(b.pool, "booking", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		switch string(m.Key) {
+		case "slow":
+			time.Sleep(200 * time.Millisecond) // keeps the other lane busy while "bad" commits
+		case "bad":
+			if _, err := tx.Exec(ctx, `INSERT INTO `+seats+` VALUES (1)`); err != nil { // fails at COMMIT
+				return err
+			}
+		}
+		return b.record(ctx, tx, "booking", m)
+	}, &consumer.Config{Schema: b.schema, Concurrency: 2, MaxAttempts: 2, MinBackoff: 2 * time.Second, MaxBackoff: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	goodDoneFirst := make(chan bool, 1)
+	tr := &dlqProbe{check: func() { goodDoneFirst <- b.count(t, "message_id = 'good'") == 1 }}
+	w := p.StartPartition(ctx, tr)
+	defer w.Stop(ctx)
+	if err := w.Add(ctx, msg(0, "slow", "slow"), msg(1, "bad", "bad"), msg(2, "good", "good")); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 30*time.Second, "offset 2 marked done", func() bool { return tr.lastMark() == 2 })
+	if !<-goodDoneFirst {
+		t.Fatal(`"good" was processed only after "bad" was dead-lettered: it waited behind bad's retries`)
+	}
+}
