@@ -475,6 +475,24 @@ VALUES ('dead-relay', $1, $1, (SELECT array_agg(g::smallint) FROM generate_serie
 	waitFor(t, "the in-flight span to be cleared", 10*time.Second, func() bool { return b.count(t, "relay_rounds") == 0 })
 }
 
+// drainWithPublisher runs a relay with rounds of two events on pub until
+// the outbox is empty, then stops it.
+func (b *bundle) drainWithPublisher(t *testing.T, pub relay.Publisher) {
+	t.Helper()
+	r, err := relay.New(b.pool, pub, &relay.Config{Schema: b.schema, BatchSize: 2, PollInterval: 20 * time.Millisecond, LeaseDuration: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	waitFor(t, "the outbox to drain", 30*time.Second, func() bool { return b.count(t, "outbox") == 0 })
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+}
+
 // orderingPublisher fails its first call slowly, then acknowledges, and
 // records the order in which values were acknowledged.
 type orderingPublisher struct {
@@ -519,18 +537,7 @@ func TestSlowFailureKeepsKeyOrderAcrossReadAhead(t *testing.T) {
 		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("3")},
 	)
 	pub := &orderingPublisher{}
-	r, err := relay.New(b.pool, pub, &relay.Config{Schema: b.schema, BatchSize: 2, PollInterval: 20 * time.Millisecond, LeaseDuration: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	waitFor(t, "the outbox to drain", 30*time.Second, func() bool { return b.count(t, "outbox") == 0 })
-	cancel()
-	if err := <-done; err != nil {
-		t.Fatal(err)
-	}
+	b.drainWithPublisher(t, pub)
 	pub.mu.Lock()
 	defer pub.mu.Unlock()
 	if got := strings.Join(pub.acked, ","); got != "1,2,3" {
@@ -583,18 +590,7 @@ func TestFailedEventOfAFinishingRoundKeepsKeyOrder(t *testing.T) {
 		b.write(t, outbox.Message{Topic: "t", Key: []byte(m[0]), Value: []byte(m[1])})
 	}
 	pub := &scriptedPublisher{}
-	r, err := relay.New(b.pool, pub, &relay.Config{Schema: b.schema, BatchSize: 2, PollInterval: 20 * time.Millisecond, LeaseDuration: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	waitFor(t, "the outbox to drain", 30*time.Second, func() bool { return b.count(t, "outbox") == 0 })
-	cancel()
-	if err := <-done; err != nil {
-		t.Fatal(err)
-	}
+	b.drainWithPublisher(t, pub)
 	pub.mu.Lock()
 	defer pub.mu.Unlock()
 	k1, k2 := slices.Index(pub.acked, "k1"), slices.Index(pub.acked, "k2")
