@@ -206,7 +206,7 @@ func (r *Relay) publishLoop(ctx context.Context) {
 	for ctx.Err() == nil {
 		if r.leases.hasExcess() {
 			if ahead != nil { // it may hold events of shards about to go
-				r.forgetRound(ctx, ahead.lo)
+				r.forgetRound(ctx, ahead.round)
 				ahead = nil
 			}
 			r.waitFinish() // and their deletes still need the lease
@@ -216,7 +216,7 @@ func (r *Relay) publishLoop(ctx context.Context) {
 		}
 		shards := r.leases.snapshot()
 		if ahead != nil && !slices.Equal(ahead.shards, shards) {
-			r.forgetRound(ctx, ahead.lo)
+			r.forgetRound(ctx, ahead.round)
 			ahead = nil // ownership changed since it was read
 		}
 		if len(shards) == 0 {
@@ -271,7 +271,7 @@ type roundResult struct {
 type prefetch struct {
 	shards []int16
 	events []pendingEvent
-	lo     int64 // the lowest id read: the round's relay_rounds key
+	round  roundKey // its relay_rounds row
 }
 
 // round publishes one batch: claim the oldest pending events of the owned
@@ -288,12 +288,12 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 	start := time.Now()
 	keys, ids := r.exclusions(start)
 	var events []pendingEvent
-	var roundLo int64
+	var round roundKey
 	if ahead != nil {
-		roundLo = ahead.lo
+		round = ahead.round
 		events = r.withoutBlocked(ahead.events, start)
 		if len(events) == 0 {
-			r.forgetRound(ctx, roundLo)
+			r.forgetRound(ctx, round)
 		}
 	} else {
 		r.waitFinish() // a fresh read must not see the last round's rows
@@ -302,7 +302,9 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		if err != nil {
 			return roundResult{}, nil, fmt.Errorf("relay: read pending events: %w", err)
 		}
-		roundLo = lowestID(events)
+		if len(events) > 0 {
+			round = keyOf(events)
+		}
 	}
 	if len(events) == 0 {
 		return roundResult{}, nil, nil
@@ -323,13 +325,13 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		}
 		nextEvents, err := r.st.claim(ctx, r.cfg.InstanceID, shards, r.cfg.BatchSize, keys, inFlight)
 		if err == nil && len(nextEvents) > 0 {
-			next = &prefetch{shards: shards, events: nextEvents, lo: lowestID(nextEvents)}
+			next = &prefetch{shards: shards, events: nextEvents, round: keyOf(nextEvents)}
 		}
 	}
 	errs := <-published
 	if len(errs) != len(records) {
 		if next != nil {
-			r.forgetRound(ctx, next.lo)
+			r.forgetRound(ctx, next.round)
 		}
 		return roundResult{claimed: len(events)}, nil, fmt.Errorf("relay: publisher returned %d results for %d records", len(errs), len(records))
 	}
@@ -399,7 +401,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		}
 		next.events = kept
 		if len(kept) == 0 {
-			r.forgetRound(ctx, next.lo)
+			r.forgetRound(ctx, next.round)
 			next = nil
 		}
 	}
@@ -429,7 +431,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 	r.finishing, r.finishingIDs = done, gone
 	go func() {
 		defer close(done)
-		r.record(ctx, start, oldest, shards, acked, dead, failed, roundLo)
+		r.record(ctx, start, oldest, shards, acked, dead, failed, round)
 	}()
 	return roundResult{claimed: len(events), acked: len(acked), dead: len(dead)}, next, nil
 }
@@ -438,10 +440,10 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 // acknowledged events must not be published again needlessly. A failure
 // leaves the events pending: they are published again (duplicates, not
 // loss).
-func (r *Relay) record(ctx context.Context, start, oldest time.Time, shards []int16, acked []int64, dead []deadEvent, failed []failedEvent, roundLo int64) {
+func (r *Relay) record(ctx context.Context, start, oldest time.Time, shards []int16, acked []int64, dead []deadEvent, failed []failedEvent, round roundKey) {
 	finishCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	defer cancel()
-	deleted, err := r.st.finish(finishCtx, r.cfg.InstanceID, shards, acked, dead, failed, roundLo)
+	deleted, err := r.st.finish(finishCtx, r.cfg.InstanceID, shards, acked, dead, failed, round)
 	stats := BatchStats{
 		Published:       int(deleted),
 		Failed:          len(failed),
@@ -465,21 +467,10 @@ func (r *Relay) record(ctx context.Context, start, oldest time.Time, shards []in
 }
 
 // forgetRound drops the in-flight record of a round read but not sent.
-func (r *Relay) forgetRound(ctx context.Context, lo int64) {
-	if _, err := r.pool.Exec(context.WithoutCancel(ctx), r.st.landedSQL, r.cfg.InstanceID, lo); err != nil {
+func (r *Relay) forgetRound(ctx context.Context, round roundKey) {
+	if _, err := r.pool.Exec(context.WithoutCancel(ctx), r.st.landedSQL, r.cfg.InstanceID, round.lo, round.hi); err != nil {
 		r.log.Warn("relay: forget an unsent round", "err", err)
 	}
-}
-
-func lowestID(events []pendingEvent) int64 {
-	if len(events) == 0 {
-		return 0
-	}
-	lo := events[0].id
-	for i := range events {
-		lo = min(lo, events[i].id)
-	}
-	return lo
 }
 
 // waitFinish waits until the previous round's outcome is recorded.

@@ -75,8 +75,13 @@ func newStore(pool *pgxpool.Pool, schema string) *store {
 		// an attempt (chargeCrashedSQL). (Written by the claim statement
 		// itself, as a CTE, it made the claim a third slower: the round's
 		// rows were materialised to feed min and max.)
+		//
+		// Two rounds in flight can share a lowest id (a read-ahead may read
+		// again the failed first event of the round being recorded): the
+		// later round's mark takes the row over, and the earlier round's
+		// landedSQL, keyed on both ends, leaves it alone.
 		markSQL: `INSERT INTO ` + rounds + ` AS r (instance, lo, hi, shards) VALUES ($1, $2, $3, $4)
-ON CONFLICT (instance, lo) DO UPDATE SET hi = greatest(r.hi, excluded.hi), shards = excluded.shards`,
+ON CONFLICT (instance, lo) DO UPDATE SET hi = excluded.hi, shards = excluded.shards`,
 		// The ownership re-check before delete, in the common case: one
 		// look at relay_shards that this relay still holds exactly the
 		// shards the round was read from ($3, sorted), then the delete by
@@ -115,7 +120,7 @@ RETURNING shard`,
 		releaseSQL:      `UPDATE ` + shards + ` SET owner = NULL, lease_until = NULL WHERE owner = $1 AND shard = ANY($2::smallint[])`,
 		releaseAllSQL:   `UPDATE ` + shards + ` SET owner = NULL, lease_until = NULL WHERE owner = $1`,
 		goodbyeSQL:      `DELETE FROM ` + instances + ` WHERE id = $1`,
-		landedSQL:       `DELETE FROM ` + rounds + ` WHERE instance = $1 AND lo = $2`,
+		landedSQL:       `DELETE FROM ` + rounds + ` WHERE instance = $1 AND lo = $2 AND hi = $3`,
 		forgetRoundsSQL: `DELETE FROM ` + rounds + ` WHERE instance = $1`,
 		chargeOwnSQL: `WITH crashed AS (
     DELETE FROM ` + rounds + ` WHERE instance = $1 RETURNING lo, hi, shards)
@@ -188,6 +193,16 @@ type keyBlock struct {
 	firstID int64
 }
 
+// roundKey names a round's relay_rounds row: the lowest and highest id it
+// read.
+type roundKey struct{ lo, hi int64 }
+
+// keyOf returns the relay_rounds key of a round as claim read it (in id
+// order).
+func keyOf(events []pendingEvent) roundKey {
+	return roundKey{lo: events[0].id, hi: events[len(events)-1].id}
+}
+
 // claim reads the oldest pending events of shards, leaving out the events of
 // blocked keys and the excluded ids, records their id span as in flight (in
 // relay_rounds, before any of them can be published), and returns them in
@@ -252,8 +267,8 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 		return nil, err
 	}
 	if len(out) > 0 {
-		// ORDER BY id: the first and last rows bound the span.
-		if _, err := s.pool.Exec(ctx, s.markSQL, owner, out[0].id, out[len(out)-1].id, shards); err != nil {
+		k := keyOf(out)
+		if _, err := s.pool.Exec(ctx, s.markSQL, owner, k.lo, k.hi, shards); err != nil {
 			return nil, fmt.Errorf("record the round in flight: %w", err)
 		}
 	}
@@ -288,16 +303,16 @@ func formatUUID(u [16]byte) []byte {
 	hex.Encode(b[19:23], u[8:10])
 	b[23] = '-'
 	hex.Encode(b[24:], u[10:])
-	return b[:]
+	return b
 }
 
 // finish records one round's outcome in one round trip: deletes the
 // acknowledged events and moves the refused ones to outbox_dead (both only
 // on shards this relay still owns), and notes the errors of the ones to
 // retry. It returns how many acknowledged events it deleted.
-// shards are the shards the round was read from, sorted; roundLo is its lowest id
-// as read: its relay_rounds key.
-func (s *store) finish(ctx context.Context, owner string, shards []int16, acked []int64, dead []deadEvent, failed []failedEvent, roundLo int64) (deleted int64, err error) {
+// shards are the shards the round was read from, sorted; round is its
+// relay_rounds row.
+func (s *store) finish(ctx context.Context, owner string, shards []int16, acked []int64, dead []deadEvent, failed []failedEvent, round roundKey) (deleted int64, err error) {
 	b := &pgx.Batch{}
 	if len(acked) > 0 {
 		b.Queue(s.deleteSQL, acked, owner, shards).Exec(func(tag pgconn.CommandTag) error {
@@ -322,7 +337,7 @@ func (s *store) finish(ctx context.Context, owner string, shards []int16, acked 
 		}
 		b.Queue(s.failSQL, ids, errs, refused)
 	}
-	b.Queue(s.landedSQL, owner, roundLo)
+	b.Queue(s.landedSQL, owner, round.lo, round.hi)
 	if err := s.pool.SendBatch(ctx, b).Close(); err != nil {
 		return deleted, fmt.Errorf("record outcome: %w", err)
 	}
