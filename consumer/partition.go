@@ -336,10 +336,10 @@ func (w *Partition) startLanes(ctx context.Context, wg *sync.WaitGroup) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			// held are the slots this lane will run, in order: the
-			// next waiting message of the key it just finished, and
-			// one taken from ready early so that its BEGIN could go
-			// with the previous COMMIT.
+			// held is the slot this lane runs next, if it has one at
+			// hand: the next waiting message of the key it just
+			// finished, or one taken from ready early so that its
+			// BEGIN could go with the previous COMMIT.
 			var held []*slot
 			taken := false // held[0] came from ready through la.next
 			la := &lookahead{next: func() (Message, bool) {
@@ -353,14 +353,11 @@ func (w *Partition) startLanes(ctx context.Context, wg *sync.WaitGroup) {
 				}
 				return held[0].msg, true
 			}}
-			la.putBack = func() {
-				if !taken {
-					return
-				}
-				s := held[0]
-				held, taken = held[1:], false
+			// handOff passes a slot whose key is claimed to whichever
+			// lane is free first.
+			handOff := func(s *slot) {
 				wg.Add(1)
-				go func() { // to whichever lane is free first
+				go func() {
 					defer wg.Done()
 					select {
 					case ready <- s:
@@ -368,6 +365,12 @@ func (w *Partition) startLanes(ctx context.Context, wg *sync.WaitGroup) {
 					case <-ctx.Done():
 					}
 				}()
+			}
+			la.putBack = func() {
+				if taken {
+					handOff(held[0])
+					held, taken = held[1:], false
+				}
 			}
 			defer la.discard()
 			for {
@@ -392,7 +395,15 @@ func (w *Partition) startLanes(ctx context.Context, wg *sync.WaitGroup) {
 				tr.finish(s, w.t.MarkDone)
 				<-credits
 				if next := ks.release(s); next != nil {
-					held = append(held, next)
+					if taken {
+						// This lane will run the message it took
+						// for pipelining first; the key's next
+						// message must not wait behind it (and
+						// its retries).
+						handOff(next)
+					} else {
+						held = append(held, next)
+					}
 				}
 			}
 		}()

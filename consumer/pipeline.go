@@ -91,7 +91,7 @@ func (p *Processor) commit(ctx context.Context, tx pgx.Tx, msg Message, la *look
 	if !ok {
 		if err := tx.Commit(ctx); err != nil {
 			la.giveBack()
-			return p.commitError(msg, err)
+			return p.commitError(tx, msg, err)
 		}
 		return nil
 	}
@@ -114,7 +114,7 @@ func (p *Processor) commit(ctx context.Context, tx pgx.Tx, msg Message, la *look
 	case isPgErr && !conn.IsClosed() && status == 'I':
 		// The COMMIT failed and the server skipped the rest.
 		la.giveBack()
-		return p.commitError(msg, err)
+		return p.commitError(tx, msg, err)
 	default:
 		// The connection broke: the COMMIT may or may not have
 		// happened, and the retry will tell (the dedup record).
@@ -148,14 +148,20 @@ func (p *Processor) pipelinable(tx pgx.Tx, la *lookahead) (Message, string, bool
 	return next, id, true
 }
 
-// commitError classifies a failed COMMIT of msg.
-func (p *Processor) commitError(msg Message, err error) error {
-	err = fmt.Errorf("consumer %s: commit message %s: %w", p.name, msg.ID, err)
+// commitError classifies a failed COMMIT of msg's transaction tx.
+func (p *Processor) commitError(tx pgx.Tx, msg Message, err error) error {
 	var pgErr *pgconn.PgError
-	if !errors.As(err, &pgErr) {
-		// The connection broke; the commit may or may not have
-		// happened, and the retry will tell (the dedup record).
-		err = &unavailableError{err}
+	switch {
+	case errors.Is(err, pgx.ErrTxCommitRollback):
+		// A statement had failed and the handler went on: the message
+		// failed, and spends its retry budget like any handler error.
+		return fmt.Errorf("consumer %s: message %s: the transaction had failed (did the handler ignore an error?) and was rolled back at commit: %w", p.name, msg.ID, err)
+	case tx.Conn().IsClosed() || !errors.As(err, &pgErr):
+		// The connection broke (a FATAL error closes it too): the
+		// commit may or may not have happened, and the retry will tell
+		// (the dedup record).
+		return &unavailableError{fmt.Errorf("consumer %s: commit message %s: %w", p.name, msg.ID, err)}
+	default:
+		return fmt.Errorf("consumer %s: commit message %s: %w", p.name, msg.ID, err)
 	}
-	return err
 }

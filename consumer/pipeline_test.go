@@ -256,3 +256,62 @@ INSERT INTO `+seats+` VALUES (1)`); err != nil {
 		t.Fatal(`"good" was processed only after "bad" was dead-lettered: it waited behind bad's retries`)
 	}
 }
+
+// A handler that ignores a failed statement leaves its transaction aborted;
+// its COMMIT then rolls back. That is the message failing, not the
+// database: it spends the retry budget and is dead-lettered, rather than
+// block the partition as an endless "database unavailable".
+func TestHandlerIgnoringAFailedStatementIsDeadLettered(t *testing.T) {
+	b := setup(t)
+	p, err := consumer.New(b.pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		if string(m.Key) == "careless" {
+			_, _ = tx.Exec(ctx, `SELECT 1/0`)
+			return nil
+		}
+		return b.record(ctx, tx, "ledger", m)
+	}, &consumer.Config{Schema: b.schema, MaxAttempts: 2, MinBackoff: time.Millisecond, MaxBackoff: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := &memTransport{}
+	run(t, p, tr, msg(0, "a", "fine"), msg(1, "b", "careless"), msg(2, "c", "fine"))
+	dead := tr.deadLetters()
+	if len(dead) != 1 || string(dead[0].Value) != "v1" {
+		t.Fatalf("dead letters = %+v, want the message at offset 1", dead)
+	}
+	if got := b.count(t, ""); got != 2 {
+		t.Errorf("effects = %d, want 2 (a and c)", got)
+	}
+}
+
+// In key-parallel mode, when a lane has taken another key's message to
+// pipeline with its COMMIT, the next message of the key it just finished
+// goes to whichever lane is free, rather than wait behind the taken
+// message's retries.
+func TestKeysNextMessageDoesNotWaitBehindATakenMessage(t *testing.T) {
+	b := setup(t)
+	p, err := consumer.New(b.pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		switch string(m.Key) {
+		case "slow":
+			time.Sleep(300 * time.Millisecond) // keeps the other lane busy
+		case "bad":
+			return errors.New("always fails")
+		}
+		return b.record(ctx, tx, "ledger", m)
+	}, &consumer.Config{Schema: b.schema, Concurrency: 2, MaxAttempts: 2, MinBackoff: 3 * time.Second, MaxBackoff: 3 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a2DoneFirst := make(chan bool, 1)
+	tr := &dlqProbe{check: func() { a2DoneFirst <- b.count(t, "message_id = 'a2'") == 1 }}
+	ctx := context.Background()
+	w := p.StartPartition(ctx, tr)
+	defer w.Stop(ctx)
+	if err := w.Add(ctx, msg(0, "s", "slow"), msg(1, "a1", "A"), msg(2, "bad", "bad"), msg(3, "a2", "A")); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 30*time.Second, "offset 3 marked done", func() bool { return tr.lastMark() == 3 })
+	if !<-a2DoneFirst {
+		t.Fatal(`a2 was processed only after "bad" was dead-lettered: it waited behind bad's retries`)
+	}
+}
