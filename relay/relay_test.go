@@ -51,6 +51,13 @@ func (b *bundle) startRelay(t testing.TB, cfg relay.Config) (r *relay.Relay, sto
 
 func (b *bundle) startRelayOn(t testing.TB, pool *pgxpool.Pool, cfg relay.Config) (r *relay.Relay, stop func()) {
 	t.Helper()
+	return b.startRelayWith(t, pool, b.publisher(t), cfg)
+}
+
+// publisher returns a franz-go publisher to the test's Kafka, with fast
+// metadata refreshes and retries.
+func (b *bundle) publisher(t testing.TB) *kgopublisher.Publisher {
+	t.Helper()
 	pub, err := kgopublisher.New(b.kafka.Brokers, &kgopublisher.Config{Opts: []kgo.Opt{
 		kgo.MetadataMinAge(50 * time.Millisecond),
 		kgo.RetryBackoffFn(func(int) time.Duration { return 20 * time.Millisecond }),
@@ -58,6 +65,13 @@ func (b *bundle) startRelayOn(t testing.TB, pool *pgxpool.Pool, cfg relay.Config
 	if err != nil {
 		t.Fatal(err)
 	}
+	return pub
+}
+
+// startRelayWith runs a relay publishing through pub (which it closes)
+// until the test ends or stop is called.
+func (b *bundle) startRelayWith(t testing.TB, pool *pgxpool.Pool, pub relay.Publisher, cfg relay.Config) (r *relay.Relay, stop func()) {
+	t.Helper()
 	cfg.Schema = b.schema
 	if cfg.PollInterval == 0 {
 		cfg.PollInterval = 50 * time.Millisecond
@@ -65,7 +79,7 @@ func (b *bundle) startRelayOn(t testing.TB, pool *pgxpool.Pool, cfg relay.Config
 	if cfg.LeaseDuration == 0 {
 		cfg.LeaseDuration = time.Second
 	}
-	r, err = relay.New(pool, pub, &cfg)
+	r, err := relay.New(pool, pub, &cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
