@@ -16,6 +16,22 @@ import (
 	"github.com/onceflow/onceflow/internal/pgtest"
 )
 
+// seatTaken creates a table whose one seat is taken, under a deferred
+// unique constraint, and returns a handler step that takes it again: the
+// step succeeds, and the transaction's COMMIT fails.
+func (b *bundle) seatTaken(t *testing.T) func(context.Context, pgx.Tx) error {
+	t.Helper()
+	seats := pgx.Identifier{b.schema, "seats"}.Sanitize()
+	if _, err := b.pool.Exec(context.Background(), `CREATE TABLE `+seats+` (seat int UNIQUE DEFERRABLE INITIALLY DEFERRED);
+INSERT INTO `+seats+` VALUES (1)`); err != nil {
+		t.Fatal(err)
+	}
+	return func(ctx context.Context, tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, `INSERT INTO `+seats+` VALUES (1)`)
+		return err
+	}
+}
+
 // pipelineTracer counts the queries that COMMIT one message and BEGIN the
 // next in one round trip.
 type pipelineTracer struct{ pipelined atomic.Int32 }
@@ -107,16 +123,10 @@ func TestFailedPipelinedCommitRetriesItsMessageAndKeepsTheNext(t *testing.T) {
 	b := setup(t)
 	tracer := &pipelineTracer{}
 	pool := ownPool(t, tracer)
-	ctx := context.Background()
-	seats := pgx.Identifier{b.schema, "seats"}.Sanitize()
-	if _, err := pool.Exec(ctx, `CREATE TABLE `+seats+` (seat int UNIQUE DEFERRABLE INITIALLY DEFERRED);
-INSERT INTO `+seats+` VALUES (1)`); err != nil {
-		t.Fatal(err)
-	}
+	takeSeat := b.seatTaken(t)
 	p, err := consumer.New(pool, "booking", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
 		if string(m.Key) == "taken" {
-			// Checked only at COMMIT.
-			if _, err := tx.Exec(ctx, `INSERT INTO `+seats+` VALUES (1)`); err != nil {
+			if err := takeSeat(ctx, tx); err != nil {
 				return err
 			}
 		}
@@ -225,17 +235,13 @@ func (d *dlqProbe) PublishDeadLetter(ctx context.Context, dl consumer.DeadLetter
 func TestFailedCommitHandsTheTakenMessageBack(t *testing.T) {
 	b := setup(t)
 	ctx := context.Background()
-	seats := pgx.Identifier{b.schema, "seats"}.Sanitize()
-	if _, err := b.pool.Exec(ctx, `CREATE TABLE `+seats+` (seat int UNIQUE DEFERRABLE INITIALLY DEFERRED);
-INSERT INTO `+seats+` VALUES (1)`); err != nil {
-		t.Fatal(err)
-	}
+	takeSeat := b.seatTaken(t)
 	p, err := consumer.New(b.pool, "booking", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
 		switch string(m.Key) {
 		case "slow":
 			time.Sleep(200 * time.Millisecond) // keeps the other lane busy while "bad" commits
 		case "bad":
-			if _, err := tx.Exec(ctx, `INSERT INTO `+seats+` VALUES (1)`); err != nil { // fails at COMMIT
+			if err := takeSeat(ctx, tx); err != nil {
 				return err
 			}
 		}
