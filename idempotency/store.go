@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"hash/fnv"
@@ -123,7 +124,10 @@ WHERE k.scope = $1 AND k.key = $2 AND ` + live,
     lease_until = now() + $5::float8 * interval '1 second', status = NULL, headers = NULL, body = NULL,
     created_at = now(), completed_at = NULL, expires_at = now() + $6::float8 * interval '1 second'
 WHERE k.scope = $1 AND k.key = $2 AND NOT (` + live + `)`,
-		completeSQL: `UPDATE ` + t + ` SET state = $4, status = $5, headers = $6, body = $7,
+		// Every parameter is text, bytea, a number or cast, so the statements
+		// need no server-described parameter types: they work in every pgx
+		// QueryExecMode, exec and simple_protocol included (PgBouncer).
+		completeSQL: `UPDATE ` + t + ` SET state = $4, status = $5, headers = $6::jsonb, body = $7,
     completed_at = now(), lease_until = NULL
 WHERE scope = $1 AND key = $2 AND token = $3`,
 		releaseSQL: `DELETE FROM ` + t + ` WHERE scope = $1 AND key = $2 AND token = $3`,
@@ -207,7 +211,17 @@ func (s *store) tryClaim(ctx context.Context, db querier, c claim, lease, window
 // complete stores the outcome of c. It fails with ErrLeaseLost when c no
 // longer owns the record.
 func (s *store) complete(ctx context.Context, db querier, c claim, state string, status int, headers map[string][]string, body []byte) error {
-	tag, err := db.Exec(ctx, s.completeSQL, c.scope, c.key, c.token, state, status, headers, body)
+	// The headers go as JSON text: a map has no encoding pgx can send
+	// without the server describing the parameter first.
+	var h any
+	if headers != nil {
+		j, err := json.Marshal(headers)
+		if err != nil {
+			return fmt.Errorf("encode headers: %w", err)
+		}
+		h = string(j)
+	}
+	tag, err := db.Exec(ctx, s.completeSQL, c.scope, c.key, c.token, state, status, h, body)
 	if err != nil {
 		return err
 	}
