@@ -84,7 +84,7 @@ func BenchmarkMiddleware(b *testing.B) {
 		}), func(int64) string { return "" })
 	})
 	for _, mode := range []idempotency.Mode{idempotency.Transactional, idempotency.Leased} {
-		mw, err := idempotency.New(pool, &idempotency.Config{Schema: schema, Mode: mode})
+		mw, err := idempotency.New(pool, &idempotency.Config{Schema: schema, Mode: mode, Scope: idempotency.SharedScope})
 		if err != nil {
 			b.Fatal(err)
 		}

@@ -10,8 +10,10 @@
 // the stored response with "Idempotent-Replayed: true"; a retry while the
 // first still runs gets 409 with Retry-After; the key with a different request
 // (method, path, body) gets 422; no key gets 400. Keys are scoped by
-// Config.Scope, typically the authenticated principal, so one client can
-// never replay another's response.
+// Config.Scope, the authenticated principal, so one client can never replay
+// another's response. Scope is required: New fails without it. Only a
+// service whose callers are all one trusted party may choose SharedScope
+// instead, which lets any caller replay any other's responses.
 //
 //	mw, err := idempotency.New(pool, &idempotency.Config{
 //		Scope: func(r *http.Request) (string, error) { return userFrom(r) },

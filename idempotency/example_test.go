@@ -49,7 +49,7 @@ func ExampleMiddleware_Handler() {
 
 	mw, err := idempotency.New(pool, &idempotency.Config{
 		Schema: schema,
-		Scope: func(r *http.Request) (string, error) {
+		Scope: func(r *http.Request) (string, error) { // required: keys are per signed-in user
 			if u := r.Header.Get("X-User"); u != "" {
 				return u, nil
 			}

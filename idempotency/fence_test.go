@@ -232,18 +232,24 @@ func TestConfigValidation(t *testing.T) {
 		build func() error
 		field string
 	}{
-		{"mode", func() error { _, err := idempotency.New(pool, &idempotency.Config{Mode: 7}); return err }, "Config.Mode"},
+		{"mode", func() error {
+			_, err := idempotency.New(pool, &idempotency.Config{Scope: idempotency.SharedScope, Mode: 7})
+			return err
+		}, "Config.Mode"},
 		{"lease", func() error {
-			_, err := idempotency.New(pool, &idempotency.Config{Lease: time.Millisecond})
+			_, err := idempotency.New(pool, &idempotency.Config{Scope: idempotency.SharedScope, Lease: time.Millisecond})
 			return err
 		}, "Config.Lease"},
 		{"window", func() error {
-			_, err := idempotency.New(pool, &idempotency.Config{Window: time.Minute, Lease: time.Hour})
+			_, err := idempotency.New(pool, &idempotency.Config{Scope: idempotency.SharedScope, Window: time.Minute, Lease: time.Hour})
 			return err
 		}, "Config.Window"},
-		{"key length", func() error { _, err := idempotency.New(pool, &idempotency.Config{MaxKeyLength: -1}); return err }, "Config.MaxKeyLength"},
+		{"key length", func() error {
+			_, err := idempotency.New(pool, &idempotency.Config{Scope: idempotency.SharedScope, MaxKeyLength: -1})
+			return err
+		}, "Config.MaxKeyLength"},
 		{"schema", func() error {
-			_, err := idempotency.New(pool, &idempotency.Config{Schema: string(make([]byte, 64))})
+			_, err := idempotency.New(pool, &idempotency.Config{Scope: idempotency.SharedScope, Schema: string(make([]byte, 64))})
 			return err
 		}, "Config.Schema"},
 		{"fence lease", func() error {
@@ -261,8 +267,11 @@ func TestConfigValidation(t *testing.T) {
 			t.Errorf("%s: error %v, want one naming %s", tt.name, err, tt.field)
 		}
 	}
-	for _, build := range []func() error{
-		func() error { _, err := idempotency.New(pool, nil); return err },
+	for _, build := range []func() error{ // nil or minimal configs
+		func() error {
+			_, err := idempotency.New(pool, &idempotency.Config{Scope: idempotency.SharedScope})
+			return err
+		},
 		func() error { _, err := idempotency.NewFence(pool, nil); return err },
 		func() error { _, err := idempotency.NewPurger(pool, nil); return err },
 	} {

@@ -53,7 +53,8 @@ func (m Mode) String() string {
 	return "Mode(" + strconv.Itoa(int(m)) + ")"
 }
 
-// Config configures a Middleware. The zero value is usable.
+// Config configures a Middleware. Scope is required; every other field has
+// a default.
 type Config struct {
 	// Schema holds onceflow's tables. Defaults to "onceflow".
 	Schema string
@@ -62,8 +63,10 @@ type Config struct {
 	// Scope returns whose key a request carries, typically the
 	// authenticated principal: the same key under two scopes is two
 	// independent operations, and no scope can read another's responses. An
-	// error answers 401 (see ScopeError). Set it whenever callers are not
-	// all one trusted party. Defaults to one scope shared by every request.
+	// error answers 401 (see ScopeError). Required: New fails without it.
+	// Only when every caller is one trusted party may it be SharedScope,
+	// which lets any caller replay any other caller's stored responses.
+	// There is no default.
 	Scope func(r *http.Request) (string, error)
 	// Fingerprint identifies the request a key was first used with; a retry
 	// with a different fingerprint is refused with 422. body is the whole
@@ -123,8 +126,16 @@ type Middleware struct {
 	cfg   Config
 }
 
+// SharedScope is a Config.Scope that puts every request in one scope: any
+// caller who sends a key another caller used gets that caller's stored
+// response (status, headers, body). Use it only when every caller is one
+// trusted party, such as a single internal service; anywhere else, scope
+// keys by the authenticated principal.
+func SharedScope(*http.Request) (string, error) { return "", nil }
+
 // New returns a Middleware storing keys through db, which should be a
-// *pgxpool.Pool. cfg may be nil.
+// *pgxpool.Pool. cfg must set Scope (the authenticated principal, or
+// SharedScope explicitly); New fails without it.
 func New(db DB, cfg *Config) (*Middleware, error) {
 	if db == nil {
 		return nil, errors.New("idempotency: db is nil")
@@ -134,7 +145,8 @@ func New(db DB, cfg *Config) (*Middleware, error) {
 		c = *cfg
 	}
 	if c.Scope == nil {
-		c.Scope = func(*http.Request) (string, error) { return "", nil }
+		return nil, errors.New("idempotency: Config.Scope is required: return the authenticated principal, " +
+			"so no caller can replay another's responses (idempotency.SharedScope puts every caller in one scope)")
 	}
 	if c.Fingerprint == nil {
 		c.Fingerprint = DefaultFingerprint

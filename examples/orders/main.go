@@ -122,8 +122,9 @@ func run(ctx context.Context, args []string, log *slog.Logger) error {
 	return nil
 }
 
-// user is the idempotency scope: whose key a request carries. A real service
-// takes it from its authentication; an error answers 401.
+// user is the idempotency scope (Config.Scope, required): whose key a
+// request carries. A real service takes it from its authentication; an error
+// answers 401.
 func user(r *http.Request) (string, error) {
 	if u := r.Header.Get("X-User"); u != "" {
 		return u, nil
