@@ -36,7 +36,9 @@
 // 5xx responses and panics release the key (Config.StoreServerErrors stores
 // 5xx instead); 4xx responses are stored. Responses larger than
 // Config.MaxResponseBytes reach the client but are not stored: a retry gets
-// 422 (ErrNotStored), never a second run.
+// 422 (ErrNotStored), never a second run. Memory holds at most
+// MaxResponseBytes of a response; in Transactional mode the rest waits in a
+// temporary file until the commit.
 //
 // The replay path costs one database round trip (one SELECT); a first
 // request costs five in Transactional mode (lookup, BEGIN, claim, store,

@@ -83,9 +83,12 @@ type Config struct {
 	// MaxRequestBytes is the largest request body read for the fingerprint;
 	// larger requests answer 413. Defaults to 1 MiB.
 	MaxRequestBytes int64
-	// MaxResponseBytes is the largest response body stored. A larger
-	// response still reaches the client, but is not stored: the key is
-	// marked so a retry answers 422 (ErrNotStored) instead of running again.
+	// MaxResponseBytes is the largest response body stored, and the most
+	// the middleware keeps in memory per response. A larger response still
+	// reaches the client, but is not stored: the key is marked so a retry
+	// answers 422 (ErrNotStored) instead of running again. In Transactional
+	// mode, where nothing reaches the client before the commit, the part
+	// beyond it waits in a temporary file (os.TempDir) until the commit.
 	// Defaults to 1 MiB.
 	MaxResponseBytes int
 	// Lease is how long a Leased claim holds the key without renewal; the
@@ -337,7 +340,12 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 		return
 	}
 	rw := newRecorder(w, m.cfg.MaxResponseBytes, false)
+	defer rw.close()
 	next.ServeHTTP(rw, r.WithContext(context.WithValue(ctx, txKey, tx))) // a panic rolls back in the deferred func
+	if rw.err != nil {
+		m.fail(w, r, rw.err)
+		return
+	}
 	status := rw.statusCode()
 	if status >= 500 && !m.cfg.StoreServerErrors {
 		_ = tx.Rollback(context.WithoutCancel(ctx))
@@ -432,7 +440,12 @@ func (m *Middleware) serveWithoutKey(w http.ResponseWriter, r *http.Request, nex
 		}
 	}()
 	rw := newRecorder(w, m.cfg.MaxResponseBytes, false)
+	defer rw.close()
 	next.ServeHTTP(rw, r.WithContext(context.WithValue(ctx, txKey, tx)))
+	if rw.err != nil {
+		m.fail(w, r, rw.err)
+		return
+	}
 	if rw.statusCode() < 500 {
 		if err := tx.Commit(ctx); err != nil {
 			m.fail(w, r, fmt.Errorf("idempotency: commit: %w", err))

@@ -2,19 +2,25 @@ package idempotency
 
 import (
 	"bytes"
+	"fmt"
+	"io"
 	"net/http"
+	"os"
 )
 
 // recorder captures a handler's response so it can be stored before the
-// client sees it. Up to limit body bytes are kept for storage; beyond that
-// the response is marked too large. In stream mode (leased) an oversized
-// response is sent on to the client as it comes; otherwise (transactional,
-// where nothing may reach the client before the commit) it stays buffered.
+// client sees it. Up to limit body bytes are kept in memory for storage;
+// beyond that the response is marked too large and memory stops growing. In
+// stream mode (leased) an oversized response is sent on to the client as it
+// comes; otherwise (transactional, where nothing may reach the client before
+// the commit) the rest waits in a temporary file until flush.
 type recorder struct {
 	w       http.ResponseWriter
 	header  http.Header
 	status  int
-	body    bytes.Buffer
+	body    bytes.Buffer // at most limit bytes
+	spill   *os.File     // the body beyond the limit, not in stream mode
+	err     error        // the spill failed: the response is lost
 	limit   int
 	stream  bool
 	tooBig  bool
@@ -38,17 +44,43 @@ func (r *recorder) Write(p []byte) (int, error) {
 	if r.status == 0 {
 		r.WriteHeader(http.StatusOK)
 	}
-	if r.flushed {
+	switch {
+	case r.flushed:
 		return r.w.Write(p)
+	case r.err != nil:
+		return 0, r.err
+	case !r.tooBig && r.body.Len()+len(p) <= r.limit:
+		return r.body.Write(p)
 	}
-	if !r.tooBig && r.body.Len()+len(p) > r.limit {
+	if !r.tooBig {
 		r.tooBig = true
 		if r.stream {
 			r.flush(false)
 			return r.w.Write(p)
 		}
 	}
-	return r.body.Write(p)
+	if r.spill == nil {
+		f, err := os.CreateTemp("", "onceflow-response-*")
+		if err != nil {
+			r.err = fmt.Errorf("idempotency: hold a response larger than MaxResponseBytes until the commit: %w", err)
+			return 0, r.err
+		}
+		r.spill = f
+	}
+	n, err := r.spill.Write(p)
+	if err != nil {
+		r.err = fmt.Errorf("idempotency: hold a response larger than MaxResponseBytes until the commit: %w", err)
+	}
+	return n, err
+}
+
+// close removes the spill file, if any. It is idempotent.
+func (r *recorder) close() {
+	if r.spill != nil {
+		_ = r.spill.Close()
+		_ = os.Remove(r.spill.Name())
+		r.spill = nil
+	}
 }
 
 // statusCode is the response status, 200 if the handler wrote nothing.
@@ -66,6 +98,12 @@ func (r *recorder) flush(replayed bool) {
 	}
 	r.flushed = true
 	writeResponse(r.w, r.statusCode(), r.header, r.body.Bytes(), replayed)
+	if r.spill != nil {
+		if _, err := r.spill.Seek(0, io.SeekStart); err == nil {
+			_, _ = io.Copy(r.w, r.spill)
+		}
+		r.close()
+	}
 }
 
 func writeResponse(w http.ResponseWriter, status int, header map[string][]string, body []byte, replayed bool) {
