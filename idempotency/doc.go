@@ -28,8 +28,10 @@
 // Tx and the stored response commit in one transaction: a crash or a 5xx at
 // any point leaves no claim and no business row, and a retry runs afresh.
 // In Leased mode the claim commits first with a lease, renewed while the
-// handler runs; use it for handlers whose effects leave the database, and
-// pass Key(ctx) to the downstream service. A request that dies holds its key
+// handler runs (a held lease is never taken over, whatever Window says; if
+// renewals fail, the request's context is cancelled before the lease lapses);
+// use it for handlers whose effects leave the database, and pass Key(ctx) to
+// the downstream service. A request that dies holds its key
 // until the lease lapses, then a retry runs the handler again: the
 // downstream's own deduplication on the key is what makes that harmless.
 //
@@ -57,7 +59,9 @@
 // Do cannot make an outside effect and its stored result atomic: if the
 // process dies after the effect and before the store, the next call after the
 // lease runs fn again. It makes re-runs rare and never concurrent; the key
-// passed downstream makes them harmless.
+// passed downstream makes them harmless. If lease renewals fail, fn's
+// context is cancelled before the lease lapses: an fn that honours its
+// context never runs concurrently with another run of the key.
 //
 // # Retention
 //

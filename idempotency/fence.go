@@ -17,11 +17,15 @@ type FenceConfig struct {
 	// Defaults to "default".
 	Namespace string
 	// Lease is how long a claim holds the key without renewal; Do renews it
-	// every Lease/3 while fn runs. After a crash the key can be taken over
-	// once the lease lapses. Defaults to 1 minute.
+	// every Lease/3 while fn runs, and a claim whose lease holds is never
+	// taken over, however long fn runs. If renewals fail until only Lease/6
+	// is left, fn's context is cancelled (cause ErrLeaseLost) so fn can stop
+	// before another caller may take the key. After a crash the key can be
+	// taken over once the lease lapses. Defaults to 1 minute.
 	Lease time.Duration
 	// Window is how long a key's record, and so its stored result, lives
-	// after the claim. Defaults to 24 hours.
+	// after the claim (a claim still running lives as long as its lease).
+	// Defaults to 24 hours.
 	Window time.Duration
 	// MaxResultBytes is the largest result stored. A larger result is
 	// returned to the caller that ran fn, but later callers get
@@ -89,9 +93,12 @@ func NewFence(db DB, cfg *FenceConfig) (*Fence, error) {
 //   - If fn returns an error, the claim is released and the error returned:
 //     the next call runs fn again.
 //   - If the process dies while fn runs, the key stays claimed until the
-//     lease lapses (Lease; renewed while fn runs), then the next call runs fn
-//     again. If renewal fails and another caller takes the key over, fn's
-//     context is cancelled with cause ErrLeaseLost.
+//     lease lapses (Lease; renewed while fn runs, for as long as fn runs),
+//     then the next call runs fn again.
+//   - If lease renewals fail until only Lease/6 of the lease is left, or the
+//     claim is found lost, fn's context is cancelled with cause ErrLeaseLost
+//     while no other caller can have taken the key: an fn that returns when
+//     its context is done never runs concurrently with another run.
 //
 // What it cannot promise: an effect outside the database and the stored
 // result do not commit together. If the process dies after the gateway
@@ -108,6 +115,7 @@ func (f *Fence) Do(ctx context.Context, key string, fn func(ctx context.Context)
 		return nil, fmt.Errorf("%w: empty", ErrKeyInvalid)
 	}
 	c := claim{scope: f.scope, key: key, token: newToken(), fingerprint: []byte{}}
+	held := time.Now()
 	claimed, rec, err := f.store.tryClaim(ctx, f.db, c, f.cfg.Lease, f.cfg.Window)
 	if err != nil {
 		return nil, fmt.Errorf("idempotency: claim key %q: %w", key, err)
@@ -121,7 +129,7 @@ func (f *Fence) Do(ctx context.Context, key string, fn func(ctx context.Context)
 	bg := context.WithoutCancel(ctx)
 	fctx, cancel := context.WithCancelCause(context.WithValue(ctx, keyKey, key))
 	defer cancel(nil)
-	stop := f.store.keepLease(f.db, c, f.cfg.Lease, cancel, f.cfg.Logger.Warn)
+	stop := f.store.keepLease(f.db, c, f.cfg.Lease, held, cancel, f.cfg.Logger.Warn)
 	result, err := runGuarded(fctx, fn)
 	stop()
 	sctx, scancel := context.WithTimeout(bg, 10*time.Second)

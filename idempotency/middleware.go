@@ -92,12 +92,16 @@ type Config struct {
 	// Defaults to 1 MiB.
 	MaxResponseBytes int
 	// Lease is how long a Leased claim holds the key without renewal; the
-	// middleware renews it every Lease/3 while the handler runs. After a
-	// crash the key is claimable again once the lease lapses. Defaults to
-	// 1 minute.
+	// middleware renews it every Lease/3 while the handler runs, and a claim
+	// whose lease holds is never taken over, however long the handler runs.
+	// If renewals fail until only Lease/6 is left, the request's context is
+	// cancelled (cause ErrLeaseLost) so the handler can stop before a retry
+	// may claim the key. After a crash the key is claimable again once the
+	// lease lapses. Defaults to 1 minute.
 	Lease time.Duration
 	// Window is how long a key's record, and so its replay, lives after the
-	// claim; then the key may run again and Purger deletes the record.
+	// claim (a Leased claim still running lives as long as its lease); then
+	// the key may run again and Purger deletes the record.
 	// Defaults to 24 hours.
 	Window time.Duration
 	// StoreServerErrors stores 5xx responses like any other. By default a
@@ -373,6 +377,7 @@ func (m *Middleware) storeResponse(ctx context.Context, db querier, c claim, rw 
 
 func (m *Middleware) serveLeased(w http.ResponseWriter, r *http.Request, next http.Handler, c claim) {
 	ctx := r.Context()
+	held := time.Now()
 	claimed, rec, err := m.store.tryClaim(ctx, m.db, c, m.cfg.Lease, m.cfg.Window)
 	if err != nil {
 		m.fail(w, r, fmt.Errorf("idempotency: claim key: %w", err))
@@ -387,7 +392,7 @@ func (m *Middleware) serveLeased(w http.ResponseWriter, r *http.Request, next ht
 	bg := context.WithoutCancel(ctx)
 	hctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	stop := m.store.keepLease(m.db, c, m.cfg.Lease, cancel, m.cfg.Logger.Warn)
+	stop := m.store.keepLease(m.db, c, m.cfg.Lease, held, cancel, m.cfg.Logger.Warn)
 	rw := newRecorder(w, m.cfg.MaxResponseBytes, true)
 	finished := false
 	defer func() {

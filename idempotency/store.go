@@ -85,9 +85,11 @@ func newStore(schema string) (*store, error) {
 		return nil, err
 	}
 	t := pgx.Identifier{schema, "idempotency_keys"}.Sanitize()
-	// A record is live until it expires; a running one only while its lease
-	// holds (transactional claims have no lease and never commit running).
-	const live = `k.expires_at > now() AND (k.state <> 'running' OR k.lease_until > now())`
+	// A finished record is live until it expires; a running one while its
+	// lease holds, whatever its window: a holder renewing its lease is still
+	// at work, and taking its key over would run the work twice at once.
+	// (Transactional claims have no lease and never commit running.)
+	const live = `CASE WHEN k.state = 'running' THEN coalesce(k.lease_until > now(), false) ELSE k.expires_at > now() END`
 	claimSQL := func(lock string) string {
 		// The INSERT takes a free key. Otherwise the outer SELECT reads the
 		// record in the way and whether it is live; a dead one (expired, or
@@ -244,21 +246,44 @@ func (s *store) renew(ctx context.Context, db querier, c claim, lease time.Durat
 }
 
 // keepLease renews c's lease every lease/3 until the returned stop is
-// called, and cancels onLost's context when the claim is lost.
-func (s *store) keepLease(db querier, c claim, lease time.Duration, onLost context.CancelCauseFunc, log func(string, ...any)) (stop func()) {
+// called. held is when the claim was sent: the lease holds at least until
+// held+lease, and after each successful renewal until its send time+lease.
+// keepLease cancels onLost's context with ErrLeaseLost when the claim is
+// lost, and also when renewals keep failing until only lease/6 of the lease
+// is left, so the work is told to stop while the key is still its own and no
+// other caller can have taken it over; it goes on renewing until stop.
+func (s *store) keepLease(db querier, c claim, lease time.Duration, held time.Time, onLost context.CancelCauseFunc, log func(string, ...any)) (stop func()) {
 	done := make(chan struct{})
 	exited := make(chan struct{})
+	every, margin := lease/3, lease/6
 	go func() {
 		defer close(exited)
-		t := time.NewTicker(lease / 3)
-		defer t.Stop()
+		tick := time.NewTicker(every)
+		defer tick.Stop()
+		giveUpAt := held.Add(lease - margin)
+		giveUp := time.NewTimer(time.Until(giveUpAt))
+		defer giveUp.Stop()
 		for {
 			select {
 			case <-done:
 				return
-			case <-t.C:
+			case <-giveUp.C:
+				log("idempotency: lease not renewed in time; cancelling the work before it lapses",
+					"scope", c.scope, "key", c.key, "lease", lease)
+				onLost(fmt.Errorf("%w: renewals failed for %s, so the work was stopped before the lease lapsed",
+					ErrLeaseLost, (lease - margin).Round(time.Millisecond)))
+				// Go on renewing: work that ignores its context keeps its key
+				// if the database comes back.
+				giveUpAt = time.Time{}
+				continue
+			case <-tick.C:
 			}
-			ctx, cancel := context.WithTimeout(context.Background(), lease/3)
+			sent := time.Now()
+			deadline := sent.Add(every)
+			if !giveUpAt.IsZero() && giveUpAt.Before(deadline) {
+				deadline = giveUpAt
+			}
+			ctx, cancel := context.WithDeadline(context.Background(), deadline)
 			ok, err := s.renew(ctx, db, c, lease)
 			cancel()
 			switch {
@@ -268,6 +293,11 @@ func (s *store) keepLease(db querier, c claim, lease time.Duration, onLost conte
 				log("idempotency: lease lost", "scope", c.scope, "key", c.key)
 				onLost(ErrLeaseLost)
 				return
+			default:
+				if !giveUpAt.IsZero() {
+					giveUpAt = sent.Add(lease - margin)
+					giveUp.Reset(time.Until(giveUpAt))
+				}
 			}
 		}
 	}()
