@@ -30,6 +30,7 @@ type leases struct {
 	validUntil time.Time // local clock: when the leases may have lapsed
 	excess     int       // shards to hand back at the next chance
 	releasing  []int16   // shards being handed back now
+	lapsed     bool      // the leases lapsed before a renewal: reported as 0 owned
 	changed    chan struct{}
 }
 
@@ -90,7 +91,8 @@ func (l *leases) tick(ctx context.Context) error {
 	l.owned = renewed
 	l.validUntil = start.Add(l.duration - l.duration/6)
 	l.excess = max(len(renewed)-fair, 0)
-	signal := before != len(renewed) || l.excess > 0
+	signal := before != len(renewed) || l.excess > 0 || l.lapsed
+	l.lapsed = false
 	l.mu.Unlock()
 	if signal {
 		l.obs.ObserveShards(len(renewed))
@@ -100,6 +102,24 @@ func (l *leases) tick(ctx context.Context) error {
 		}
 	}
 	return nil
+}
+
+// lapse reports no shard owned once the leases may have lapsed without a
+// renewal (the database is unreachable): the publish loop already stopped
+// publishing them (snapshot), and the owned-shards figure must say so
+// rather than keep the last count. It returns how many shards were lost,
+// 0 if nothing changed. The next successful tick reports the shards again.
+func (l *leases) lapse() int {
+	l.mu.Lock()
+	n := len(l.owned)
+	if l.lapsed || n == 0 || !time.Now().After(l.validUntil) {
+		l.mu.Unlock()
+		return 0
+	}
+	l.lapsed = true
+	l.mu.Unlock()
+	l.obs.ObserveShards(0)
+	return n
 }
 
 func (l *leases) hasExcess() bool {

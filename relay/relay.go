@@ -142,14 +142,29 @@ func (r *Relay) checkSchema(ctx context.Context) error {
 func (r *Relay) leaseLoop(ctx context.Context) {
 	t := time.NewTicker(r.leases.interval())
 	defer t.Stop()
+	failing := false
 	for n := 0; ; n++ {
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
 		}
-		if err := r.leases.tick(ctx); err != nil && ctx.Err() == nil {
+		// A tick that outlasts the lease is no use: give up and try again.
+		tickCtx, cancel := context.WithTimeout(ctx, r.cfg.LeaseDuration)
+		err := r.leases.tick(tickCtx)
+		cancel()
+		switch {
+		case ctx.Err() != nil:
+			return
+		case err != nil:
+			failing = true
 			r.log.Warn("relay: lease upkeep failed; shards lapse unless it recovers", "err", err)
+			if lost := r.leases.lapse(); lost > 0 {
+				r.log.Warn("relay: shard leases lapsed; publishing paused until the database answers", "shards", lost)
+			}
+		case failing:
+			failing = false
+			r.log.Info("relay: lease upkeep recovered", "shards", len(r.leases.snapshot()))
 		}
 		if n%100 == 0 {
 			_, _ = r.pool.Exec(ctx, r.st.forgetOldSQL)
