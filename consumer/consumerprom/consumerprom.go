@@ -4,18 +4,26 @@
 //	hook := consumerprom.NewHook(prometheus.DefaultRegisterer)
 //	p, err := consumer.New(pool, "ledger", handle, &consumer.Config{Hooks: []consumer.Hook{hook}})
 //
-// Metrics, each labelled by consumer name:
+// Metrics, each labelled by consumer name; topic is the consumed topic:
 //
-//   - onceflow_consumer_messages_total{outcome="processed|duplicate|dead-lettered"}
-//   - onceflow_consumer_retries_total: failed attempts that will be retried
-//   - onceflow_consumer_dead_letters_total{topic}: records published to a
-//     dead-letter topic
+//   - onceflow_consumer_messages_total{topic,outcome="processed|duplicate|dead-lettered"}
+//   - onceflow_consumer_retries_total{topic}: failed attempts that will be
+//     retried
+//   - onceflow_consumer_dead_letters_total{topic}: messages of topic
+//     published to its dead-letter topic
+//   - onceflow_consumer_lag_seconds{topic,partition}: age of the record
+//     finished last in the partition (now minus its Kafka timestamp), the
+//     consumer's time lag; it holds its value while nothing is finished
 //   - onceflow_consumer_transaction_seconds{mode="message|batch"}: begin to
 //     commit of a committed transaction, the handler latency as the
 //     database sees it
 package consumerprom
 
 import (
+	"strconv"
+	"sync"
+	"time"
+
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/onceflow/onceflow/consumer"
@@ -28,7 +36,9 @@ type Hook struct {
 	messages *prometheus.CounterVec
 	retries  *prometheus.CounterVec
 	dead     *prometheus.CounterVec
+	lag      *prometheus.GaugeVec
 	txn      *prometheus.HistogramVec
+	byTopic  sync.Map // [2]string{consumer, topic} -> *topicCounters
 }
 
 var (
@@ -42,22 +52,31 @@ var (
 func NewHook(reg prometheus.Registerer) *Hook {
 	h := &Hook{
 		messages: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "onceflow_consumer_messages_total",
-			Help: "Messages finished, by outcome: processed (handler committed), duplicate (skipped), dead-lettered."}, []string{"consumer", "outcome"}),
+			Help: "Messages finished, by outcome: processed (handler committed), duplicate (skipped), dead-lettered."}, []string{"consumer", "topic", "outcome"}),
 		retries: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "onceflow_consumer_retries_total",
-			Help: "Failed handler attempts that will be retried."}, []string{"consumer"}),
+			Help: "Failed handler attempts that will be retried."}, []string{"consumer", "topic"}),
 		dead: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "onceflow_consumer_dead_letters_total",
-			Help: "Messages published to a dead-letter topic."}, []string{"consumer", "topic"}),
+			Help: "Messages published to their dead-letter topic, by the topic they came from."}, []string{"consumer", "topic"}),
+		lag: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "onceflow_consumer_lag_seconds",
+			Help: "Age (now minus Kafka timestamp) of the record finished last in the partition."}, []string{"consumer", "topic", "partition"}),
 		txn: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "onceflow_consumer_transaction_seconds",
 			Help:    "Begin to commit of committed consumer transactions (dedup record plus handler).",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16)}, []string{"consumer", "mode"}),
 	}
-	reg.MustRegister(h.messages, h.retries, h.dead, h.txn)
+	reg.MustRegister(h.messages, h.retries, h.dead, h.lag, h.txn)
 	return h
 }
 
 // OnDone implements consumer.HookDone.
 func (h *Hook) OnDone(e consumer.DoneEvent) {
-	h.messages.WithLabelValues(e.Consumer, e.Outcome.String()).Inc()
+	m := &e.Message
+	c := h.counters(e.Consumer, m.Topic)
+	if e.Outcome >= consumer.Processed && e.Outcome <= consumer.DeadLettered {
+		c.outcomes[e.Outcome].Inc()
+	}
+	if !m.Timestamp.IsZero() {
+		h.lag.WithLabelValues(e.Consumer, m.Topic, strconv.Itoa(int(m.Partition))).Set(max(time.Since(m.Timestamp).Seconds(), 0))
+	}
 	if e.Outcome == consumer.Processed && e.BatchSize == 1 {
 		h.txn.WithLabelValues(e.Consumer, "message").Observe(e.Duration.Seconds())
 	}
@@ -69,9 +88,34 @@ func (h *Hook) OnBatch(e consumer.BatchEvent) {
 }
 
 // OnRetry implements consumer.HookRetry.
-func (h *Hook) OnRetry(e consumer.RetryEvent) { h.retries.WithLabelValues(e.Consumer).Inc() }
+func (h *Hook) OnRetry(e consumer.RetryEvent) {
+	h.counters(e.Consumer, e.Message.Topic).retries.Inc()
+}
+
+// topicCounters are one (consumer, topic)'s counters, created together at
+// 0 so that rate() and increase() see a topic's first retry or dead letter.
+type topicCounters struct {
+	outcomes      [consumer.DeadLettered + 1]prometheus.Counter
+	retries, dead prometheus.Counter
+}
+
+func (h *Hook) counters(name, topic string) *topicCounters {
+	k := [2]string{name, topic}
+	if c, ok := h.byTopic.Load(k); ok {
+		return c.(*topicCounters)
+	}
+	c := &topicCounters{
+		retries: h.retries.WithLabelValues(name, topic),
+		dead:    h.dead.WithLabelValues(name, topic),
+	}
+	for _, o := range []consumer.Outcome{consumer.Processed, consumer.Duplicate, consumer.DeadLettered} {
+		c.outcomes[o] = h.messages.WithLabelValues(name, topic, o.String())
+	}
+	got, _ := h.byTopic.LoadOrStore(k, c)
+	return got.(*topicCounters)
+}
 
 // OnDeadLetter implements consumer.HookDeadLetter.
 func (h *Hook) OnDeadLetter(e consumer.DeadLetterEvent) {
-	h.dead.WithLabelValues(e.Consumer, e.Topic).Inc()
+	h.counters(e.Consumer, e.Message.Topic).dead.Inc()
 }

@@ -40,10 +40,11 @@ func TestHookCountsOutcomes(t *testing.T) {
 	w := p.StartPartition(ctx, tr)
 	defer w.Stop(ctx)
 	id := func(s string) []consumer.Header { return []consumer.Header{{Key: "message-id", Value: []byte(s)}} }
+	ts := time.Now().Add(-time.Hour)
 	_ = w.Add(ctx,
-		consumer.Message{Topic: "t", Offset: 0, Headers: id("a")},
-		consumer.Message{Topic: "t", Offset: 1, Headers: id("a")},
-		consumer.Message{Topic: "t", Offset: 2, Headers: id("b"), Value: []byte("bad")},
+		consumer.Message{Topic: "t", Offset: 0, Headers: id("a"), Timestamp: ts},
+		consumer.Message{Topic: "t", Offset: 1, Headers: id("a"), Timestamp: ts},
+		consumer.Message{Topic: "t", Offset: 2, Headers: id("b"), Value: []byte("bad"), Timestamp: ts},
 	)
 	for want := int64(0); want < 3; {
 		select {
@@ -56,15 +57,15 @@ func TestHookCountsOutcomes(t *testing.T) {
 	want := `
 # HELP onceflow_consumer_messages_total Messages finished, by outcome: processed (handler committed), duplicate (skipped), dead-lettered.
 # TYPE onceflow_consumer_messages_total counter
-onceflow_consumer_messages_total{consumer="ledger",outcome="dead-lettered"} 1
-onceflow_consumer_messages_total{consumer="ledger",outcome="duplicate"} 1
-onceflow_consumer_messages_total{consumer="ledger",outcome="processed"} 1
+onceflow_consumer_messages_total{consumer="ledger",outcome="dead-lettered",topic="t"} 1
+onceflow_consumer_messages_total{consumer="ledger",outcome="duplicate",topic="t"} 1
+onceflow_consumer_messages_total{consumer="ledger",outcome="processed",topic="t"} 1
 # HELP onceflow_consumer_retries_total Failed handler attempts that will be retried.
 # TYPE onceflow_consumer_retries_total counter
-onceflow_consumer_retries_total{consumer="ledger"} 1
-# HELP onceflow_consumer_dead_letters_total Messages published to a dead-letter topic.
+onceflow_consumer_retries_total{consumer="ledger",topic="t"} 1
+# HELP onceflow_consumer_dead_letters_total Messages published to their dead-letter topic, by the topic they came from.
 # TYPE onceflow_consumer_dead_letters_total counter
-onceflow_consumer_dead_letters_total{consumer="ledger",topic="t.dlq"} 1
+onceflow_consumer_dead_letters_total{consumer="ledger",topic="t"} 1
 `
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(want),
 		"onceflow_consumer_messages_total", "onceflow_consumer_retries_total", "onceflow_consumer_dead_letters_total"); err != nil {
@@ -72,5 +73,27 @@ onceflow_consumer_dead_letters_total{consumer="ledger",topic="t.dlq"} 1
 	}
 	if n := testutil.CollectAndCount(reg, "onceflow_consumer_transaction_seconds"); n != 1 {
 		t.Fatalf("transaction histograms = %d, want 1", n)
+	}
+	// The lag is the age of the record finished last: an hour, give or take
+	// the test's own run time.
+	var lag float64
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == "onceflow_consumer_lag_seconds" && len(mf.GetMetric()) == 1 {
+			lag = mf.GetMetric()[0].GetGauge().GetValue()
+		}
+	}
+	if lag < 3600 || lag > 3600+60 {
+		t.Fatalf("onceflow_consumer_lag_seconds = %v, want about 3600", lag)
+	}
+	problems, err := testutil.GatherAndLint(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range problems {
+		t.Errorf("promlint: %s: %s", p.Metric, p.Text)
 	}
 }

@@ -56,31 +56,35 @@ func (o *Observer) ObserveBatch(s relay.BatchStats) {
 // ObserveShards implements relay.Observer.
 func (o *Observer) ObserveShards(owned int) { o.ownedShards.Set(float64(owned)) }
 
-// BacklogCollector reads the backlog per shard, its age and the dead-letter
-// count from the database at each scrape (with a timeout).
+// BacklogCollector reads from the database at each scrape (with a timeout)
+// the backlog per shard and in all, its age, the highest attempt count of a
+// pending event, the dead-letter count and the shards without an owner.
+// Every relay reports the same figures: aggregate them with max, not sum.
 type BacklogCollector struct {
 	db      relay.Querier
 	schema  string
 	timeout time.Duration
 
-	backlog, oldest, dead, total, up *prometheus.Desc
+	backlog, oldest, dead, total, attempts, unowned, up *prometheus.Desc
 }
 
 // NewBacklogCollector returns a collector for schema; register it yourself.
 func NewBacklogCollector(db relay.Querier, schema string) *BacklogCollector {
 	return &BacklogCollector{
 		db: db, schema: schema, timeout: 5 * time.Second,
-		backlog: prometheus.NewDesc("onceflow_outbox_backlog", "Pending events per shard.", []string{"shard"}, nil),
-		oldest:  prometheus.NewDesc("onceflow_outbox_oldest_pending_age_seconds", "Age of the oldest pending event per shard.", []string{"shard"}, nil),
-		total:   prometheus.NewDesc("onceflow_outbox_backlog_total", "Pending events in all shards.", nil, nil),
-		dead:    prometheus.NewDesc("onceflow_outbox_dead_events", "Events in outbox_dead.", nil, nil),
-		up:      prometheus.NewDesc("onceflow_outbox_scrape_ok", "1 if the backlog could be read from the database.", nil, nil),
+		backlog:  prometheus.NewDesc("onceflow_outbox_backlog", "Pending events per shard.", []string{"shard"}, nil),
+		oldest:   prometheus.NewDesc("onceflow_outbox_oldest_pending_age_seconds", "Age of the oldest pending event per shard.", []string{"shard"}, nil),
+		total:    prometheus.NewDesc("onceflow_outbox_backlog_events", "Pending events in all shards.", nil, nil),
+		dead:     prometheus.NewDesc("onceflow_outbox_dead_events", "Events in outbox_dead.", nil, nil),
+		attempts: prometheus.NewDesc("onceflow_outbox_max_attempts", "Highest publish attempt count of a pending event: an event stuck on a failure keeps raising it.", nil, nil),
+		unowned:  prometheus.NewDesc("onceflow_outbox_unowned_shards", "Shards no live relay holds a lease on.", nil, nil),
+		up:       prometheus.NewDesc("onceflow_outbox_scrape_ok", "1 if the backlog could be read from the database.", nil, nil),
 	}
 }
 
 // Describe implements prometheus.Collector.
 func (c *BacklogCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.backlog, c.oldest, c.total, c.dead, c.up} {
+	for _, d := range []*prometheus.Desc{c.backlog, c.oldest, c.total, c.dead, c.attempts, c.unowned, c.up} {
 		ch <- d
 	}
 }
@@ -107,4 +111,6 @@ func (c *BacklogCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	ch <- prometheus.MustNewConstMetric(c.total, prometheus.GaugeValue, float64(st.Backlog))
 	ch <- prometheus.MustNewConstMetric(c.dead, prometheus.GaugeValue, float64(st.DeadLetters))
+	ch <- prometheus.MustNewConstMetric(c.attempts, prometheus.GaugeValue, float64(st.MaxAttempts))
+	ch <- prometheus.MustNewConstMetric(c.unowned, prometheus.GaugeValue, float64(st.UnownedShards))
 }

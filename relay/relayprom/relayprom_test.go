@@ -1,0 +1,77 @@
+package relayprom_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/onceflow/onceflow/internal/pgtest"
+	"github.com/onceflow/onceflow/relay"
+	"github.com/onceflow/onceflow/relay/relayprom"
+)
+
+// The scrape-time collector reports the backlog in all and per shard, the
+// highest attempt count, dead letters and shards without an owner; every
+// relay metric passes promlint.
+func TestMetricsReadTheOutboxAndPassPromlint(t *testing.T) {
+	t.Parallel()
+	schema := pgtest.Schema(t)
+	pool := pgtest.Pool(t)
+	ctx := context.Background()
+	outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
+	if _, err := pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key, value, attempts, created_at)
+		VALUES ('t', 'a', 'v', 0, now() - interval '1 minute'), ('t', 'a', 'v', 7, now()), ('t', 'b', 'v', 3, now())`); err != nil {
+		t.Fatal(err)
+	}
+
+	reg := prometheus.NewPedanticRegistry()
+	obs := relayprom.NewObserver(reg)
+	reg.MustRegister(relayprom.NewBacklogCollector(pool, schema))
+	obs.ObserveShards(3)
+	obs.ObserveBatch(relay.BatchStats{Published: 2, Duration: time.Millisecond, OldestCreatedAt: time.Now()})
+
+	want := `
+# HELP onceflow_outbox_backlog_events Pending events in all shards.
+# TYPE onceflow_outbox_backlog_events gauge
+onceflow_outbox_backlog_events 3
+# HELP onceflow_outbox_dead_events Events in outbox_dead.
+# TYPE onceflow_outbox_dead_events gauge
+onceflow_outbox_dead_events 0
+# HELP onceflow_outbox_max_attempts Highest publish attempt count of a pending event: an event stuck on a failure keeps raising it.
+# TYPE onceflow_outbox_max_attempts gauge
+onceflow_outbox_max_attempts 7
+# HELP onceflow_outbox_scrape_ok 1 if the backlog could be read from the database.
+# TYPE onceflow_outbox_scrape_ok gauge
+onceflow_outbox_scrape_ok 1
+# HELP onceflow_outbox_unowned_shards Shards no live relay holds a lease on.
+# TYPE onceflow_outbox_unowned_shards gauge
+onceflow_outbox_unowned_shards 256
+# HELP onceflow_relay_owned_shards Shards this relay owns.
+# TYPE onceflow_relay_owned_shards gauge
+onceflow_relay_owned_shards 3
+# HELP onceflow_relay_published_total Events acknowledged by Kafka and removed from the outbox.
+# TYPE onceflow_relay_published_total counter
+onceflow_relay_published_total 2
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want),
+		"onceflow_outbox_backlog_events", "onceflow_outbox_dead_events", "onceflow_outbox_max_attempts",
+		"onceflow_outbox_scrape_ok", "onceflow_outbox_unowned_shards", "onceflow_relay_owned_shards",
+		"onceflow_relay_published_total"); err != nil {
+		t.Fatal(err)
+	}
+	if n := testutil.CollectAndCount(reg, "onceflow_outbox_backlog", "onceflow_outbox_oldest_pending_age_seconds"); n < 2 || n > 4 {
+		t.Fatalf("per-shard series = %d, want one backlog and one age per shard holding events", n)
+	}
+	problems, err := testutil.GatherAndLint(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range problems {
+		t.Errorf("promlint: %s: %s", p.Metric, p.Text)
+	}
+}
