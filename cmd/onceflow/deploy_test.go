@@ -149,7 +149,9 @@ func consumerMetrics(t *testing.T) string {
 	tr := fakeTransport{done: make(chan struct{}, 3)}
 	part := p.StartPartition(ctx, tr)
 	defer part.Stop(ctx)
-	id := func(s string) []consumer.Header { return []consumer.Header{{Key: consumer.MessageIDHeader, Value: []byte(s)}} }
+	id := func(s string) []consumer.Header {
+		return []consumer.Header{{Key: consumer.MessageIDHeader, Value: []byte(s)}}
+	}
 	now := time.Now()
 	_ = part.Add(ctx,
 		consumer.Message{Topic: "payments", Offset: 0, Headers: id("a"), Timestamp: now},
