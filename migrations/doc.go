@@ -9,6 +9,11 @@
 //
 //	applied, err := migrations.Up(ctx, pool, migrations.DefaultSchema)
 //
-// Users of their own migration tool can copy the files from FS; each expects
-// search_path to name the target schema.
+// Down refuses to drop tables that hold rows (DownForce drops them) and
+// creates nothing in a schema that was never migrated. Check reports the
+// migrations a schema lacks; the relay runs it at start.
+//
+// Users of their own migration tool apply Script's output (`onceflow migrate
+// print`): the SQL of each step plus the insert that records its version, so
+// Up and Check see it. The bare files in FS record nothing.
 package migrations

@@ -104,7 +104,7 @@ func Up(ctx context.Context, db Beginner, schema string) ([]int, error) {
 		return nil, err
 	}
 	var applied []int
-	err = inLockedTx(ctx, db, schema, func(tx pgx.Tx, done map[int]time.Time) error {
+	err = inLockedTx(ctx, db, schema, true, func(tx pgx.Tx, done map[int]time.Time) error {
 		for _, m := range all {
 			if _, ok := done[m.Version]; ok {
 				continue
@@ -126,8 +126,52 @@ func Up(ctx context.Context, db Beginner, schema string) ([]int, error) {
 }
 
 // Down reverts the newest steps applied migrations (at least one) and returns
-// the versions it reverted, newest first.
+// the versions it reverted, newest first. It refuses, reverting nothing, with
+// a *DataLossError when a table it would drop holds rows (pending events,
+// dead letters, dedup records, idempotency keys); DownForce drops them.
+// A schema that was never migrated is left alone: Down creates nothing.
 func Down(ctx context.Context, db Beginner, schema string, steps int) ([]int, error) {
+	return down(ctx, db, schema, steps, false)
+}
+
+// DownForce is Down that drops tables whatever rows they hold.
+func DownForce(ctx context.Context, db Beginner, schema string, steps int) ([]int, error) {
+	return down(ctx, db, schema, steps, true)
+}
+
+// dataTables hold what users would lose: Down refuses to drop them while
+// they hold rows. The relay's own tables (relay_shards always has its 256
+// rows) are not among them.
+var dataTables = []string{"outbox", "outbox_dead", "processed_messages", "idempotency_keys"}
+
+// DataLossError is Down's refusal to drop tables that hold rows.
+type DataLossError struct {
+	Schema string
+	// Tables maps each table that would be dropped to its row count,
+	// counted up to 1001 (1001 means "more than 1000").
+	Tables map[string]int64
+}
+
+func (e *DataLossError) Error() string {
+	names := make([]string, 0, len(e.Tables))
+	for t := range e.Tables {
+		names = append(names, t)
+	}
+	sort.Strings(names)
+	parts := make([]string, len(names))
+	for i, t := range names {
+		n := fmt.Sprint(e.Tables[t])
+		if e.Tables[t] > 1000 {
+			n = "more than 1000"
+		}
+		parts[i] = fmt.Sprintf("%s (%s rows)", t, n)
+	}
+	return fmt.Sprintf("migrations: refusing to revert: it would drop %s in schema %s; "+
+		"drain or export them first, or force it (onceflow migrate down --force, migrations.DownForce)",
+		strings.Join(parts, ", "), pgx.Identifier{e.Schema}.Sanitize())
+}
+
+func down(ctx context.Context, db Beginner, schema string, steps int, force bool) ([]int, error) {
 	if steps < 1 {
 		return nil, fmt.Errorf("migrations: steps must be at least 1, got %d", steps)
 	}
@@ -136,7 +180,25 @@ func Down(ctx context.Context, db Beginner, schema string, steps int) ([]int, er
 		return nil, err
 	}
 	var reverted []int
-	err = inLockedTx(ctx, db, schema, func(tx pgx.Tx, done map[int]time.Time) error {
+	err = inLockedTx(ctx, db, schema, false, func(tx pgx.Tx, done map[int]time.Time) error {
+		// Rows held by each data table, before anything is dropped.
+		held := map[string]int64{}
+		for _, table := range dataTables {
+			var exists bool
+			if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, pgx.Identifier{schema, table}.Sanitize()).Scan(&exists); err != nil {
+				return fmt.Errorf("migrations: look up %s: %w", table, err)
+			}
+			if !exists {
+				continue
+			}
+			var n int64
+			if err := tx.QueryRow(ctx, `SELECT count(*) FROM (SELECT 1 FROM `+pgx.Identifier{schema, table}.Sanitize()+` LIMIT 1001) r`).Scan(&n); err != nil {
+				return fmt.Errorf("migrations: count rows of %s: %w", table, err)
+			}
+			if n > 0 {
+				held[table] = n
+			}
+		}
 		for i := len(all) - 1; i >= 0 && len(reverted) < steps; i-- {
 			m := all[i]
 			if _, ok := done[m.Version]; !ok {
@@ -149,6 +211,23 @@ func Down(ctx context.Context, db Beginner, schema string, steps int) ([]int, er
 				return fmt.Errorf("migrations: unrecord %04d: %w", m.Version, err)
 			}
 			reverted = append(reverted, m.Version)
+		}
+		if force {
+			return nil
+		}
+		lost := map[string]int64{}
+		for table, n := range held {
+			var exists bool
+			if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, pgx.Identifier{schema, table}.Sanitize()).Scan(&exists); err != nil {
+				return fmt.Errorf("migrations: look up %s: %w", table, err)
+			}
+			if !exists {
+				lost[table] = n
+			}
+		}
+		if len(lost) > 0 {
+			reverted = nil
+			return &DataLossError{Schema: schema, Tables: lost}
 		}
 		return nil
 	})
@@ -209,9 +288,17 @@ func ValidateSchema(schema string) error {
 	return nil
 }
 
+// versionTableSQL creates the version table; search_path names the schema.
+const versionTableSQL = `CREATE TABLE IF NOT EXISTS schema_migrations (
+    version    integer PRIMARY KEY,
+    name       text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now())`
+
 // inLockedTx runs fn in a transaction that holds the schema's migration lock,
-// has search_path set to the schema, and sees the applied versions.
-func inLockedTx(ctx context.Context, db Beginner, schema string, fn func(pgx.Tx, map[int]time.Time) error) error {
+// has search_path set to the schema, and sees the applied versions. With
+// create false, a missing schema or version table is left missing and fn
+// sees no applied versions.
+func inLockedTx(ctx context.Context, db Beginner, schema string, create bool, fn func(pgx.Tx, map[int]time.Time) error) error {
 	if err := ValidateSchema(schema); err != nil {
 		return fmt.Errorf("migrations: %w", err)
 	}
@@ -220,24 +307,33 @@ func inLockedTx(ctx context.Context, db Beginner, schema string, fn func(pgx.Tx,
 			return fmt.Errorf("migrations: take lock: %w", err)
 		}
 		ident := pgx.Identifier{schema}.Sanitize()
-		if _, err := tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+ident); err != nil {
-			return fmt.Errorf("migrations: create schema %s: %w", ident, err)
+		if create {
+			if _, err := tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+ident); err != nil {
+				return fmt.Errorf("migrations: create schema %s: %w", ident, err)
+			}
 		}
 		// public stays on the path for gen_random_uuid and extensions.
 		if _, err := tx.Exec(ctx, `SELECT set_config('search_path', $1, true)`, ident+", public"); err != nil {
 			return fmt.Errorf("migrations: set search_path: %w", err)
 		}
-		if _, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS schema_migrations (
-			version    integer PRIMARY KEY,
-			name       text NOT NULL,
-			applied_at timestamptz NOT NULL DEFAULT now())`); err != nil {
-			return fmt.Errorf("migrations: create version table: %w", err)
+		done := map[int]time.Time{}
+		if create {
+			if _, err := tx.Exec(ctx, versionTableSQL); err != nil {
+				return fmt.Errorf("migrations: create version table: %w", err)
+			}
+		} else {
+			var exists bool
+			if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, pgx.Identifier{schema, "schema_migrations"}.Sanitize()).Scan(&exists); err != nil {
+				return fmt.Errorf("migrations: look up version table: %w", err)
+			}
+			if !exists {
+				return fn(tx, done)
+			}
 		}
 		rows, err := tx.Query(ctx, `SELECT version, applied_at FROM schema_migrations`)
 		if err != nil {
 			return fmt.Errorf("migrations: read versions: %w", err)
 		}
-		done := map[int]time.Time{}
 		var v int
 		var at time.Time
 		if _, err := pgx.ForEachRow(rows, []any{&v, &at}, func() error { done[v] = at; return nil }); err != nil {

@@ -3,6 +3,9 @@ package relay
 import (
 	"context"
 	"fmt"
+	"slices"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -36,15 +39,15 @@ func ListDead(ctx context.Context, db Querier, schema string, limit int) ([]Dead
 	if err := migrations.ValidateSchema(schema); err != nil {
 		return nil, fmt.Errorf("relay: %w", err)
 	}
-	rows, err := db.Query(ctx, `SELECT id, outbox_id, event_id::text, topic, key, value, headers, created_at, error, attempts, dead_at
+	rows, err := db.Query(ctx, `SELECT `+deadColumns+`
 FROM `+pgx.Identifier{schema, "outbox_dead"}.Sanitize()+` ORDER BY id LIMIT $1`, limit)
 	if err != nil {
 		return nil, fmt.Errorf("relay: list dead events: %w", err)
 	}
 	var out []DeadEvent
 	for rows.Next() {
-		var d DeadEvent
-		if err := rows.Scan(&d.ID, &d.OutboxID, &d.EventID, &d.Topic, &d.Key, &d.Value, &d.Headers, &d.CreatedAt, &d.Error, &d.Attempts, &d.DeadAt); err != nil {
+		d, err := scanDead(rows)
+		if err != nil {
 			rows.Close()
 			return nil, fmt.Errorf("relay: list dead events: %w", err)
 		}
@@ -53,31 +56,128 @@ FROM `+pgx.Identifier{schema, "outbox_dead"}.Sanitize()+` ORDER BY id LIMIT $1`,
 	return out, rows.Err()
 }
 
+const deadColumns = `id, outbox_id, event_id::text, topic, key, value, headers, created_at, error, attempts, dead_at`
+
+func scanDead(rows pgx.Rows) (DeadEvent, error) {
+	var d DeadEvent
+	err := rows.Scan(&d.ID, &d.OutboxID, &d.EventID, &d.Topic, &d.Key, &d.Value, &d.Headers, &d.CreatedAt, &d.Error, &d.Attempts, &d.DeadAt)
+	return d, err
+}
+
 // ReplayDead moves dead events back into the outbox in one statement,
 // keeping their event_id (so consumers still deduplicate them) and their
 // original order among themselves. ids selects outbox_dead ids; nil means
-// all. It returns how many it moved. A replayed event goes to the back of
-// its key's queue: events of the same key written after it was
+// all, and an empty non-nil slice is an error. When an id is not a dead
+// event, ReplayDead moves nothing and returns a *DeadNotFoundError naming
+// the missing ids. It returns how many it moved. A replayed event goes to
+// the back of its key's queue: events of the same key written after it was
 // dead-lettered have already been published.
 func ReplayDead(ctx context.Context, db Querier, schema string, ids []int64) (int, error) {
 	if err := migrations.ValidateSchema(schema); err != nil {
 		return 0, fmt.Errorf("relay: %w", err)
 	}
-	dead := pgx.Identifier{schema, "outbox_dead"}.Sanitize()
+	if ids != nil && len(ids) == 0 {
+		return 0, fmt.Errorf("relay: replay dead events: no ids given (nil means all)")
+	}
 	outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
-	var n int
-	err := db.QueryRow(ctx, `WITH moved AS (
-    DELETE FROM `+dead+` WHERE $1::bigint[] IS NULL OR id = ANY($1::bigint[])
-    RETURNING id, event_id, topic, key, value, headers, created_at),
+	rows, err := db.Query(ctx, deadTake(schema, "id, event_id, topic, key, value, headers, created_at")+`,
 ins AS (
     INSERT INTO `+outbox+` (event_id, topic, key, value, headers, created_at)
-    SELECT event_id, topic, key, value, headers, created_at FROM moved ORDER BY id
+    SELECT event_id, topic, key, value, headers, created_at FROM taken ORDER BY id
     RETURNING 1)
-SELECT count(*) FROM ins`, ids).Scan(&n)
+SELECT taken.id FROM taken`, ids)
 	if err != nil {
 		return 0, fmt.Errorf("relay: replay dead events: %w", err)
 	}
-	return n, nil
+	moved, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		return 0, fmt.Errorf("relay: replay dead events: %w", err)
+	}
+	return len(moved), notFound("replayed", ids, moved)
+}
+
+// DiscardDead deletes the given dead events for good and returns them, so
+// the caller can keep a copy. ids must not be empty. When an id is not a
+// dead event, DiscardDead deletes nothing and returns a *DeadNotFoundError.
+func DiscardDead(ctx context.Context, db Querier, schema string, ids []int64) ([]DeadEvent, error) {
+	if err := migrations.ValidateSchema(schema); err != nil {
+		return nil, fmt.Errorf("relay: %w", err)
+	}
+	if len(ids) == 0 {
+		return nil, fmt.Errorf("relay: discard dead events: no ids given")
+	}
+	rows, err := db.Query(ctx, deadTake(schema, deadColumns)+`
+SELECT `+deadColumns+` FROM taken ORDER BY id`, ids)
+	if err != nil {
+		return nil, fmt.Errorf("relay: discard dead events: %w", err)
+	}
+	var out []DeadEvent
+	var moved []int64
+	for rows.Next() {
+		d, err := scanDead(rows)
+		if err != nil {
+			rows.Close()
+			return nil, fmt.Errorf("relay: discard dead events: %w", err)
+		}
+		out = append(out, d)
+		moved = append(moved, d.ID)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("relay: discard dead events: %w", err)
+	}
+	return out, notFound("discarded", ids, moved)
+}
+
+// deadTake is the start of a statement that deletes the outbox_dead rows
+// whose ids are in $1 (all when $1 is NULL) into the CTE "taken", returning
+// cols, but only when every id in $1 is there.
+func deadTake(schema, cols string) string {
+	dead := pgx.Identifier{schema, "outbox_dead"}.Sanitize()
+	return `WITH missing AS (
+    SELECT count(*) AS n FROM unnest($1::bigint[]) AS w(id)
+    WHERE NOT EXISTS (SELECT 1 FROM ` + dead + ` d WHERE d.id = w.id)),
+taken AS (
+    DELETE FROM ` + dead + ` WHERE ($1::bigint[] IS NULL OR id = ANY($1::bigint[])) AND (SELECT n FROM missing) = 0
+    RETURNING ` + cols + `)`
+}
+
+// notFound returns a *DeadNotFoundError for the ids asked for but not taken.
+func notFound(did string, asked, taken []int64) error {
+	if asked == nil {
+		return nil
+	}
+	got := map[int64]bool{}
+	for _, id := range taken {
+		got[id] = true
+	}
+	var missing []int64
+	for _, id := range asked {
+		if !got[id] && !slices.Contains(missing, id) {
+			missing = append(missing, id)
+		}
+	}
+	if len(missing) == 0 {
+		return nil
+	}
+	slices.Sort(missing)
+	return &DeadNotFoundError{IDs: missing, Done: len(taken), did: did}
+}
+
+// DeadNotFoundError names the ids ReplayDead or DiscardDead were given that
+// are not dead events. Done says how many events were handled anyway: 0,
+// unless another process took some of the ids at the same moment.
+type DeadNotFoundError struct {
+	IDs  []int64
+	Done int
+	did  string
+}
+
+func (e *DeadNotFoundError) Error() string {
+	s := make([]string, len(e.IDs))
+	for i, id := range e.IDs {
+		s[i] = strconv.FormatInt(id, 10)
+	}
+	return fmt.Sprintf("relay: no dead events with ids %s (%s %d)", strings.Join(s, ", "), e.did, e.Done)
 }
 
 // Status is what operators check: backlog, age, dead letters, relays.

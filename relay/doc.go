@@ -27,12 +27,12 @@
 // ErrTopicForbidden, ErrRecordInvalid or ErrUnknownTopic. Too large and
 // invalid records are published alone first (a broker fails whole batches),
 // an unknown topic is retried for Config.UnknownTopicGrace, and then the
-// event moves to outbox_dead with the error (ListDead, ReplayDead). Every
+// event moves to outbox_dead with the error (ListDead, ReplayDead, DiscardDead). Every
 // other error is passing: it is retried with backoff, forever.
 //
 // # Concurrency
 //
 // A Relay runs once (Run); New and InstanceID are safe for concurrent use.
-// ReadStatus, ListDead and ReplayDead take any Querier and may be called
+// ReadStatus, ListDead, ReplayDead and DiscardDead take any Querier and may be called
 // from anywhere.
 package relay

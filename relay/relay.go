@@ -14,6 +14,8 @@ import (
 	"github.com/cenkalti/backoff/v4"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceflow/onceflow/migrations"
 )
 
 // MessageIDHeader is the record header holding the event id (G4).
@@ -132,9 +134,8 @@ func (r *Relay) Run(ctx context.Context) error {
 }
 
 func (r *Relay) checkSchema(ctx context.Context) error {
-	table := pgx.Identifier{r.cfg.Schema, "outbox"}.Sanitize()
-	if _, err := r.pool.Exec(ctx, `SELECT 1 FROM `+table+` LIMIT 0`); err != nil {
-		return fmt.Errorf("relay: read %s (is the schema migrated? run `onceflow migrate up`): %w", table, err)
+	if err := migrations.Check(ctx, r.pool, r.cfg.Schema); err != nil {
+		return fmt.Errorf("relay: %w", err)
 	}
 	return nil
 }

@@ -82,7 +82,10 @@ func TestMigrateStatusDeadReplay(t *testing.T) {
 	if out, err = runCLI(t, append([]string{"status"}, common...)...); err != nil || !strings.Contains(out, "backlog:         1 events") || !strings.Contains(out, "dead letters:    0") {
 		t.Fatalf("status: %v\n%s", err, out)
 	}
-	if out, err = runCLI(t, append([]string{"migrate", "down", "--steps", "9"}, common...)...); err != nil || !strings.Contains(out, "reverted 0001") {
+	if out, err = runCLI(t, append([]string{"migrate", "down", "--steps", "9"}, common...)...); err == nil || !strings.Contains(err.Error(), "outbox (1 rows)") {
+		t.Fatalf("down with a pending event: %v\n%s", err, out)
+	}
+	if out, err = runCLI(t, append([]string{"migrate", "down", "--steps", "9", "--force"}, common...)...); err != nil || !strings.Contains(out, "reverted 0001") {
 		t.Fatalf("down: %v\n%s", err, out)
 	}
 }

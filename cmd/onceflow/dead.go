@@ -2,79 +2,194 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"flag"
 	"fmt"
 	"io"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/onceflow/onceflow/relay"
 )
 
+const deadUsage = `Usage: onceflow dead list|replay|discard [flags]
+
+  list      show events Kafka refused for good, oldest first
+  replay    move dead events back into the outbox (keeping their event id)
+  discard   delete dead events for good, printing each one
+
+Run 'onceflow dead list --help' (or replay, discard) for a subcommand's flags.
+`
+
 func runDead(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	sub, rest, err := subcommand(args, "list", "replay")
+	sub, rest, err := subcommand(args, "list", "replay", "discard")
 	if err == flag.ErrHelp {
-		fmt.Fprintln(stderr, "Usage: onceflow dead list|replay [flags]; see 'onceflow dead list --help'")
+		fmt.Fprint(stderr, deadUsage)
 		return err
 	}
 	if err != nil {
 		return err
 	}
 	var c common
-	summary := "List events Kafka refused for good, oldest first."
-	if sub == "replay" {
-		summary = "Move dead events back into the outbox (keeping their event id) for the relay to publish again."
-	}
-	fs := newFlagSet("dead "+sub, summary, stderr)
-	c.register(fs, false)
-	limit := fs.Int("limit", 100, "with list: how many to show")
-	ids := fs.String("ids", "", "with replay: comma-separated outbox_dead ids")
-	all := fs.Bool("all", false, "with replay: replay every dead event")
-	if err := c.parse(fs, rest, false); err != nil {
-		return err
-	}
-	var idList []int64
-	if sub == "replay" {
-		switch {
-		case *all && *ids != "":
-			return fmt.Errorf("%w: give --ids or --all, not both", errUsage)
-		case !*all && *ids == "":
-			return fmt.Errorf("%w: replay needs --ids or --all", errUsage)
+	switch sub {
+	case "list":
+		fs := newFlagSet("dead list", "List events Kafka refused for good, oldest first.", stderr)
+		c.register(fs, false)
+		limit := fs.Int("limit", 100, "how many to show")
+		asJSON := fs.Bool("json", false, "print a JSON array (key and value base64-encoded)")
+		if err := c.parse(fs, rest, false); err != nil {
+			return err
 		}
-		for _, s := range strings.Split(*ids, ",") {
-			if s = strings.TrimSpace(s); s == "" {
-				continue
-			}
-			id, err := strconv.ParseInt(s, 10, 64)
+		if *limit < 1 {
+			return fmt.Errorf("%w: --limit must be at least 1", errUsage)
+		}
+		return withPool(ctx, &c, func(q relay.Querier) error {
+			dead, err := relay.ListDead(ctx, q, c.schema, *limit)
 			if err != nil {
-				return fmt.Errorf("%w: --ids: %q is not a number", errUsage, s)
+				return err
 			}
-			idList = append(idList, id)
+			if *asJSON {
+				return printDeadJSON(stdout, dead)
+			}
+			if len(dead) == 0 {
+				fmt.Fprintln(stdout, "no dead events")
+			}
+			for _, d := range dead {
+				printDead(stdout, d, false)
+			}
+			return nil
+		})
+	case "replay":
+		fs := newFlagSet("dead replay", "Move dead events back into the outbox (keeping their event id) for the relay to publish again.\n"+
+			"If an id is not a dead event, nothing is replayed and the command fails naming it.", stderr)
+		c.register(fs, false)
+		ids := fs.String("ids", "", "comma-separated outbox_dead ids (see 'onceflow dead list')")
+		all := fs.Bool("all", false, "replay every dead event")
+		if err := c.parse(fs, rest, false); err != nil {
+			return err
 		}
+		idList, err := parseIDs(fs, *ids, *all)
+		if err != nil {
+			return err
+		}
+		return withPool(ctx, &c, func(q relay.Querier) error {
+			n, err := relay.ReplayDead(ctx, q, c.schema, idList)
+			if err != nil {
+				return err
+			}
+			fmt.Fprintf(stdout, "replayed %d dead events into the outbox\n", n)
+			return nil
+		})
+	default: // discard
+		fs := newFlagSet("dead discard", "Delete dead events for good: events that must never be sent. Each discarded\n"+
+			"event is printed in full (use --json to keep a copy). If an id is not a dead\nevent, nothing is discarded and the command fails naming it.", stderr)
+		c.register(fs, false)
+		ids := fs.String("ids", "", "comma-separated outbox_dead ids (required; see 'onceflow dead list')")
+		asJSON := fs.Bool("json", false, "print the discarded events as a JSON array (key and value base64-encoded)")
+		if err := c.parse(fs, rest, false); err != nil {
+			return err
+		}
+		idList, err := parseIDs(fs, *ids, false)
+		if err != nil {
+			return err
+		}
+		return withPool(ctx, &c, func(q relay.Querier) error {
+			gone, err := relay.DiscardDead(ctx, q, c.schema, idList)
+			if err != nil {
+				return err
+			}
+			if *asJSON {
+				return printDeadJSON(stdout, gone)
+			}
+			for _, d := range gone {
+				printDead(stdout, d, true)
+			}
+			fmt.Fprintf(stdout, "discarded %d dead events\n", len(gone))
+			return nil
+		})
 	}
+}
+
+// parseIDs reads --ids; with all (only allowed when the flag set has --all)
+// it returns nil, meaning every dead event. A blank list is an error: only
+// --all means all.
+func parseIDs(fs *flag.FlagSet, ids string, all bool) ([]int64, error) {
+	given := false
+	fs.Visit(func(f *flag.Flag) { given = given || f.Name == "ids" })
+	hasAll := fs.Lookup("all") != nil
+	switch {
+	case all && given:
+		return nil, fmt.Errorf("%w: give --ids or --all, not both", errUsage)
+	case all:
+		return nil, nil
+	case !given && hasAll:
+		return nil, fmt.Errorf("%w: give --ids (comma-separated dead event ids) or --all", errUsage)
+	case !given:
+		return nil, fmt.Errorf("%w: --ids is required (comma-separated dead event ids)", errUsage)
+	}
+	var out []int64
+	for _, s := range strings.Split(ids, ",") {
+		if s = strings.TrimSpace(s); s == "" {
+			continue
+		}
+		id, err := strconv.ParseInt(s, 10, 64)
+		if err != nil || id < 1 {
+			return nil, fmt.Errorf("%w: --ids: %q is not a dead event id", errUsage, s)
+		}
+		out = append(out, id)
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("%w: --ids %q names no id", errUsage, ids)
+	}
+	return out, nil
+}
+
+func printDead(w io.Writer, d relay.DeadEvent, full bool) {
+	fmt.Fprintf(w, "%d  event %s  topic %s  key %q  %d bytes  attempts %d  dead %s\n    error: %s\n",
+		d.ID, d.EventID, d.Topic, d.Key, len(d.Value), d.Attempts, d.DeadAt.Format(time.RFC3339), d.Error)
+	if full {
+		fmt.Fprintf(w, "    created: %s  outbox id %d\n", d.CreatedAt.Format(time.RFC3339Nano), d.OutboxID)
+		if len(d.Headers) > 0 {
+			h, _ := json.Marshal(d.Headers)
+			fmt.Fprintf(w, "    headers: %s\n", h)
+		}
+		fmt.Fprintf(w, "    value: %q\n", d.Value)
+	}
+}
+
+// deadJSON is a dead event as `dead list --json` and `dead discard --json`
+// print it.
+type deadJSON struct {
+	ID          int64             `json:"id"`
+	OutboxID    int64             `json:"outbox_id"`
+	EventID     string            `json:"event_id"`
+	Topic       string            `json:"topic"`
+	KeyBase64   []byte            `json:"key_base64"`
+	ValueBase64 []byte            `json:"value_base64"`
+	Headers     map[string]string `json:"headers"`
+	CreatedAt   time.Time         `json:"created_at"`
+	Error       string            `json:"error"`
+	Attempts    int               `json:"attempts"`
+	DeadAt      time.Time         `json:"dead_at"`
+}
+
+func printDeadJSON(w io.Writer, dead []relay.DeadEvent) error {
+	out := make([]deadJSON, len(dead))
+	for i, d := range dead {
+		out[i] = deadJSON{d.ID, d.OutboxID, d.EventID, d.Topic, d.Key, d.Value, d.Headers, d.CreatedAt, d.Error, d.Attempts, d.DeadAt}
+	}
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(out)
+}
+
+// withPool connects, runs fn and closes the pool.
+func withPool(ctx context.Context, c *common, fn func(relay.Querier) error) error {
 	pool, err := c.connect(ctx)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	if sub == "list" {
-		dead, err := relay.ListDead(ctx, pool, c.schema, *limit)
-		if err != nil {
-			return err
-		}
-		if len(dead) == 0 {
-			fmt.Fprintln(stdout, "no dead events")
-		}
-		for _, d := range dead {
-			fmt.Fprintf(stdout, "%d  event %s  topic %s  key %q  %d bytes  attempts %d  dead %s\n    error: %s\n",
-				d.ID, d.EventID, d.Topic, d.Key, len(d.Value), d.Attempts, d.DeadAt.Format("2006-01-02 15:04:05Z07:00"), d.Error)
-		}
-		return nil
-	}
-	n, err := relay.ReplayDead(ctx, pool, c.schema, idList)
-	if err != nil {
-		return err
-	}
-	fmt.Fprintf(stdout, "replayed %d dead events into the outbox\n", n)
-	return nil
+	return fn(pool)
 }

@@ -9,25 +9,56 @@ import (
 	"github.com/onceflow/onceflow/migrations"
 )
 
+const migrateUsage = `Usage: onceflow migrate up|down|status|print [flags]
+
+  up       apply every pending migration
+  down     revert the newest applied migration(s)
+  status   list migrations and when each was applied
+  print    print the migrations as SQL for your own migration tool
+
+Run 'onceflow migrate up --help' (or down, status, print) for a subcommand's flags.
+`
+
 func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	sub, rest, err := subcommand(args, "up", "down", "status")
+	sub, rest, err := subcommand(args, "up", "down", "status", "print")
 	if err == flag.ErrHelp {
-		fmt.Fprintln(stderr, "Usage: onceflow migrate up|down|status [flags]; see 'onceflow migrate up --help'")
+		fmt.Fprint(stderr, migrateUsage)
 		return err
 	}
 	if err != nil {
 		return err
 	}
+	if sub == "print" {
+		return runMigratePrint(rest, stdout, stderr)
+	}
 	var c common
-	fs := newFlagSet("migrate "+sub, map[string]string{
-		"up":     "Apply every pending migration (idempotent; safe when several processes run it at once).",
-		"down":   "Revert the newest applied migration(s).",
-		"status": "List migrations and when each was applied.",
-	}[sub], stderr)
-	c.register(fs, false)
-	steps := fs.Int("steps", 1, "with down: how many migrations to revert")
-	if err := c.parse(fs, rest, false); err != nil {
-		return err
+	var steps *int
+	var force *bool
+	switch sub {
+	case "up":
+		fs := newFlagSet("migrate up", "Apply every pending migration (idempotent; safe when several processes run it at once).", stderr)
+		c.register(fs, false)
+		if err := c.parse(fs, rest, false); err != nil {
+			return err
+		}
+	case "down":
+		fs := newFlagSet("migrate down", "Revert the newest applied migration(s). Refuses, reverting nothing, when a table it\n"+
+			"would drop holds rows (outbox, outbox_dead, processed_messages, idempotency_keys)\nunless --force. A schema that was never migrated is left alone.", stderr)
+		c.register(fs, false)
+		steps = fs.Int("steps", 1, "how many migrations to revert")
+		force = fs.Bool("force", false, "drop tables even when they hold pending events, dead letters, dedup records or idempotency keys")
+		if err := c.parse(fs, rest, false); err != nil {
+			return err
+		}
+		if *steps < 1 {
+			return fmt.Errorf("%w: --steps must be at least 1", errUsage)
+		}
+	case "status":
+		fs := newFlagSet("migrate status", "List migrations and when each was applied.", stderr)
+		c.register(fs, false)
+		if err := c.parse(fs, rest, false); err != nil {
+			return err
+		}
 	}
 	pool, err := c.connect(ctx)
 	if err != nil {
@@ -47,10 +78,11 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 			fmt.Fprintf(stdout, "applied %04d to schema %s\n", v, c.schema)
 		}
 	case "down":
-		if *steps < 1 {
-			return fmt.Errorf("%w: --steps must be at least 1", errUsage)
+		down := migrations.Down
+		if *force {
+			down = migrations.DownForce
 		}
-		reverted, err := migrations.Down(ctx, pool, c.schema, *steps)
+		reverted, err := down(ctx, pool, c.schema, *steps)
 		if err != nil {
 			return err
 		}
@@ -74,4 +106,44 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		}
 	}
 	return nil
+}
+
+const migratePrintSummary = `Print onceflow's migrations as SQL for teams that run their own migration tool
+(goose, Flyway, Atlas, psql …). Each step creates what it needs in the schema
+and records its version in <schema>.schema_migrations, so 'onceflow migrate up'
+later finds nothing to do and the relay's schema check passes. Needs no database.
+
+  onceflow migrate print > onceflow.sql                  every migration, one script
+  onceflow migrate print --version 2 > 0002.up.sql       one step, for one file per version
+  onceflow migrate print --version 2 --down              that step's revert`
+
+func runMigratePrint(args []string, stdout, stderr io.Writer) error {
+	fs := newFlagSet("migrate print", migratePrintSummary, stderr)
+	schema := fs.String("schema", env("ONCEFLOW_SCHEMA", migrations.DefaultSchema), "schema the SQL targets (env ONCEFLOW_SCHEMA)")
+	version := fs.Int("version", 0, fmt.Sprintf("print only this migration (1 to %d); default all", migrations.Latest()))
+	down := fs.Bool("down", false, "print the revert of --version instead")
+	if err := fs.Parse(args); err != nil {
+		if err == flag.ErrHelp {
+			return err
+		}
+		return fmt.Errorf("%w: %v", errUsage, err)
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("%w: unexpected argument %q", errUsage, fs.Arg(0))
+	}
+	if *version < 0 || *version > migrations.Latest() {
+		return fmt.Errorf("%w: --version: no migration %d (1 to %d)", errUsage, *version, migrations.Latest())
+	}
+	if *down && *version == 0 {
+		return fmt.Errorf("%w: --down needs --version", errUsage)
+	}
+	if err := migrations.ValidateSchema(*schema); err != nil {
+		return fmt.Errorf("%w: --schema: %v", errUsage, err)
+	}
+	sql, err := migrations.Script(*schema, *version, *down)
+	if err != nil {
+		return err
+	}
+	_, err = io.WriteString(stdout, sql)
+	return err
 }

@@ -1,0 +1,101 @@
+package migrations_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/internal/pgtest"
+	"github.com/onceflow/onceflow/migrations"
+)
+
+func schemaExists(t *testing.T, schema string) bool {
+	t.Helper()
+	var ok bool
+	if err := pgtest.Pool(t).QueryRow(context.Background(), `SELECT to_regnamespace($1) IS NOT NULL`, pgx.Identifier{schema}.Sanitize()).Scan(&ok); err != nil {
+		t.Fatal(err)
+	}
+	return ok
+}
+
+// Down refuses to drop a table that holds events, dead letters, dedup
+// records or idempotency keys; DownForce drops them.
+func TestDownRefusesToDropTablesHoldingRows(t *testing.T) {
+	t.Parallel()
+	cases := map[string]string{
+		"outbox":             `INSERT INTO outbox (topic, value) VALUES ('t', 'pending')`,
+		"outbox_dead":        `INSERT INTO outbox_dead (outbox_id, event_id, topic, created_at, error, attempts) VALUES (1, gen_random_uuid(), 't', now(), 'refused', 1)`,
+		"processed_messages": `INSERT INTO processed_messages (consumer, message_id) VALUES ('c', 'm')`,
+	}
+	for table, insert := range cases {
+		t.Run(table, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			pool := pgtest.Pool(t)
+			schema := pgtest.Schema(t)
+			if _, err := pool.Exec(ctx, `SET search_path TO `+pgx.Identifier{schema}.Sanitize()+`; `+insert); err != nil {
+				t.Fatal(err)
+			}
+			all, _ := migrations.All()
+			reverted, err := migrations.Down(ctx, pool, schema, len(all))
+			var lossErr *migrations.DataLossError
+			if !errors.As(err, &lossErr) || len(reverted) != 0 {
+				t.Fatalf("Down: reverted %v, err %v; want a DataLossError and nothing reverted", reverted, err)
+			}
+			if !strings.Contains(err.Error(), table) {
+				t.Errorf("error %q does not name %s", err, table)
+			}
+			if !tableExists(t, schema, table) || !tableExists(t, schema, "idempotency_keys") {
+				t.Fatal("a refused Down dropped tables")
+			}
+			if reverted, err = migrations.DownForce(ctx, pool, schema, len(all)); err != nil || len(reverted) != len(all) {
+				t.Fatalf("DownForce: reverted %v, err %v", reverted, err)
+			}
+			if tableExists(t, schema, table) {
+				t.Fatalf("%s still exists after DownForce", table)
+			}
+		})
+	}
+}
+
+// Down of a step that drops only empty tables needs no force.
+func TestDownOfEmptyTablesNeedsNoForce(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t)
+	schema := pgtest.Schema(t)
+	// relay_shards always holds its 256 rows: it is not user data.
+	all, _ := migrations.All()
+	if reverted, err := migrations.Down(ctx, pool, schema, len(all)); err != nil || len(reverted) != len(all) {
+		t.Fatalf("Down: reverted %v, err %v", reverted, err)
+	}
+}
+
+// Down on a schema that was never migrated reverts nothing and creates
+// nothing: not the schema, not the version table.
+func TestDownOnAMissingSchemaCreatesNothing(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t)
+	schema := pgtest.EmptySchema(t)
+	for _, down := range []func(context.Context, migrations.Beginner, string, int) ([]int, error){migrations.Down, migrations.DownForce} {
+		if reverted, err := down(ctx, pool, schema, 1); err != nil || len(reverted) != 0 {
+			t.Fatalf("Down: reverted %v, err %v", reverted, err)
+		}
+		if schemaExists(t, schema) {
+			t.Fatal("Down created the schema")
+		}
+	}
+	if _, err := pool.Exec(ctx, `CREATE SCHEMA `+pgx.Identifier{schema}.Sanitize()); err != nil {
+		t.Fatal(err)
+	}
+	if reverted, err := migrations.Down(ctx, pool, schema, 1); err != nil || len(reverted) != 0 {
+		t.Fatalf("Down on an empty schema: reverted %v, err %v", reverted, err)
+	}
+	if tableExists(t, schema, "schema_migrations") {
+		t.Fatal("Down created the version table")
+	}
+}

@@ -1,0 +1,148 @@
+package migrations
+
+import (
+	"context"
+	"fmt"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Latest returns the newest migration's version: what this build of onceflow
+// needs applied.
+func Latest() int {
+	all, err := All()
+	if err != nil || len(all) == 0 {
+		return 0 // malformed embedded files: All fails in every test
+	}
+	return all[len(all)-1].Version
+}
+
+// Script returns SQL text that applies the migrations to schema the way Up
+// does, for teams that run their own migration tool: it creates the schema
+// and the version table if missing, sets search_path, runs each migration
+// and records it in schema_migrations, so `onceflow migrate up` and the
+// relay's schema check see it. It takes no lock: apply it from one place.
+//
+// version 0 means every migration, in order, as one script; otherwise only
+// that version's step. With down, the step's revert (which unrecords it);
+// down needs a version.
+func Script(schema string, version int, down bool) (string, error) {
+	if err := ValidateSchema(schema); err != nil {
+		return "", fmt.Errorf("migrations: %w", err)
+	}
+	all, err := All()
+	if err != nil {
+		return "", err
+	}
+	var steps []Migration
+	for _, m := range all {
+		if version == 0 || m.Version == version {
+			steps = append(steps, m)
+		}
+	}
+	switch {
+	case version != 0 && len(steps) == 0:
+		return "", fmt.Errorf("migrations: no migration %d (the latest is %d)", version, Latest())
+	case down && version == 0:
+		return "", fmt.Errorf("migrations: a down script needs a version")
+	}
+	ident := pgx.Identifier{schema}.Sanitize()
+	var b strings.Builder
+	direction := "up"
+	if down {
+		direction = "down"
+	}
+	fmt.Fprintf(&b, "-- onceflow schema migrations (%s) for schema %s, printed by `onceflow migrate print`.\n", direction, ident)
+	b.WriteString("-- Each step records itself in schema_migrations, which `onceflow migrate up` and the relay read.\n")
+	if !down {
+		fmt.Fprintf(&b, "CREATE SCHEMA IF NOT EXISTS %s;\n", ident)
+	}
+	// public stays on the path for gen_random_uuid and extensions.
+	fmt.Fprintf(&b, "SET search_path TO %s, public;\n", ident)
+	if !down {
+		b.WriteString(versionTableSQL + ";\n")
+	}
+	for _, m := range steps {
+		fmt.Fprintf(&b, "\n-- %04d_%s.%s.sql\n", m.Version, m.Name, direction)
+		if down {
+			b.WriteString(strings.TrimRight(m.Down, "\n") + "\n")
+			fmt.Fprintf(&b, "DELETE FROM schema_migrations WHERE version = %d;\n", m.Version)
+		} else {
+			b.WriteString(strings.TrimRight(m.Up, "\n") + "\n")
+			fmt.Fprintf(&b, "INSERT INTO schema_migrations (version, name) VALUES (%d, '%s');\n", m.Version, strings.ReplaceAll(m.Name, "'", "''"))
+		}
+	}
+	b.WriteString("\nRESET search_path;\n")
+	return b.String(), nil
+}
+
+// Querier is satisfied by *pgxpool.Pool, *pgx.Conn and pgx.Tx.
+type Querier interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// MissingError is Check's answer when a migration this build needs is not
+// recorded as applied.
+type MissingError struct {
+	Schema string
+	// Missing lists the migrations not recorded, in version order.
+	Missing []Migration
+	// NoVersionTable is set when schema_migrations does not exist; Tables
+	// then says whether onceflow's outbox table does (files applied by hand).
+	NoVersionTable, Tables bool
+}
+
+func (e *MissingError) Error() string {
+	names := make([]string, len(e.Missing))
+	for i, m := range e.Missing {
+		names[i] = fmt.Sprintf("%04d_%s", m.Version, m.Name)
+	}
+	ident := pgx.Identifier{e.Schema}.Sanitize()
+	if e.NoVersionTable && e.Tables {
+		return fmt.Sprintf("migrations: schema %s has onceflow's tables but no schema_migrations table (applied from the files by another tool?), "+
+			"so none of %s is recorded: apply `onceflow migrate print` output, which records each version, or use `onceflow migrate up`",
+			ident, strings.Join(names, ", "))
+	}
+	return fmt.Sprintf("migrations: schema %s lacks %s: run `onceflow migrate up` (or apply `onceflow migrate print --version N` with your own tool)",
+		ident, strings.Join(names, ", "))
+}
+
+// Check reports, as a *MissingError, every migration up to Latest that is
+// not recorded in schema's version table. Versions newer than this build
+// knows are fine (a newer onceflow migrated first). It only reads.
+func Check(ctx context.Context, db Querier, schema string) error {
+	if err := ValidateSchema(schema); err != nil {
+		return fmt.Errorf("migrations: %w", err)
+	}
+	all, err := All()
+	if err != nil {
+		return err
+	}
+	var hasVersions, hasOutbox bool
+	err = db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL`,
+		pgx.Identifier{schema, "schema_migrations"}.Sanitize(), pgx.Identifier{schema, "outbox"}.Sanitize()).Scan(&hasVersions, &hasOutbox)
+	if err != nil {
+		return fmt.Errorf("migrations: check schema %s: %w", schema, err)
+	}
+	applied := map[int]bool{}
+	if hasVersions {
+		var versions []int32
+		if err := db.QueryRow(ctx, `SELECT coalesce(array_agg(version), '{}') FROM `+pgx.Identifier{schema, "schema_migrations"}.Sanitize()).Scan(&versions); err != nil {
+			return fmt.Errorf("migrations: read versions of schema %s: %w", schema, err)
+		}
+		for _, v := range versions {
+			applied[int(v)] = true
+		}
+	}
+	missing := &MissingError{Schema: schema, NoVersionTable: !hasVersions, Tables: hasOutbox}
+	for _, m := range all {
+		if !applied[m.Version] {
+			missing.Missing = append(missing.Missing, m)
+		}
+	}
+	if len(missing.Missing) > 0 {
+		return missing
+	}
+	return nil
+}
