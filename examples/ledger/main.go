@@ -20,6 +20,7 @@ import (
 	"os/signal"
 	"strings"
 	"syscall"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -49,6 +50,7 @@ func run(ctx context.Context, args []string, log *slog.Logger) error {
 	schema := fs.String("schema", envOr("ONCEFLOW_SCHEMA", migrations.DefaultSchema), "schema holding onceflow's tables (env ONCEFLOW_SCHEMA)")
 	topic := fs.String("topic", "payments", "topic to consume")
 	group := fs.String("group", "ledger", "consumer group, also the name payments are deduplicated under")
+	window := fs.Duration("dedup-window", 7*24*time.Hour, "keep dedup records this long; must exceed the topic's retention")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -81,7 +83,18 @@ func run(ctx context.Context, args []string, log *slog.Logger) error {
 	if err != nil {
 		return err
 	}
-	log.Info("ledger: consuming", "topic", *topic, "group", *group)
+	// The janitor deletes dedup records older than the window, so
+	// processed_messages does not grow forever. Every worker may run one.
+	janitor, err := consumer.NewJanitor(pool, &consumer.JanitorConfig{Schema: *schema, Window: *window, Logger: log})
+	if err != nil {
+		return err
+	}
+	janitorDone := make(chan struct{})
+	janitorCtx, stopJanitor := context.WithCancel(ctx)
+	go func() { defer close(janitorDone); _ = janitor.Run(janitorCtx) }()
+	defer func() { stopJanitor(); <-janitorDone }()
+
+	log.Info("ledger: consuming", "topic", *topic, "group", *group, "dedup_window", window.String())
 	if err := c.Run(ctx); err != nil { // returns nil once ctx is canceled (SIGTERM, SIGINT)
 		return err
 	}

@@ -230,6 +230,44 @@ func TestLedgerTwoProcessesStartTogether(t *testing.T) {
 	b.Stop(t, 20*time.Second)
 }
 
+// The worker runs the consumer's janitor: dedup records older than the
+// window are deleted, newer ones kept.
+func TestLedgerRunsTheJanitor(t *testing.T) {
+	t.Parallel()
+	schema := pgtest.Schema(t)
+	f := &fixture{schema: schema, app: schema, url: exampletest.WithSearchPath(t, pgtest.URL(t), schema), kafka: kafkatest.New(t)}
+	f.topic = f.kafka.Topic(t, 1)
+	pool := pgtest.Pool(t)
+	table := pgx.Identifier{schema, "processed_messages"}.Sanitize()
+	if _, err := pool.Exec(context.Background(), `INSERT INTO `+table+` (consumer, message_id, processed_at) VALUES
+		('ledger', 'expired', now() - interval '8 days'),
+		('other', 'expired-too', now() - interval '30 days'),
+		('ledger', 'kept', now() - interval '6 days')`); err != nil {
+		t.Fatal(err)
+	}
+
+	p := f.start(t)
+	p.WaitOutput(t, consuming, 30*time.Second)
+	left := func() (ids []string) {
+		rows, err := pool.Query(context.Background(), `SELECT message_id FROM `+table+` ORDER BY message_id`)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids, err = pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ids
+	}
+	exampletest.Eventually(t, 30*time.Second, func() error {
+		if ids := left(); len(ids) != 1 || ids[0] != "kept" {
+			return fmt.Errorf("processed_messages holds %v, want only the record inside the window", ids)
+		}
+		return nil
+	})
+	p.Stop(t, 20*time.Second)
+}
+
 func header(r *kgo.Record, key string) string {
 	for _, h := range r.Headers {
 		if h.Key == key {
