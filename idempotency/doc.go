@@ -42,6 +42,10 @@
 // MaxResponseBytes of a response; in Transactional mode the rest waits in a
 // temporary file until the commit.
 //
+// Config.Hook is told each request's Outcome (claimed, replayed, conflict,
+// mismatch, not stored) with the request's context, so a tracing adapter can
+// record it on the request's span.
+//
 // The replay path costs one database round trip (one SELECT); a first
 // request costs five in Transactional mode (lookup, BEGIN, claim, store,
 // COMMIT) and two in Leased mode (claim, store), plus the handler's own.

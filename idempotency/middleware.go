@@ -120,6 +120,9 @@ type Config struct {
 	// text/plain answer with StatusCode(err) and err's message (500s say
 	// only "internal error").
 	ErrorHandler func(w http.ResponseWriter, r *http.Request, err error)
+	// Hook is told each request's Outcome (claimed, replayed, 409, 422), for
+	// example to record it on the request's trace span. Defaults to none.
+	Hook Hook
 	// Logger receives warnings (failed stores, lost leases). Defaults to
 	// discarding.
 	Logger *slog.Logger
@@ -304,7 +307,9 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 
 // replay answers from an existing record.
 func (m *Middleware) replay(w http.ResponseWriter, r *http.Request, rec *record, fp []byte) {
-	if err := rec.check(fp); err != nil {
+	err := rec.check(fp)
+	m.observe(r.Context(), outcomeOf(err), Key(r.Context()))
+	if err != nil {
 		m.fail(w, r, err)
 		return
 	}
@@ -343,6 +348,7 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 		m.replay(w, r, rec, c.fingerprint)
 		return
 	}
+	m.observe(ctx, OutcomeClaimed, c.key)
 	rw := newRecorder(w, m.cfg.MaxResponseBytes, false)
 	defer rw.close()
 	next.ServeHTTP(rw, r.WithContext(context.WithValue(ctx, txKey, tx))) // a panic rolls back in the deferred func
@@ -387,6 +393,7 @@ func (m *Middleware) serveLeased(w http.ResponseWriter, r *http.Request, next ht
 		m.replay(w, r, rec, c.fingerprint)
 		return
 	}
+	m.observe(ctx, OutcomeClaimed, c.key)
 	// From here the claim is committed: finish it (store or release) even if
 	// the client goes away.
 	bg := context.WithoutCancel(ctx)
