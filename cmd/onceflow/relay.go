@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -38,8 +39,17 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	poll := fs.Duration("poll-interval", envDuration("ONCEFLOW_POLL_INTERVAL", 500*time.Millisecond), "poll when no notification arrives (env ONCEFLOW_POLL_INTERVAL)")
 	lease := fs.Duration("lease-duration", envDuration("ONCEFLOW_LEASE_DURATION", 6*time.Second), "shard lease; a killed relay's shards move after about this (env ONCEFLOW_LEASE_DURATION)")
 	grace := fs.Duration("unknown-topic-grace", envDuration("ONCEFLOW_UNKNOWN_TOPIC_GRACE", time.Minute), "retry an unknown topic this long before dead-lettering (env ONCEFLOW_UNKNOWN_TOPIC_GRACE)")
+	var kf kafkaFlags
+	kf.register(fs)
 	if err := c.parse(fs, args, true); err != nil {
 		return err
+	}
+	if err := kf.check(); err != nil {
+		return fmt.Errorf("%w: %v", errUsage, err)
+	}
+	brokers, conn, err := kf.conn(c.brokerList())
+	if err != nil {
+		return fmt.Errorf("%w: %v", errUsage, err)
 	}
 	if *publisher != "franz-go" && *publisher != "kafka-go" {
 		return fmt.Errorf("%w: --publisher: %q is not franz-go or kafka-go", errUsage, *publisher)
@@ -54,9 +64,9 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 
 	var pub relay.Publisher
 	if *publisher == "kafka-go" {
-		pub, err = kafkagopublisher.New(c.brokerList(), nil)
+		pub, err = kafkagopublisher.New(brokers, &kafkagopublisher.Config{Conn: conn, Compression: kf.compression, BatchBytes: int64(kf.maxRecordBytes), BatchTimeout: kf.linger})
 	} else {
-		pub, err = kgopublisher.New(c.brokerList(), nil)
+		pub, err = kgopublisher.New(brokers, &kgopublisher.Config{Conn: conn, Compression: kf.compression, MaxRecordBytes: int32(kf.maxRecordBytes), Linger: kf.linger})
 	}
 	if err != nil {
 		return err
@@ -105,6 +115,6 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 		defer srv.Close()
 		log.Info("serving /metrics and /healthz", "addr", ln.Addr().String())
 	}
-	log.Info("relay starting", "instance", r.InstanceID(), "publisher", *publisher, "brokers", c.brokers, "schema", c.schema, "pid", os.Getpid())
+	log.Info("relay starting", "instance", r.InstanceID(), "publisher", *publisher, "brokers", strings.Join(brokers, ","), "kafka", conn.String(), "schema", c.schema, "pid", os.Getpid())
 	return r.Run(ctx)
 }

@@ -11,6 +11,8 @@ import (
 	"github.com/segmentio/kafka-go"
 
 	"github.com/onceflow/onceflow/consumer"
+	"github.com/onceflow/onceflow/internal/kafkagoconn"
+	"github.com/onceflow/onceflow/kafkaconn"
 )
 
 // Config configures a Consumer. Reader.Brokers and the topics are required.
@@ -23,6 +25,11 @@ type Config struct {
 	// Reader; see the package doc. Other zero fields keep kafka-go's
 	// defaults.
 	Reader kafka.ReaderConfig
+	// Conn is how to reach the brokers: client id, TLS, SASL. It becomes
+	// Reader.Dialer and the default dead-letter Writer's transport. Set
+	// Conn or Reader.Dialer, not both. Defaults to plaintext without
+	// authentication.
+	Conn kafkaconn.Config
 	// CommitInterval is how often offsets of finished messages are
 	// committed; they are also committed at shutdown. Defaults to 1s.
 	CommitInterval time.Duration
@@ -99,6 +106,19 @@ func New(p *consumer.Processor, cfg *Config) (*Consumer, error) {
 	case c.DeadLetterWriter != nil && c.DeadLetterWriter.Topic != "":
 		return nil, errors.New("kafkagoconsumer: Config.DeadLetterWriter.Topic must be empty")
 	}
+	if err := kafkaconn.CheckBrokers(c.Reader.Brokers); err != nil {
+		return nil, fmt.Errorf("kafkagoconsumer: Config.Reader.Brokers: %w", err)
+	}
+	if c.Conn != (kafkaconn.Config{}) {
+		if c.Reader.Dialer != nil {
+			return nil, errors.New("kafkagoconsumer: Config.Conn and Config.Reader.Dialer are both set; set one")
+		}
+		d, err := kafkagoconn.Dialer(c.Conn)
+		if err != nil {
+			return nil, fmt.Errorf("kafkagoconsumer: Config.Conn.%w", err)
+		}
+		c.Reader.Dialer = d
+	}
 	if err := c.Reader.Validate(); err != nil {
 		return nil, fmt.Errorf("kafkagoconsumer: Config.Reader: %w", err)
 	}
@@ -110,6 +130,7 @@ func New(p *consumer.Processor, cfg *Config) (*Consumer, error) {
 		if c.Reader.Dialer != nil {
 			out.ownTransport.TLS = c.Reader.Dialer.TLS
 			out.ownTransport.SASL = c.Reader.Dialer.SASLMechanism
+			out.ownTransport.ClientID = c.Reader.Dialer.ClientID
 		}
 		out.writer = &kafka.Writer{
 			Addr:         kafka.TCP(c.Reader.Brokers...),

@@ -11,6 +11,8 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/onceflow/onceflow/consumer"
+	"github.com/onceflow/onceflow/internal/kgoconn"
+	"github.com/onceflow/onceflow/kafkaconn"
 )
 
 // Config configures a Consumer. Brokers and Topics are required.
@@ -21,6 +23,9 @@ type Config struct {
 	Topics []string
 	// Group is the Kafka consumer group. Defaults to the Processor's name.
 	Group string
+	// Conn is how to reach the brokers: client id, TLS, SASL (ClientOpts
+	// apply after it). Defaults to plaintext without authentication.
+	Conn kafkaconn.Config
 	// ClientOpts are extra franz-go options: TLS, SASL, session and
 	// rebalance timeouts, balancers, the reset offset for a new group
 	// (franz-go's default is the start of each partition). Options the
@@ -50,6 +55,8 @@ type Consumer struct {
 	p   *consumer.Processor
 	cfg Config
 	log *slog.Logger
+	// connOpts are Config.Conn as kgo options.
+	connOpts []kgo.Opt
 
 	mu      sync.Mutex
 	parts   map[tp]*partition
@@ -104,7 +111,14 @@ func New(p *consumer.Processor, cfg *Config) (*Consumer, error) {
 	case c.MaxPollRecords < 1:
 		return nil, errors.New("kgoconsumer: Config.MaxPollRecords must be at least 1")
 	}
-	return &Consumer{p: p, cfg: c, log: c.Logger.With("consumer", p.Name(), "group", c.Group), parts: map[tp]*partition{}}, nil
+	if err := kafkaconn.CheckBrokers(c.Brokers); err != nil {
+		return nil, fmt.Errorf("kgoconsumer: Config.Brokers: %w", err)
+	}
+	connOpts, err := kgoconn.Opts(c.Conn)
+	if err != nil {
+		return nil, fmt.Errorf("kgoconsumer: Config.Conn.%w", err)
+	}
+	return &Consumer{p: p, cfg: c, connOpts: connOpts, log: c.Logger.With("consumer", p.Name(), "group", c.Group), parts: map[tp]*partition{}}, nil
 }
 
 // Run joins the group and processes messages until ctx is canceled, then
@@ -117,7 +131,8 @@ func (c *Consumer) Run(ctx context.Context) error {
 	c.procCtx = procCtx
 	c.mu.Unlock()
 
-	opts := append([]kgo.Opt{kgo.SeedBrokers(c.cfg.Brokers...)}, c.cfg.ClientOpts...)
+	opts := append([]kgo.Opt{kgo.SeedBrokers(c.cfg.Brokers...)}, c.connOpts...)
+	opts = append(opts, c.cfg.ClientOpts...)
 	opts = append(opts,
 		kgo.ConsumerGroup(c.cfg.Group),
 		kgo.ConsumeTopics(c.cfg.Topics...),

@@ -17,22 +17,32 @@ import (
 
 	"github.com/segmentio/kafka-go"
 
+	"github.com/onceflow/onceflow/internal/kafkagoconn"
+	"github.com/onceflow/onceflow/kafkaconn"
 	"github.com/onceflow/onceflow/relay"
 )
 
 // Config configures a Publisher. A nil *Config means all defaults.
 type Config struct {
-	// BatchTimeout is how long the writer waits to fill a batch.
-	// Defaults to 1ms.
+	// Conn is how to reach the brokers: client id, TLS, SASL. Defaults to
+	// plaintext without authentication. Set Conn or Transport, not both.
+	Conn kafkaconn.Config
+	// BatchTimeout is how long the writer waits to fill a batch (the
+	// linger). Defaults to 1ms.
 	BatchTimeout time.Duration
-	// BatchBytes is the largest request per partition; a record larger than
-	// it is refused as too large. Defaults to 1048576 (Kafka's default
-	// max.message.bytes).
+	// BatchBytes is the largest request per partition, so the largest
+	// record the client accepts: a larger record is refused before it is
+	// sent (relay.ErrRecordTooLarge, dead-lettered). Keep it at or below
+	// the topic's max.message.bytes. Defaults to 1048576.
 	BatchBytes int64
+	// Compression is the codec of produced batches: none, gzip, snappy,
+	// lz4 or zstd. Defaults to none (kafka-go's default).
+	Compression string
 	// MaxAttempts bounds kafka-go's own retries of one write; the relay
 	// retries after that. Defaults to 5.
 	MaxAttempts int
-	// Transport carries TLS/SASL settings. Defaults to kafka.DefaultTransport.
+	// Transport is a kafka-go transport of your own, for settings Conn does
+	// not cover. Defaults to one built from Conn.
 	Transport kafka.RoundTripper
 }
 
@@ -40,6 +50,9 @@ type Config struct {
 // relay goroutine at a time; Close is idempotent.
 type Publisher struct {
 	w *kafka.Writer
+	// own is the transport New built from Config.Conn, closed by Close;
+	// nil when the caller supplied Config.Transport.
+	own *kafka.Transport
 }
 
 var _ relay.Publisher = (*Publisher)(nil)
@@ -62,6 +75,34 @@ func New(brokers []string, cfg *Config) (*Publisher, error) {
 	if c.MaxAttempts == 0 {
 		c.MaxAttempts = 5
 	}
+	if err := kafkaconn.CheckBrokers(brokers); err != nil {
+		return nil, fmt.Errorf("kafkagopublisher: %w", err)
+	}
+	var codec kafka.Compression
+	switch c.Compression {
+	case "", "none":
+	case "gzip":
+		codec = kafka.Gzip
+	case "snappy":
+		codec = kafka.Snappy
+	case "lz4":
+		codec = kafka.Lz4
+	case "zstd":
+		codec = kafka.Zstd
+	default:
+		return nil, fmt.Errorf("kafkagopublisher: Config.Compression: %q is not none, gzip, snappy, lz4 or zstd", c.Compression)
+	}
+	if c.Transport != nil && (c.Conn != kafkaconn.Config{}) {
+		return nil, errors.New("kafkagopublisher: Config.Conn and Config.Transport are both set; set one")
+	}
+	var own *kafka.Transport
+	if c.Transport == nil {
+		t, err := kafkagoconn.Transport(c.Conn)
+		if err != nil {
+			return nil, fmt.Errorf("kafkagopublisher: Config.Conn.%w", err)
+		}
+		c.Transport, own = t, t
+	}
 	switch {
 	case c.BatchTimeout < 0:
 		return nil, fmt.Errorf("kafkagopublisher: Config.BatchTimeout must not be negative, got %s", c.BatchTimeout)
@@ -70,7 +111,7 @@ func New(brokers []string, cfg *Config) (*Publisher, error) {
 	case c.MaxAttempts < 1:
 		return nil, fmt.Errorf("kafkagopublisher: Config.MaxAttempts must be at least 1, got %d", c.MaxAttempts)
 	}
-	return &Publisher{w: &kafka.Writer{
+	return &Publisher{own: own, w: &kafka.Writer{
 		Addr:                   kafka.TCP(brokers...),
 		Balancer:               &kafka.Murmur2Balancer{},
 		RequiredAcks:           kafka.RequireAll,
@@ -79,6 +120,7 @@ func New(brokers []string, cfg *Config) (*Publisher, error) {
 		BatchBytes:             c.BatchBytes,
 		MaxAttempts:            c.MaxAttempts,
 		AllowAutoTopicCreation: false,
+		Compression:            codec,
 		Transport:              c.Transport,
 	}}, nil
 }
@@ -166,8 +208,15 @@ func toMessage(r relay.Record) kafka.Message {
 	return m
 }
 
-// Close flushes and closes the writer.
-func (p *Publisher) Close() error { return p.w.Close() }
+// Close flushes and closes the writer, and the connections of the
+// transport New built.
+func (p *Publisher) Close() error {
+	err := p.w.Close()
+	if p.own != nil {
+		p.own.CloseIdleConnections()
+	}
+	return err
+}
 
 func classify(err error) error {
 	switch {

@@ -14,15 +14,29 @@ import (
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/onceflow/onceflow/internal/kgoconn"
+	"github.com/onceflow/onceflow/kafkaconn"
 	"github.com/onceflow/onceflow/relay"
 )
 
 // Config configures a Publisher. A nil *Config means all defaults.
 type Config struct {
+	// Conn is how to reach the brokers: client id, TLS, SASL. Defaults to
+	// plaintext without authentication.
+	Conn kafkaconn.Config
 	// Linger is how long the client waits to fill a batch. Defaults to 0:
 	// the relay already hands over whole batches.
 	Linger time.Duration
-	// Opts are extra kgo options applied last (TLS, SASL, client id, …).
+	// Compression is the codec of produced batches: none, gzip, snappy,
+	// lz4 or zstd. Defaults to snappy (franz-go's default).
+	Compression string
+	// MaxRecordBytes is the largest record batch the client sends, so the
+	// largest record it accepts: a larger record is refused before it is
+	// sent (relay.ErrRecordTooLarge, dead-lettered). Keep it at or below
+	// the topic's max.message.bytes. Defaults to 1000012 (Kafka's default
+	// max.message.bytes).
+	MaxRecordBytes int32
+	// Opts are extra kgo options applied last.
 	// Options that break the relay's guarantees (kgo.DisableIdempotentWrite,
 	// acks below all) are the caller's responsibility. Defaults to none.
 	Opts []kgo.Opt
@@ -47,17 +61,40 @@ func New(brokers []string, cfg *Config) (*Publisher, error) {
 	if cfg != nil {
 		c = *cfg
 	}
+	if c.Compression == "" {
+		c.Compression = "snappy"
+	}
+	if c.MaxRecordBytes == 0 {
+		c.MaxRecordBytes = 1000012
+	}
+	if err := kafkaconn.CheckBrokers(brokers); err != nil {
+		return nil, fmt.Errorf("kgopublisher: %w", err)
+	}
 	if c.Linger < 0 {
 		return nil, fmt.Errorf("kgopublisher: Config.Linger must not be negative, got %s", c.Linger)
 	}
+	if c.MaxRecordBytes < 1024 {
+		return nil, fmt.Errorf("kgopublisher: Config.MaxRecordBytes must be at least 1024, got %d", c.MaxRecordBytes)
+	}
+	codec, err := codec(c.Compression)
+	if err != nil {
+		return nil, err
+	}
+	connOpts, err := kgoconn.Opts(c.Conn)
+	if err != nil {
+		return nil, fmt.Errorf("kgopublisher: Config.Conn.%w", err)
+	}
 	opts := []kgo.Opt{
 		kgo.SeedBrokers(brokers...),
+		kgo.ProducerBatchCompression(codec),
+		kgo.ProducerBatchMaxBytes(c.MaxRecordBytes),
 		kgo.RequiredAcks(kgo.AllISRAcks()),
 		kgo.ProducerLinger(c.Linger),
 		// Unknown topics fail fast; the relay applies its own grace period.
 		kgo.UnknownTopicRetries(2),
 		kgo.RecordPartitioner(kgo.StickyKeyPartitioner(nil)),
 	}
+	opts = append(opts, connOpts...)
 	cl, err := kgo.NewClient(append(opts, c.Opts...)...)
 	if err != nil {
 		return nil, fmt.Errorf("kgopublisher: %w", err)
@@ -136,6 +173,23 @@ func (p *Publisher) Close() error {
 		}
 	})
 	return nil
+}
+
+func codec(name string) (kgo.CompressionCodec, error) {
+	switch name {
+	case "none":
+		return kgo.NoCompression(), nil
+	case "gzip":
+		return kgo.GzipCompression(), nil
+	case "snappy":
+		return kgo.SnappyCompression(), nil
+	case "lz4":
+		return kgo.Lz4Compression(), nil
+	case "zstd":
+		return kgo.ZstdCompression(), nil
+	default:
+		return kgo.CompressionCodec{}, fmt.Errorf("kgopublisher: Config.Compression: %q is not none, gzip, snappy, lz4 or zstd", name)
+	}
 }
 
 func classify(err error) error {

@@ -1,0 +1,171 @@
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/onceflow/onceflow/internal/kgoconn"
+	"github.com/onceflow/onceflow/internal/pgtest"
+	"github.com/onceflow/onceflow/internal/tlstest"
+	"github.com/onceflow/onceflow/kafkaconn"
+	"github.com/onceflow/onceflow/outbox"
+)
+
+func randomTopic() string {
+	b := make([]byte, 4)
+	_, _ = rand.Read(b)
+	return "t-" + hex.EncodeToString(b)
+}
+
+// readSecured reads want records of topic through conn.
+func readSecured(t *testing.T, brokers []string, conn kafkaconn.Config, topic string, want int) []*kgo.Record {
+	t.Helper()
+	opts, err := kgoconn.Opts(conn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cl, err := kgo.NewClient(append(opts, kgo.SeedBrokers(brokers...), kgo.ConsumeTopics(topic), kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	var out []*kgo.Record
+	for len(out) < want && ctx.Err() == nil {
+		out = append(out, cl.PollFetches(ctx).Records()...)
+	}
+	return out
+}
+
+// TestRelayPublishesToASASLSSLCluster runs the relay binary against a
+// SASL_SSL listener (kfake: TLS with a private CA, SCRAM-SHA-512) with the
+// --kafka-* flags, the password from the environment or a file, and both
+// publishers; the events arrive, and the password is never printed.
+func TestRelayPublishesToASASLSSLCluster(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the binary; skipped with -short")
+	}
+	bin := buildBinary(t)
+	const password = "pa55-w0rd-never-logged"
+	for _, publisher := range []string{"franz-go", "kafka-go"} {
+		t.Run(publisher, func(t *testing.T) {
+			t.Parallel()
+			pki := tlstest.New(t)
+			topic := randomTopic()
+			c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.TLS(pki.ServerConfig(false)), kfake.EnableSASL(),
+				kfake.Superuser("SCRAM-SHA-512", "relay", password), kfake.SeedTopics(2, topic))
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(c.Close)
+			var brokers []string
+			for _, a := range c.ListenAddrs() {
+				brokers = append(brokers, "SASL_SSL://"+a)
+			}
+			schema := pgtest.Schema(t)
+			env := []string{
+				"ONCEFLOW_DATABASE_URL=" + pgtest.URL(t),
+				"ONCEFLOW_SCHEMA=" + schema,
+				"ONCEFLOW_BROKERS=" + strings.Join(brokers, ","),
+				"ONCEFLOW_KAFKA_TLS_CA_FILE=" + pki.CAFile,
+				"ONCEFLOW_KAFKA_SASL_MECHANISM=scram-sha-512",
+			}
+			args := []string{"--publisher", publisher, "--log-level", "debug", "--kafka-sasl-username", "relay"}
+			if publisher == "kafka-go" {
+				file := filepath.Join(t.TempDir(), "password")
+				if err := os.WriteFile(file, []byte(password+"\n"), 0o600); err != nil {
+					t.Fatal(err)
+				}
+				args = append(args, "--kafka-sasl-password-file", file)
+			} else {
+				env = append(env, "ONCEFLOW_KAFKA_SASL_PASSWORD="+password)
+			}
+			p := startRelayProc(t, bin, env, args...)
+			waitUntil(t, "the relay to start", 30*time.Second, relayStarted(p))
+			w, _ := outbox.NewWriter(&outbox.Config{Schema: schema})
+			var msgs []outbox.Message
+			for i := range 20 {
+				msgs = append(msgs, outbox.Message{Topic: topic, Key: []byte(fmt.Sprint(i % 3)), Value: []byte("v")})
+			}
+			ctx := context.Background()
+			if err := pgx.BeginFunc(ctx, pgtest.Pool(t), func(tx pgx.Tx) error { return w.Write(ctx, tx, msgs...) }); err != nil {
+				t.Fatal(err)
+			}
+			waitUntil(t, "the outbox to drain", 60*time.Second, func() bool { return count(t, schema, "outbox") == 0 })
+			conn := kafkaconn.Config{TLS: &kafkaconn.TLS{CAFile: pki.CAFile}, SASL: &kafkaconn.SASL{Mechanism: kafkaconn.ScramSHA512, Username: "relay", Password: password}}
+			if got := readSecured(t, c.ListenAddrs(), conn, topic, 20); len(got) < 20 {
+				t.Fatalf("read %d records, want 20", len(got))
+			}
+			_ = p.Signal(syscall.SIGTERM)
+			if err, exited := p.Wait(30 * time.Second); !exited || err != nil {
+				t.Fatalf("after SIGTERM: exited %v, err %v", exited, err)
+			}
+			out := p.Output()
+			if strings.Contains(out, password) {
+				t.Fatalf("the relay printed the password:\n%s", out)
+			}
+			if !strings.Contains(out, "sasl=SCRAM-SHA-512") || !strings.Contains(out, "user=relay") {
+				t.Errorf("start line does not say how it connects:\n%s", out)
+			}
+		})
+	}
+}
+
+// TestKafkaFlagsRefuseWhatTheyCannotHonour: a listener prefix is understood
+// or refused, never accepted and ignored; a SASL setting without its
+// mechanism, a missing password, or a TLS file that does not exist are
+// usage errors naming the flag.
+func TestKafkaFlagsRefuseWhatTheyCannotHonour(t *testing.T) {
+	for _, v := range []string{"ONCEFLOW_BROKERS", "ONCEFLOW_KAFKA_SASL_PASSWORD", "ONCEFLOW_KAFKA_SASL_MECHANISM", "ONCEFLOW_KAFKA_TLS"} {
+		t.Setenv(v, "")
+		os.Unsetenv(v)
+	}
+	url := pgtest.URL(t)
+	relay := func(args ...string) []string {
+		return append([]string{"relay", "--database-url", url}, args...)
+	}
+	cases := map[string]struct {
+		args []string
+		want string
+	}{
+		"sasl prefix, no mechanism": {relay("--brokers", "SASL_SSL://b:9096"), "--kafka-sasl-mechanism: required by SASL_SSL:// brokers"},
+		"unknown prefix":            {relay("--brokers", "HTTPS://b:9096"), `unknown listener prefix "HTTPS"`},
+		"mixed prefixes":            {relay("--brokers", "SSL://a:1,b:2"), "same listener prefix"},
+		"tls on plaintext listener": {relay("--brokers", "PLAINTEXT://a:1", "--kafka-tls"), "are not TLS"},
+		"sasl on ssl listener":      {relay("--brokers", "SSL://a:1", "--kafka-sasl-mechanism", "PLAIN", "--kafka-sasl-username", "u"), "have no SASL"},
+		"bad mechanism":             {relay("--brokers", "a:1", "--kafka-sasl-mechanism", "GSSAPI"), `--kafka-sasl-mechanism: "GSSAPI" is not one of`},
+		"no password":               {relay("--brokers", "a:1", "--kafka-sasl-mechanism", "SCRAM-SHA-512", "--kafka-sasl-username", "u"), "ONCEFLOW_KAFKA_SASL_PASSWORD (or --kafka-sasl-password-file): required"},
+		"no user":                   {relay("--brokers", "a:1", "--kafka-sasl-mechanism", "PLAIN", "--kafka-sasl-password-file", "/dev/null"), "is empty"},
+		"user without mechanism":    {relay("--brokers", "a:1", "--kafka-sasl-username", "u"), "--kafka-sasl-mechanism: required when"},
+		"missing ca file":           {relay("--brokers", "a:1", "--kafka-tls-ca-file", "/nonexistent.pem"), "--kafka-tls-ca-file: open /nonexistent.pem"},
+		"cert without key":          {relay("--brokers", "a:1", "--kafka-tls-cert-file", "/etc/hostname"), "--kafka-tls-key-file: required"},
+		"password file missing":     {relay("--brokers", "a:1", "--kafka-sasl-mechanism", "PLAIN", "--kafka-sasl-username", "u", "--kafka-sasl-password-file", "/nonexistent"), "--kafka-sasl-password-file: open"},
+		"no password flag":          {relay("--brokers", "a:1", "--kafka-sasl-password", "x"), "flag provided but not defined: -kafka-sasl-password"},
+		"bad compression":           {relay("--brokers", "a:1", "--compression", "brotli"), `--compression: "brotli"`},
+		"tiny max record bytes":     {relay("--brokers", "a:1", "--max-record-bytes", "10"), "--max-record-bytes: 10"},
+	}
+	for name, tc := range cases {
+		out, err := runCLI(t, tc.args...)
+		if !errors.Is(err, errUsage) || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: err = %v, want a usage error containing %q\n%s", name, err, tc.want, out)
+		}
+	}
+	t.Setenv("ONCEFLOW_KAFKA_SASL_PASSWORD", "from-env")
+	if _, err := runCLI(t, relay("--brokers", "a:1", "--kafka-sasl-mechanism", "PLAIN", "--kafka-sasl-username", "u", "--kafka-sasl-password-file", "/dev/null")...); err == nil || !strings.Contains(err.Error(), "give one") {
+		t.Errorf("password in env and file: %v", err)
+	}
+}

@@ -1,0 +1,237 @@
+package kafkaconn
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"strings"
+)
+
+// Config says how to reach the brokers. The zero Config is plaintext
+// without authentication. A Config is a value: copy it freely; it is safe
+// for concurrent use once built.
+type Config struct {
+	// ClientID names the client to the brokers (their logs, quotas and
+	// request metrics). Defaults to each client's own default ("kgo" for
+	// franz-go, "kafka-go" hostname-based for segmentio/kafka-go) unless the
+	// adapter documents another.
+	ClientID string
+	// TLS, when non-nil, encrypts every connection. &TLS{} verifies the
+	// brokers against the system's roots. Defaults to nil: plaintext.
+	TLS *TLS
+	// SASL, when non-nil, authenticates every connection. Use it over TLS
+	// except in tests: PLAIN sends the password as it is. Defaults to nil:
+	// no authentication.
+	SASL *SASL
+}
+
+// TLS configures encryption and, with a client certificate, mutual TLS.
+type TLS struct {
+	// CAFile is a PEM file of the certificate authorities that signed the
+	// brokers' certificates. Defaults to "": the system's roots.
+	CAFile string
+	// CertFile and KeyFile are a PEM client certificate and its key, for
+	// brokers that require mutual TLS (ssl.client.auth=required). Both or
+	// neither. Default to "": no client certificate.
+	CertFile string
+	KeyFile  string
+	// ServerName is the name the brokers' certificates must carry.
+	// Defaults to "": the host of the address dialed.
+	ServerName string
+	// InsecureSkipVerify accepts any certificate the brokers present. For
+	// tests only: it gives up the protection TLS exists for. Defaults to
+	// false.
+	InsecureSkipVerify bool
+}
+
+// Mechanism is a SASL mechanism name as Kafka spells it.
+type Mechanism string
+
+// The SASL mechanisms every adapter supports.
+const (
+	Plain       Mechanism = "PLAIN"
+	ScramSHA256 Mechanism = "SCRAM-SHA-256"
+	ScramSHA512 Mechanism = "SCRAM-SHA-512"
+	AWSMSKIAM   Mechanism = "AWS_MSK_IAM"
+)
+
+// Mechanisms lists the supported mechanisms, for help texts.
+var Mechanisms = []Mechanism{Plain, ScramSHA256, ScramSHA512, AWSMSKIAM}
+
+// ParseMechanism accepts a mechanism name in any letter case.
+func ParseMechanism(s string) (Mechanism, error) {
+	for _, m := range Mechanisms {
+		if strings.EqualFold(s, string(m)) {
+			return m, nil
+		}
+	}
+	return "", fmt.Errorf("%q is not one of %s", s, mechanismList())
+}
+
+func mechanismList() string {
+	names := make([]string, len(Mechanisms))
+	for i, m := range Mechanisms {
+		names[i] = string(m)
+	}
+	return strings.Join(names, ", ")
+}
+
+// SASL configures authentication.
+type SASL struct {
+	// Mechanism is PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 or AWS_MSK_IAM.
+	// Required.
+	Mechanism Mechanism
+	// Username and Password are the credentials of PLAIN and SCRAM.
+	// Required for them; unused by AWS_MSK_IAM.
+	Username string
+	Password string
+	// AWSCredentials returns the credentials AWS_MSK_IAM signs with; it is
+	// called for every new connection, so it may rotate them. Defaults to
+	// reading AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN
+	// from the environment.
+	AWSCredentials func(context.Context) (AWSCredentials, error)
+	// AWSRegion is the cluster's region, signed into AWS_MSK_IAM's
+	// request, for brokers whose host name does not carry it (an MSK name
+	// does: ….kafka.eu-west-1.amazonaws.com). franz-go reads it only from
+	// the environment: with the kgo adapters a non-MSK host name needs
+	// AWS_REGION. Defaults to AWS_REGION, then AWS_DEFAULT_REGION.
+	AWSRegion string
+}
+
+// AWSCredentials are what AWS_MSK_IAM signs with.
+type AWSCredentials struct {
+	AccessKeyID     string
+	SecretAccessKey string
+	SessionToken    string // empty for long-lived keys
+}
+
+// String describes the Config for logs: the mechanism and user, never a
+// password.
+func (c Config) String() string {
+	var parts []string
+	if c.TLS != nil {
+		parts = append(parts, "tls")
+	} else {
+		parts = append(parts, "plaintext")
+	}
+	if c.SASL != nil {
+		s := "sasl=" + string(c.SASL.Mechanism)
+		if c.SASL.Username != "" {
+			s += " user=" + c.SASL.Username
+		}
+		parts = append(parts, s)
+	}
+	return strings.Join(parts, " ")
+}
+
+// Validate checks the Config: required fields, files that exist and parse.
+// Errors name the field, e.g. "SASL.Username: required for SCRAM-SHA-512".
+func (c Config) Validate() error {
+	if c.TLS != nil {
+		if _, err := c.TLSConfig(); err != nil {
+			return err
+		}
+	}
+	if c.SASL != nil {
+		s := c.SASL
+		switch s.Mechanism {
+		case Plain, ScramSHA256, ScramSHA512:
+			if s.Username == "" {
+				return fmt.Errorf("SASL.Username: required for %s", s.Mechanism)
+			}
+			if s.Password == "" {
+				return fmt.Errorf("SASL.Password: required for %s", s.Mechanism)
+			}
+		case AWSMSKIAM:
+			if s.Username != "" || s.Password != "" {
+				return errors.New("SASL.Username, SASL.Password: unused by AWS_MSK_IAM (it signs with AWS credentials); leave them empty")
+			}
+		case "":
+			return fmt.Errorf("SASL.Mechanism: required (%s)", mechanismList())
+		default:
+			return fmt.Errorf("SASL.Mechanism: %q is not one of %s", s.Mechanism, mechanismList())
+		}
+	}
+	return nil
+}
+
+// TLSConfig builds the crypto/tls configuration, reading CAFile, CertFile
+// and KeyFile. It returns nil, nil when TLS is nil.
+func (c Config) TLSConfig() (*tls.Config, error) {
+	t := c.TLS
+	if t == nil {
+		return nil, nil
+	}
+	out := &tls.Config{
+		MinVersion:         tls.VersionTLS12,
+		ServerName:         t.ServerName,
+		InsecureSkipVerify: t.InsecureSkipVerify, //nolint:gosec // explicit opt-in, documented as tests only
+	}
+	if t.CAFile != "" {
+		pem, err := os.ReadFile(t.CAFile)
+		if err != nil {
+			return nil, fmt.Errorf("TLS.CAFile: %w", err)
+		}
+		pool := x509.NewCertPool()
+		if !pool.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("TLS.CAFile: %s holds no PEM certificate", t.CAFile)
+		}
+		out.RootCAs = pool
+	}
+	switch {
+	case t.CertFile != "" && t.KeyFile != "":
+		cert, err := tls.LoadX509KeyPair(t.CertFile, t.KeyFile)
+		if err != nil {
+			return nil, fmt.Errorf("TLS.CertFile, TLS.KeyFile: %w", err)
+		}
+		out.Certificates = []tls.Certificate{cert}
+	case t.CertFile != "":
+		return nil, errors.New("TLS.KeyFile: required with TLS.CertFile")
+	case t.KeyFile != "":
+		return nil, errors.New("TLS.CertFile: required with TLS.KeyFile")
+	}
+	return out, nil
+}
+
+// EnvAWSCredentials reads AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and
+// AWS_SESSION_TOKEN; it is SASL.AWSCredentials' default.
+func EnvAWSCredentials(context.Context) (AWSCredentials, error) {
+	c := AWSCredentials{
+		AccessKeyID:     os.Getenv("AWS_ACCESS_KEY_ID"),
+		SecretAccessKey: os.Getenv("AWS_SECRET_ACCESS_KEY"),
+		SessionToken:    os.Getenv("AWS_SESSION_TOKEN"),
+	}
+	if c.AccessKeyID == "" || c.SecretAccessKey == "" {
+		return c, errors.New("kafkaconn: AWS_MSK_IAM: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY are not set (or set SASL.AWSCredentials)")
+	}
+	return c, nil
+}
+
+// AWSRegionFor returns the region AWS_MSK_IAM signs for when dialing
+// host: the region in an MSK broker name
+// (b-1.cluster.abc123.c2.kafka.eu-west-1.amazonaws.com), else
+// SASL.AWSRegion, AWS_REGION, AWS_DEFAULT_REGION.
+func (s *SASL) AWSRegionFor(host string) (string, error) {
+	if h, _, err := net.SplitHostPort(host); err == nil {
+		host = h
+	}
+	labels := strings.Split(host, ".")
+	for i := 0; i+2 < len(labels); i++ {
+		if labels[i] == "kafka" && labels[i+2] == "amazonaws" && labels[i+1] != "" {
+			return labels[i+1], nil
+		}
+	}
+	if s.AWSRegion != "" {
+		return s.AWSRegion, nil
+	}
+	for _, v := range []string{"AWS_REGION", "AWS_DEFAULT_REGION"} {
+		if r := os.Getenv(v); r != "" {
+			return r, nil
+		}
+	}
+	return "", fmt.Errorf("kafkaconn: AWS_MSK_IAM: no region for %s: set SASL.AWSRegion or AWS_REGION", host)
+}
