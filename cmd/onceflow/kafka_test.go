@@ -17,6 +17,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/onceflow/onceflow/internal/kafkatest"
 	"github.com/onceflow/onceflow/internal/kgoconn"
 	"github.com/onceflow/onceflow/internal/pgtest"
 	"github.com/onceflow/onceflow/internal/tlstest"
@@ -167,5 +168,63 @@ func TestKafkaFlagsRefuseWhatTheyCannotHonour(t *testing.T) {
 	t.Setenv("ONCEFLOW_KAFKA_SASL_PASSWORD", "from-env")
 	if _, err := runCLI(t, relay("--brokers", "a:1", "--kafka-sasl-mechanism", "PLAIN", "--kafka-sasl-username", "u", "--kafka-sasl-password-file", "/dev/null")...); err == nil || !strings.Contains(err.Error(), "give one") {
 		t.Errorf("password in env and file: %v", err)
+	}
+}
+
+// TestOversizedEventPublishedAfterRaisingTheLimit follows README's remedy
+// for a dead-lettered oversized event: a relay with a client-side record
+// limit below the event dead-letters it; a relay with the limit raised and
+// `onceflow dead replay --all` publish it, with its original message-id.
+func TestOversizedEventPublishedAfterRaisingTheLimit(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the binary; skipped with -short")
+	}
+	bin := buildBinary(t)
+	for _, publisher := range []string{"franz-go", "kafka-go"} {
+		t.Run(publisher, func(t *testing.T) {
+			t.Parallel()
+			schema := pgtest.Schema(t)
+			k := kafkatest.New(t)
+			topic := k.Topic(t, 1)
+			env := relayEnv(t, schema, k)
+			p := startRelayProc(t, bin, env, "--publisher", publisher, "--max-record-bytes", "4096", "--log-level", "info")
+			waitUntil(t, "the relay to start", 30*time.Second, relayStarted(p))
+			w, _ := outbox.NewWriter(&outbox.Config{Schema: schema})
+			big := make([]byte, 20_000)
+			ctx := context.Background()
+			if err := pgx.BeginFunc(ctx, pgtest.Pool(t), func(tx pgx.Tx) error {
+				return w.Write(ctx, tx, outbox.Message{Topic: topic, Key: []byte("k"), Value: big})
+			}); err != nil {
+				t.Fatal(err)
+			}
+			waitUntil(t, "the event to be dead-lettered", 60*time.Second, func() bool { return count(t, schema, "outbox_dead") == 1 })
+			var eventID, reason string
+			if err := pgtest.Pool(t).QueryRow(ctx, `SELECT event_id::text, error FROM `+pgx.Identifier{schema, "outbox_dead"}.Sanitize()).Scan(&eventID, &reason); err != nil {
+				t.Fatal(err)
+			}
+			t.Logf("dead-lettered: %s", reason)
+			_ = p.Signal(syscall.SIGTERM)
+			if err, exited := p.Wait(30 * time.Second); !exited || err != nil {
+				t.Fatalf("after SIGTERM: exited %v, err %v", exited, err)
+			}
+
+			p = startRelayProc(t, bin, env, "--publisher", publisher, "--max-record-bytes", "1000012", "--log-level", "info")
+			waitUntil(t, "the relay to start", 30*time.Second, relayStarted(p))
+			if out, err := runCLI(t, "dead", "replay", "--all", "--database-url", pgtest.URL(t), "--schema", schema); err != nil || !strings.Contains(out, "replayed 1") {
+				t.Fatalf("dead replay: %v\n%s", err, out)
+			}
+			waitUntil(t, "the replayed event to be published", 60*time.Second, func() bool {
+				return count(t, schema, "outbox") == 0 && count(t, schema, "outbox_dead") == 0
+			})
+			recs := k.ReadAll(t, topic, 1, 30*time.Second)
+			if len(recs) != 1 || len(recs[0].Value) != len(big) {
+				t.Fatalf("read %d records, want the 20000-byte event", len(recs))
+			}
+			for _, h := range recs[0].Headers {
+				if h.Key == "message-id" && string(h.Value) != eventID {
+					t.Fatalf("message-id %s, want the dead-lettered event's %s", h.Value, eventID)
+				}
+			}
+		})
 	}
 }
