@@ -340,3 +340,21 @@ func TestLeaseIsRenewedWhileHandlerRuns(t *testing.T) {
 		t.Fatalf("retry after completion: %+v, want replay", r)
 	}
 }
+
+// Not parallel: it points TMPDIR where no file can be made.
+func TestTransactionalResponseThatCannotBeHeldRollsBack(t *testing.T) {
+	b := setup(t)
+	t.Setenv("TMPDIR", t.TempDir()+"/missing")
+	srv := newServer(t, b, idempotency.Config{MaxResponseBytes: 4}, func(w http.ResponseWriter, r *http.Request) {
+		if err := writeEffect(r.Context(), b.pool, b.schema, "lost"); err != nil {
+			t.Error(err)
+		}
+		_, _ = w.Write([]byte("more than four bytes"))
+	})
+	if r := send(t, srv, request{key: "k", body: "{}"}); r.status != http.StatusInternalServerError {
+		t.Fatalf("status %d, want 500", r.status)
+	}
+	if b.effects(t) != 0 || b.records(t) != 0 {
+		t.Fatalf("%d effects, %d records; want the transaction rolled back", b.effects(t), b.records(t))
+	}
+}

@@ -42,3 +42,22 @@ func TestTransactionalRecorderStopsBufferingAtTheLimit(t *testing.T) {
 		t.Fatalf("client got %d %v and %d bytes, want 201 with all %d bytes", w.Code, w.Header(), w.Body.Len(), want.Len())
 	}
 }
+
+func TestTransactionalRecorderFailsWritesWhenItCannotHoldTheOverflow(t *testing.T) {
+	t.Setenv("TMPDIR", t.TempDir()+"/missing") // os.CreateTemp fails
+	w := httptest.NewRecorder()
+	rec := newRecorder(w, 4, false)
+	defer rec.close()
+	if _, err := rec.Write([]byte("1234")); err != nil {
+		t.Fatalf("within the limit: %v", err)
+	}
+	if _, err := rec.Write([]byte("5")); err == nil || rec.err == nil {
+		t.Fatal("a write past the limit that cannot be held succeeded")
+	}
+	if _, err := rec.Write([]byte("6")); err == nil {
+		t.Fatal("a later write succeeded after the response was lost")
+	}
+	if w.Body.Len() != 0 {
+		t.Fatalf("%d bytes reached the client before the commit", w.Body.Len())
+	}
+}
