@@ -209,7 +209,7 @@ func (c *common) logger(w io.Writer) (*slog.Logger, error) {
 	if err := level.UnmarshalText([]byte(c.logLevel)); err != nil {
 		return nil, fmt.Errorf("--log-level: %q is not debug, info, warn or error", c.logLevel)
 	}
-	opts := &slog.HandlerOptions{Level: level}
+	opts := &slog.HandlerOptions{Level: level, ReplaceAttr: replaceAttr}
 	switch c.logFormat {
 	case "text":
 		return slog.New(slog.NewTextHandler(w, opts)), nil
@@ -218,6 +218,46 @@ func (c *common) logger(w io.Writer) (*slog.Logger, error) {
 	default:
 		return nil, fmt.Errorf("--log-format: %q is not text or json", c.logFormat)
 	}
+}
+
+// replaceAttr keeps log lines readable: a duration is written as text
+// ("1.5s"; slog's JSON handler would write nanoseconds), and an error as
+// one line (pgx joins a connection's failures with "\n\t", which text logs
+// would show as escapes and log shippers may split).
+func replaceAttr(_ []string, a slog.Attr) slog.Attr {
+	switch a.Value.Kind() {
+	case slog.KindDuration:
+		return slog.String(a.Key, a.Value.Duration().String())
+	case slog.KindAny:
+		if err, ok := a.Value.Any().(error); ok {
+			return slog.String(a.Key, flatten(err.Error()))
+		}
+	}
+	return a
+}
+
+// flatten joins the lines of a multi-line message: "a:\n\tb\n\tc" becomes
+// "a: b; c".
+func flatten(s string) string {
+	if !strings.ContainsAny(s, "\r\n") {
+		return s
+	}
+	var b strings.Builder
+	for _, line := range strings.FieldsFunc(s, func(r rune) bool { return r == '\n' || r == '\r' }) {
+		line = strings.TrimSpace(line)
+		if line == "" {
+			continue
+		}
+		if b.Len() > 0 {
+			if strings.HasSuffix(b.String(), ":") {
+				b.WriteString(" ")
+			} else {
+				b.WriteString("; ")
+			}
+		}
+		b.WriteString(line)
+	}
+	return b.String()
 }
 
 // connect opens a pool and checks the database answers, so a bad URL or a

@@ -109,7 +109,7 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 		srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 		go func() {
 			if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-				log.Error("http server stopped", "err", err)
+				log.Error("http server stopped", "error", err)
 			}
 		}()
 		defer srv.Close()
