@@ -2,11 +2,15 @@ package main
 
 import (
 	"context"
+	cryptorand "crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"math/rand/v2"
+	"net"
 	"os"
 	"os/exec"
 	"strings"
@@ -21,18 +25,13 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
 
-	"github.com/testcontainers/testcontainers-go"
-	tcpostgres "github.com/testcontainers/testcontainers-go/modules/postgres"
-	"github.com/testcontainers/testcontainers-go/wait"
-
 	"github.com/onceflow/onceflow/consumer"
 	"github.com/onceflow/onceflow/consumer/kgoconsumer"
-	"github.com/onceflow/onceflow/internal/pgtest"
 	"github.com/onceflow/onceflow/migrations"
 	"github.com/onceflow/onceflow/outbox"
 )
 
-const demoSummary = `Run the whole story on this machine: migrate a fresh schema, start an
+const demoSummary = `Run the whole story on this machine: migrate a new schema of its own, start an
 embedded Kafka (kfake) unless --brokers is given, write payments and their
 events in one transaction from several producers, publish them with two relay
 processes and apply them with two idempotent consumer processes (one of
@@ -40,8 +39,17 @@ each is SIGKILLed and restarted mid-way), inject duplicate events, then check fr
 no event was lost, none was applied twice and per-account order held.
 Exit status 1 if any check fails.
 
+The demo reads only these flags, never ONCEFLOW_* variables. It creates a new
+schema named onceflow_demo_<random> and drops only that one at the end (keep
+it with --keep). Brokers not on this machine need --allow-remote-brokers.
+
 Needs PostgreSQL only: --database-url defaults to the local server
-(postgres://postgres@127.0.0.1:5432/postgres).`
+(postgres://postgres@127.0.0.1:5432/postgres). When that does not answer, the
+demo starts an embedded PostgreSQL (its binaries are downloaded from Maven
+Central on first use and cached) and removes it at the end.`
+
+// demoDatabaseURL is the demo's default database: the local server.
+const demoDatabaseURL = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
 
 type demoPayment struct {
 	Account     string `json:"account"`
@@ -49,49 +57,151 @@ type demoPayment struct {
 	Seq         int    `json:"seq"`
 }
 
-func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	var c common
+// demoConfig is what the demo runs with: its own flags only.
+type demoConfig struct {
+	databaseURL string
+	urlGiven    bool // --database-url was given: no embedded fallback
+	embedded    bool // --embedded-postgres
+	brokers     []string
+	schema      string // chosen by the demo, new each run
+	payments    int
+	accounts    int
+	keep        bool
+}
+
+// parseDemoFlags reads the demo's flags. Unlike every other command it
+// reads no environment variable: run in a relay's pod it must not find the
+// production database, schema or brokers.
+func parseDemoFlags(args []string, stderr io.Writer) (*demoConfig, error) {
+	cfg := &demoConfig{}
 	fs := newFlagSet("demo", demoSummary, stderr)
-	c.register(fs, true)
-	payments := fs.Int("payments", 20000, "payments to write")
-	accounts := fs.Int("accounts", 200, "accounts (the event key: per-account order is checked)")
-	keep := fs.Bool("keep", false, "keep the demo schema afterwards")
-	if c.databaseURL == "" {
-		_ = fs.Set("database-url", "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable")
+	fs.StringVar(&cfg.databaseURL, "database-url", demoDatabaseURL, "PostgreSQL URL the demo creates its schema in")
+	brokers := fs.String("brokers", "", "Kafka brokers on this machine, comma-separated host:port; default an embedded Kafka (kfake)")
+	remote := fs.Bool("allow-remote-brokers", false, "allow --brokers not on this machine (the demo creates a topic and writes to it)")
+	fs.BoolVar(&cfg.embedded, "embedded-postgres", false, "use an embedded PostgreSQL even if --database-url answers")
+	fs.IntVar(&cfg.payments, "payments", 20000, "payments to write")
+	fs.IntVar(&cfg.accounts, "accounts", 200, "accounts (the event key: per-account order is checked)")
+	fs.BoolVar(&cfg.keep, "keep", false, "keep the demo's schema afterwards")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return nil, err
+		}
+		return nil, fmt.Errorf("%w: %v", errUsage, err)
 	}
-	if err := c.parse(fs, args, false); err != nil {
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("%w: unexpected argument %q", errUsage, fs.Arg(0))
+	}
+	fs.Visit(func(f *flag.Flag) { cfg.urlGiven = cfg.urlGiven || f.Name == "database-url" })
+	if _, err := pgxpool.ParseConfig(cfg.databaseURL); err != nil {
+		return nil, fmt.Errorf("%w: --database-url: %v", errUsage, oneLine(err))
+	}
+	if cfg.payments < 1 || cfg.accounts < 1 {
+		return nil, fmt.Errorf("%w: --payments and --accounts must be positive", errUsage)
+	}
+	for _, b := range strings.Split(*brokers, ",") {
+		if b = strings.TrimSpace(b); b == "" {
+			continue
+		}
+		host, _, err := net.SplitHostPort(b)
+		if err != nil {
+			return nil, fmt.Errorf("%w: --brokers: %q is not host:port", errUsage, b)
+		}
+		if !*remote && !isLocalHost(host) {
+			return nil, fmt.Errorf("%w: --brokers: %s is not on this machine; the demo creates a topic there and writes "+
+				"to it: pass --allow-remote-brokers if that is what you want", errUsage, b)
+		}
+		cfg.brokers = append(cfg.brokers, b)
+	}
+	suffix := make([]byte, 6)
+	_, _ = cryptorand.Read(suffix)
+	cfg.schema = "onceflow_demo_" + hex.EncodeToString(suffix)
+	return cfg, nil
+}
+
+// isLocalHost reports whether host names this machine: localhost or a
+// loopback address.
+func isLocalHost(host string) bool {
+	if strings.EqualFold(host, "localhost") {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
+}
+
+// demoProducers is how many producers write: four, or one per account
+// when there are fewer.
+func demoProducers(accounts int) int { return min(4, accounts) }
+
+// demoAccountsOf returns the accounts producer w of n owns: w, w+n, w+2n, …
+// Each account has one producer, so its payments are written in one
+// producer's order.
+func demoAccountsOf(w, n, accounts int) []int {
+	var own []int
+	for a := w; a < accounts; a += n {
+		own = append(own, a)
+	}
+	return own
+}
+
+// demoEnv is the environment of the demo's child processes: this one's,
+// less every ONCEFLOW_* variable (a relay pod's settings must not reach
+// them), plus the given ones.
+func demoEnv(extra ...string) []string {
+	var env []string
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "ONCEFLOW_") {
+			env = append(env, kv)
+		}
+	}
+	return append(env, extra...)
+}
+
+func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	cfg, err := parseDemoFlags(args, stderr)
+	if err != nil {
 		return err
 	}
-	if *payments < 1 || *accounts < 1 {
-		return fmt.Errorf("%w: --payments and --accounts must be positive", errUsage)
+	c := common{databaseURL: cfg.databaseURL, schema: cfg.schema}
+	var pool *pgxpool.Pool
+	if !cfg.embedded {
+		pool, err = c.connect(ctx)
 	}
-	pool, err := c.connect(ctx)
-	if err != nil && pgtest.DockerHealthy() {
-		fmt.Fprintf(stdout, "0. no PostgreSQL at the given URL (%s); starting one in Docker with testcontainers\n", oneLine(err))
-		url, cerr := startPostgresContainer(ctx)
-		if cerr != nil {
-			return fmt.Errorf("start a PostgreSQL container: %w", cerr)
+	if cfg.embedded || (err != nil && !cfg.urlGiven) {
+		if err != nil {
+			fmt.Fprintf(stdout, "0. no PostgreSQL at %s (%s)\n", redactURL(cfg.databaseURL), oneLine(err))
 		}
+		url, stopPG, perr := startEmbeddedPostgres(ctx, stdout)
+		if perr != nil {
+			return fmt.Errorf("start an embedded PostgreSQL: %w\nThe demo needs a PostgreSQL server: start the local one (pg_ctlcluster 15 main start), "+
+				"or install it (apt-get install postgresql), or pass --database-url", perr)
+		}
+		defer stopPG()
 		c.databaseURL = url
 		pool, err = c.connect(ctx)
 	}
 	if err != nil {
 		return fmt.Errorf("%w\nThe demo needs a PostgreSQL server: start the local one (pg_ctlcluster 15 main start), "+
-			"or install it (apt-get install postgresql), or run a Docker engine, or pass --database-url", err)
+			"or install it (apt-get install postgresql), or pass --database-url (without it, the demo starts an embedded PostgreSQL)", err)
 	}
 	defer pool.Close()
 
-	if c.schema == migrations.DefaultSchema {
-		c.schema = fmt.Sprintf("onceflow_demo_%d", time.Now().Unix())
-	}
 	say := func(format string, a ...any) { fmt.Fprintf(stdout, format+"\n", a...) }
+	// A new schema: CREATE SCHEMA fails if the name is taken, so the DROP
+	// below only ever drops what this run created.
+	if _, err := pool.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{c.schema}.Sanitize()); err != nil {
+		return fmt.Errorf("create schema %s: %w", c.schema, err)
+	}
+	if !cfg.keep {
+		defer pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{c.schema}.Sanitize()+" CASCADE")
+	}
 	if _, err := migrations.Up(ctx, pool, c.schema); err != nil {
 		return err
 	}
-	if !*keep {
-		defer pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{c.schema}.Sanitize()+" CASCADE")
+	if cfg.keep {
+		say("1. migrated a new schema %s (kept afterwards: --keep)", c.schema)
+	} else {
+		say("1. migrated a new schema %s (dropped at the end)", c.schema)
 	}
-	say("1. migrated schema %s", c.schema)
 	ledger := pgx.Identifier{c.schema, "demo_ledger"}.Sanitize()
 	paymentsTable := pgx.Identifier{c.schema, "demo_payments"}.Sanitize()
 	if _, err := pool.Exec(ctx, `CREATE TABLE `+paymentsTable+` (id bigserial PRIMARY KEY, account text NOT NULL, seq int NOT NULL, amount_cents bigint NOT NULL);
@@ -100,7 +210,7 @@ CREATE TABLE `+ledger+` (account text PRIMARY KEY, balance_cents bigint NOT NULL
 		return err
 	}
 
-	brokers := c.brokerList()
+	brokers := cfg.brokers
 	if len(brokers) == 0 {
 		cluster, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.GroupMinSessionTimeout(100*time.Millisecond))
 		if err != nil {
@@ -127,7 +237,7 @@ CREATE TABLE `+ledger+` (account text PRIMARY KEY, balance_cents bigint NOT NULL
 	if err != nil {
 		return err
 	}
-	relayEnv := append(os.Environ(), "ONCEFLOW_DATABASE_URL="+c.databaseURL, "ONCEFLOW_SCHEMA="+c.schema,
+	relayEnv := demoEnv("ONCEFLOW_DATABASE_URL="+c.databaseURL, "ONCEFLOW_SCHEMA="+c.schema,
 		"ONCEFLOW_BROKERS="+strings.Join(brokers, ","), "ONCEFLOW_LOG_LEVEL=error")
 	startRelay := func(name string) (*exec.Cmd, error) {
 		cmd := exec.Command(self, "relay", "--instance-id", name, "--lease-duration", "2s", "--poll-interval", "100ms")
@@ -152,7 +262,7 @@ CREATE TABLE `+ledger+` (account text PRIMARY KEY, balance_cents bigint NOT NULL
 
 	// Two idempotent consumer processes (this binary, `onceflow demo-consumer`):
 	// each adds a payment to its account and checks it arrives in order.
-	consumerEnv := append(os.Environ(), "ONCEFLOW_DATABASE_URL="+c.databaseURL, "ONCEFLOW_SCHEMA="+c.schema,
+	consumerEnv := demoEnv("ONCEFLOW_DATABASE_URL="+c.databaseURL, "ONCEFLOW_SCHEMA="+c.schema,
 		"ONCEFLOW_BROKERS="+strings.Join(brokers, ","))
 	startConsumer := func() (*exec.Cmd, error) {
 		cmd := exec.Command(self, "demo-consumer", "--topic", topic)
@@ -184,22 +294,27 @@ CREATE TABLE `+ledger+` (account text PRIMARY KEY, balance_cents bigint NOT NULL
 	if err != nil {
 		return err
 	}
-	const producers = 4
+	producers := demoProducers(cfg.accounts)
 	var written atomic.Int64
 	var wg sync.WaitGroup
 	prodErr := make(chan error, producers)
-	perProducer := *payments / producers
 	for w := range producers {
+		own := demoAccountsOf(w, producers, cfg.accounts)
+		mine := cfg.payments / producers
+		if w < cfg.payments%producers {
+			mine++
+		}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			rng := rand.New(rand.NewPCG(uint64(w), 7))
 			seqs := map[string]int{}
-			for i := 0; i < perProducer; i += 20 {
+			for i := 0; i < mine; i += 20 {
+				batch := min(20, mine-i)
 				err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 					var msgs []outbox.Message
-					for j := i; j < min(i+20, perProducer); j++ {
-						account := fmt.Sprintf("acct-%d", (rng.IntN(*accounts/producers+1)*producers+w)%*accounts)
+					for range batch {
+						account := fmt.Sprintf("acct-%d", own[rng.IntN(len(own))])
 						seqs[account]++
 						p := demoPayment{Account: account, AmountCents: int64(1 + rng.IntN(10000)), Seq: seqs[account]}
 						if _, err := tx.Exec(ctx, `INSERT INTO `+paymentsTable+` (account, seq, amount_cents) VALUES ($1, $2, $3)`, p.Account, p.Seq, p.AmountCents); err != nil {
@@ -214,17 +329,17 @@ CREATE TABLE `+ledger+` (account text PRIMARY KEY, balance_cents bigint NOT NULL
 					prodErr <- err
 					return
 				}
-				written.Add(20)
+				written.Add(int64(batch))
 				time.Sleep(2 * time.Millisecond)
 			}
 		}()
 	}
-	say("5. four producers write each payment and its event in one transaction")
+	say("5. %d producers write each payment and its event in one transaction", producers)
 
 	progress := func() {
 		var backlog int64
 		_ = pool.QueryRow(ctx, `SELECT count(*) FROM `+pgx.Identifier{c.schema, "outbox"}.Sanitize()).Scan(&backlog)
-		fmt.Fprintf(stdout, "\r   written %6d  backlog %6d  applied %6d ", min(written.Load(), int64(perProducer*producers)), backlog, applied())
+		fmt.Fprintf(stdout, "\r   written %6d  backlog %6d  applied %6d ", written.Load(), backlog, applied())
 	}
 	// Mid-way: SIGKILL relay-a and restart it; re-insert 200 events that
 	// were already published (same event_id), as a relay crash between
@@ -245,7 +360,7 @@ CREATE TABLE `+ledger+` (account text PRIMARY KEY, balance_cents bigint NOT NULL
 		case <-tick.C:
 		}
 		progress()
-		if !killed && written.Load() > int64(*payments/3) {
+		if !killed && written.Load() > int64(cfg.payments/3) {
 			_ = relays["relay-a"].Process.Signal(syscall.SIGKILL)
 			_ = relays["relay-a"].Wait()
 			cmd, err := startRelay("relay-a2")
@@ -257,7 +372,7 @@ CREATE TABLE `+ledger+` (account text PRIMARY KEY, balance_cents bigint NOT NULL
 			killed = true
 			fmt.Fprintf(stdout, "\n   ! SIGKILLed relay-a mid-stream; started relay-a2 (pid %d); relay-b takes over its shards meanwhile\n", cmd.Process.Pid)
 		}
-		if !consumerKilled && written.Load() > int64(*payments*6/10) && groupStable(ctx, admin, "demo-ledger", 2) {
+		if !consumerKilled && written.Load() > int64(cfg.payments*6/10) && groupStable(ctx, admin, "demo-ledger", 2) {
 			// Offsets are committed about once a second, so a SIGKILL
 			// lands between some messages' database commit and their
 			// offset commit: they are redelivered and must be skipped.
@@ -269,7 +384,7 @@ CREATE TABLE `+ledger+` (account text PRIMARY KEY, balance_cents bigint NOT NULL
 			consumerKilled = true
 			fmt.Fprintf(stdout, "\n   ! SIGKILLed a consumer between its database commits and its offset commit; restarted it (pid %d)\n", consumers[0].Process.Pid)
 		}
-		if duplicated == 0 && written.Load() > int64(*payments/2) {
+		if duplicated == 0 && written.Load() > int64(cfg.payments/2) {
 			// Copy 200 events of the consumed topic back into the outbox.
 			n, err := reinjectPublished(ctx, pool, outboxTable, brokers, topic, 200)
 			if err != nil {
@@ -285,7 +400,7 @@ CREATE TABLE `+ledger+` (account text PRIMARY KEY, balance_cents bigint NOT NULL
 		}
 		var backlog int64
 		_ = pool.QueryRow(ctx, `SELECT count(*) FROM `+outboxTable).Scan(&backlog)
-		if backlog == 0 && consumerKilled && applied() >= int64(perProducer*producers) {
+		if backlog == 0 && consumerKilled && applied() >= int64(cfg.payments) {
 			break
 		}
 		if time.Now().After(deadline) {
@@ -296,7 +411,7 @@ CREATE TABLE `+ledger+` (account text PRIMARY KEY, balance_cents bigint NOT NULL
 	time.Sleep(time.Second)
 	progress()
 	fmt.Fprintln(stdout)
-	return demoReport(ctx, pool, stdout, c.schema, paymentsTable, ledger, int64(perProducer*producers), duplicated, applied())
+	return demoReport(ctx, pool, stdout, c.schema, paymentsTable, ledger, int64(cfg.payments), duplicated, applied())
 }
 
 // groupStable reports whether group is Stable with members members: a
@@ -308,17 +423,6 @@ func groupStable(ctx context.Context, admin *kgo.Client, group string, members i
 	}
 	g, ok := groups[group]
 	return ok && g.Err == nil && g.State == "Stable" && len(g.Members) == members
-}
-
-// startPostgresContainer runs PostgreSQL 15 in Docker for the demo.
-func startPostgresContainer(ctx context.Context) (string, error) {
-	c, err := tcpostgres.Run(ctx, "postgres:15-alpine",
-		tcpostgres.WithDatabase("postgres"), tcpostgres.WithUsername("postgres"), tcpostgres.WithPassword("postgres"),
-		testcontainers.WithWaitStrategy(wait.ForLog("database system is ready to accept connections").WithOccurrence(2)))
-	if err != nil {
-		return "", err
-	}
-	return c.ConnectionString(ctx, "sslmode=disable")
 }
 
 const demoConsumerSummary = `Internal: the consumer process of 'onceflow demo'.`

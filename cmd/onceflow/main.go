@@ -82,6 +82,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return runDemo(ctx, rest, stdout, stderr)
 	case "demo-consumer": // internal: a consumer process of the demo
 		return runDemoConsumer(ctx, rest, stdout, stderr)
+	case "demo-postgres": // internal: the demo's embedded PostgreSQL
+		return runDemoPostgres(ctx, rest, stdout, stderr)
 	case "help", "-h", "--help":
 		fmt.Fprint(stdout, usage)
 		return nil
