@@ -25,6 +25,20 @@ type Config struct {
 	// MaxAttempts is the retry budget: how many times the handler runs for
 	// one message before it is dead-lettered. Defaults to 5.
 	MaxAttempts int
+	// MaxLostConnections is the budget, apart from MaxAttempts, for
+	// attempts whose database connection was lost after the message's
+	// transaction began: the server ended the session while the handler
+	// ran or at COMMIT (idle_in_transaction_session_timeout,
+	// transaction_timeout, pg_terminate_backend, a backend crash, a
+	// restart or failover), or the handler's own context deadline closed
+	// it. Such a loss may be the message's doing, so it is not waited out
+	// like an outage (failing to acquire a connection or to begin); it is
+	// counted apart so that a database restart costs a message in flight
+	// one of these, not one of its attempts. Once spent, the message is
+	// dead-lettered. After a COMMIT whose outcome is unknown, the
+	// Processor first looks at the dedup record: a message whose COMMIT
+	// went through is never dead-lettered. Defaults to 3.
+	MaxLostConnections int
 	// MinBackoff is the wait after the first failed attempt; later waits
 	// grow exponentially with jitter. Defaults to 100ms.
 	MinBackoff time.Duration
@@ -85,6 +99,9 @@ func (c *Config) withDefaults() (Config, error) {
 	if out.MaxAttempts == 0 {
 		out.MaxAttempts = 5
 	}
+	if out.MaxLostConnections == 0 {
+		out.MaxLostConnections = 3
+	}
 	if out.MinBackoff == 0 {
 		out.MinBackoff = 100 * time.Millisecond
 	}
@@ -113,6 +130,8 @@ func (c *Config) withDefaults() (Config, error) {
 	switch {
 	case out.MaxAttempts < 1:
 		return out, errors.New("consumer: Config.MaxAttempts must be at least 1")
+	case out.MaxLostConnections < 1:
+		return out, errors.New("consumer: Config.MaxLostConnections must be at least 1")
 	case out.MinBackoff < 0:
 		return out, errors.New("consumer: Config.MinBackoff must not be negative")
 	case out.MaxBackoff < out.MinBackoff:

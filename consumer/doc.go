@@ -45,9 +45,18 @@
 // headers plus onceflow-error, onceflow-attempts, onceflow-consumer and
 // onceflow-origin-topic/-partition/-offset, and the partition moves on.
 // The dead-letter publish itself is retried until the broker acknowledges
-// it: a message is never dropped. Database outages (the transaction cannot
-// begin, the connection breaks) are waited out with backoff and never spend
-// a message's retry budget, so an outage does not dead-letter messages.
+// it: a message is never dropped. Database outages (no connection can be
+// acquired, or the transaction cannot begin) are waited out with backoff
+// and never spend a budget, so an outage does not dead-letter messages. A
+// connection lost after the transaction began (the server ended the
+// session while the handler ran or at COMMIT: idle_in_transaction_session_timeout,
+// transaction_timeout, pg_terminate_backend, a crashing backend, a restart)
+// may be the message's own doing, so it spends a budget of its own,
+// Config.MaxLostConnections (default 3), apart from MaxAttempts: a restart
+// costs a message in flight one of those, and a message whose handler
+// keeps losing its connection is dead-lettered instead of blocking its
+// partition. When a COMMIT's outcome is unknown, the dedup record is
+// checked before the message is dead-lettered.
 //
 // # Modes
 //

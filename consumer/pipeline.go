@@ -119,7 +119,7 @@ func (p *Processor) commit(ctx context.Context, tx pgx.Tx, msg Message, la *look
 		// The connection broke: the COMMIT may or may not have
 		// happened, and the retry will tell (the dedup record).
 		la.giveBack()
-		return &unavailableError{fmt.Errorf("consumer %s: commit message %s: %w", p.name, msg.ID, err)}
+		return &lostError{fmt.Errorf("consumer %s: commit message %s: %w", p.name, msg.ID, err)}
 	}
 }
 
@@ -158,9 +158,13 @@ func (p *Processor) commitError(tx pgx.Tx, msg Message, err error) error {
 		return fmt.Errorf("consumer %s: message %s: the transaction had failed (did the handler ignore an error?) and was rolled back at commit: %w", p.name, msg.ID, err)
 	case tx.Conn().IsClosed() || !errors.As(err, &pgErr):
 		// The connection broke (a FATAL error closes it too): the
-		// commit may or may not have happened, and the retry will tell
-		// (the dedup record).
-		return &unavailableError{fmt.Errorf("consumer %s: commit message %s: %w", p.name, msg.ID, err)}
+		// commit may or may not have happened. The retry will tell (the
+		// dedup record), and no message is dead-lettered before it did
+		// (see runOne). It spends the lost-connection budget: a session
+		// the server ended for the transaction's own doing (it idled
+		// past idle_in_transaction_session_timeout) fails every COMMIT,
+		// and must not hold the partition forever.
+		return &lostError{fmt.Errorf("consumer %s: commit message %s: %w", p.name, msg.ID, err)}
 	default:
 		return fmt.Errorf("consumer %s: commit message %s: %w", p.name, msg.ID, err)
 	}

@@ -143,13 +143,31 @@ func (p *Processor) runOne(ctx context.Context, stop <-chan struct{}, msg Messag
 	}
 	msg.ID = id
 	bo := p.newBackoff()
-	for attempt := 1; ; attempt++ {
-		outcome, dur, err := p.attempt(ctx, msg, batchMode, la)
+	// runs counts the handler's runs, failed the failures that spend
+	// MaxAttempts, lost those that spend MaxLostConnections.
+	var runs, failed, lost int
+	var lastErr error
+	for {
+		// Once the lost-connection budget is spent, the next attempt only
+		// learns whether the last lost COMMIT went through.
+		resolve := lost >= p.cfg.MaxLostConnections
+		outcome, dur, ran, err := p.attempt(ctx, msg, batchMode, la, resolve)
+		if ran {
+			runs++
+		}
 		var unavailable *unavailableError
-		if errors.As(err, &unavailable) && ctx.Err() == nil {
+		var lostConn *lostError
+		switch {
+		case err == nil:
+			p.finished(msg, outcome, runs, dur, 1)
+			return nil
+		case errors.Is(err, errNotCommitted):
+			return p.deadLetter(ctx, stop, msg, runs, lastErr, t)
+		case ctx.Err() != nil:
+			return errAbandoned
+		case errors.As(err, &unavailable):
 			// The database, not the message, failed: wait for it
-			// without spending the message's retry budget.
-			attempt--
+			// without spending the message's budgets.
 			wait := bo.NextBackOff()
 			p.log.LogAttrs(ctx, slog.LevelWarn, "consumer: database unavailable; retrying",
 				slog.String("topic", msg.Topic), slog.Int("partition", int(msg.Partition)), slog.Int64("offset", msg.Offset),
@@ -158,32 +176,37 @@ func (p *Processor) runOne(ctx context.Context, stop <-chan struct{}, msg Messag
 				return errAbandoned
 			}
 			continue
-		}
-		if err == nil {
-			n := attempt
-			if outcome == Duplicate {
-				n = attempt - 1
+		case errors.As(err, &lostConn):
+			lost++
+			lastErr = err
+			if !p.retryAfter(ctx, stop, msg, bo, runs, err, "consumer: connection lost while handling message; retrying",
+				slog.Int("lost_connections", lost), slog.Int("max_lost_connections", p.cfg.MaxLostConnections)) {
+				return errAbandoned
 			}
-			p.finished(msg, outcome, n, dur, 1)
-			return nil
-		}
-		if ctx.Err() != nil {
-			return errAbandoned
-		}
-		if IsPermanent(err) || attempt >= p.cfg.MaxAttempts {
-			return p.deadLetter(ctx, stop, msg, attempt, err, t)
-		}
-		wait := bo.NextBackOff()
-		p.log.LogAttrs(ctx, slog.LevelWarn, "consumer: handler failed; retrying",
-			slog.String("topic", msg.Topic), slog.Int("partition", int(msg.Partition)), slog.Int64("offset", msg.Offset),
-			slog.String("message_id", msg.ID), slog.Int("attempt", attempt), slog.Duration("backoff", wait), slog.Any("error", err))
-		for _, h := range p.hooks.retry {
-			h.OnRetry(RetryEvent{Consumer: p.name, Message: msg, Attempt: attempt, Err: err, Backoff: wait})
-		}
-		if !sleep(ctx, stop, wait) {
-			return errAbandoned
+		default:
+			failed++
+			lastErr = err
+			if IsPermanent(err) || failed >= p.cfg.MaxAttempts {
+				return p.deadLetter(ctx, stop, msg, runs, err, t)
+			}
+			if !p.retryAfter(ctx, stop, msg, bo, runs, err, "consumer: handler failed; retrying", slog.Int("attempt", failed)) {
+				return errAbandoned
+			}
 		}
 	}
+}
+
+// retryAfter logs and reports a failed attempt of msg and waits its backoff;
+// it reports false when ctx or stop ended the wait.
+func (p *Processor) retryAfter(ctx context.Context, stop <-chan struct{}, msg Message, bo backoff.BackOff, runs int, err error, what string, attrs ...slog.Attr) bool {
+	wait := bo.NextBackOff()
+	p.log.LogAttrs(ctx, slog.LevelWarn, what, append([]slog.Attr{
+		slog.String("topic", msg.Topic), slog.Int("partition", int(msg.Partition)), slog.Int64("offset", msg.Offset),
+		slog.String("message_id", msg.ID), slog.Duration("backoff", wait), slog.Any("error", err)}, attrs...)...)
+	for _, h := range p.hooks.retry {
+		h.OnRetry(RetryEvent{Consumer: p.name, Message: msg, Attempt: runs, Err: err, Backoff: wait})
+	}
+	return sleep(ctx, stop, wait)
 }
 
 func (p *Processor) messageID(msg Message) (string, error) {
@@ -197,10 +220,12 @@ func (p *Processor) messageID(msg Message) (string, error) {
 	return checkID(id)
 }
 
-// attempt runs one transaction for msg. la, when not nil, may hold msg's
-// transaction already begun, and may be handed the next message's (see
-// commit).
-func (p *Processor) attempt(ctx context.Context, msg Message, batchMode bool, la *lookahead) (Outcome, time.Duration, error) {
+// attempt runs one transaction for msg and reports whether the handler
+// ran. la, when not nil, may hold msg's transaction already begun, and may
+// be handed the next message's (see commit). With resolve, the handler does
+// not run: attempt reports Duplicate if msg's dedup record is in, else
+// errNotCommitted.
+func (p *Processor) attempt(ctx context.Context, msg Message, batchMode bool, la *lookahead, resolve bool) (Outcome, time.Duration, bool, error) {
 	start := time.Now()
 	var tx pgx.Tx
 	var release func()
@@ -211,10 +236,10 @@ func (p *Processor) attempt(ctx context.Context, msg Message, batchMode bool, la
 		var err error
 		tx, release, dup, err = p.begin(ctx, msg)
 		if err != nil {
-			return 0, 0, &unavailableError{err}
+			return 0, 0, false, &unavailableError{err}
 		}
 		if dup {
-			return Duplicate, time.Since(start), nil
+			return Duplicate, time.Since(start), false, nil
 		}
 	}
 	committed := false
@@ -224,6 +249,9 @@ func (p *Processor) attempt(ctx context.Context, msg Message, batchMode bool, la
 		}
 		release()
 	}()
+	if resolve {
+		return 0, 0, false, errNotCommitted
+	}
 	var err error
 	if batchMode {
 		err = p.call(ctx, func() error { return p.batch(ctx, tx, []Message{msg}) })
@@ -232,15 +260,15 @@ func (p *Processor) attempt(ctx context.Context, msg Message, batchMode bool, la
 	}
 	if err != nil {
 		if tx.Conn().IsClosed() {
-			err = &unavailableError{err}
+			err = &lostError{err}
 		}
-		return 0, 0, err
+		return 0, 0, true, err
 	}
 	if err := p.commit(ctx, tx, msg, la, &release); err != nil {
-		return 0, 0, err
+		return 0, 0, true, err
 	}
 	committed = true
-	return Processed, time.Since(start), nil
+	return Processed, time.Since(start), true, nil
 }
 
 // acquirer is *pgxpool.Pool: with a connection of its own, the Processor
@@ -373,13 +401,27 @@ func itoa(n int64) []byte { return strconv.AppendInt(nil, n, 10) }
 // uniqueViolation is SQLSTATE unique_violation.
 const uniqueViolation = "23505"
 
-// unavailableError marks a failure of the database rather than of the
-// message: beginning the transaction or recording the message failed, or
-// the connection broke. Such failures are retried with backoff for as long
-// as they last and never spend the message's retry budget, so a database
-// outage does not dead-letter the messages that arrive during it.
+// unavailableError marks a failure to get a working connection: acquiring
+// one, or beginning the transaction and recording the message, failed.
+// That is the database failing, not the message: such failures are retried
+// with backoff for as long as they last and never spend a budget, so a
+// database outage does not dead-letter the messages that arrive during it.
 type unavailableError struct{ err error }
 
 func (e *unavailableError) Error() string { return e.err.Error() }
 
 func (e *unavailableError) Unwrap() error { return e.err }
+
+// lostError marks an attempt whose connection was lost after its
+// transaction began: while the handler ran, or at COMMIT (whose outcome is
+// then unknown until the next attempt's dedup insert tells). It spends
+// Config.MaxLostConnections.
+type lostError struct{ err error }
+
+func (e *lostError) Error() string { return e.err.Error() }
+
+func (e *lostError) Unwrap() error { return e.err }
+
+// errNotCommitted reports that a message whose lost-connection budget is
+// spent has no dedup record: no attempt committed, and it is dead-lettered.
+var errNotCommitted = errors.New("consumer: message not committed")

@@ -454,8 +454,11 @@ func (f *flakyBeginner) Begin(ctx context.Context) (pgx.Tx, error) {
 	return f.db.Begin(ctx)
 }
 
-// A database outage is waited out; it never spends a message's retry
-// budget, so it never dead-letters messages.
+// A database outage (no connection to be had) is waited out; it never
+// spends a message's retry budget, so it never dead-letters messages. A
+// connection lost under the handler (here terminated, as a restart does)
+// spends only the separate lost-connection budget (MaxLostConnections,
+// default 3), not MaxAttempts.
 func TestDatabaseOutageDoesNotDeadLetter(t *testing.T) {
 	b := setup(t)
 	db := &flakyBeginner{db: b.pool}
