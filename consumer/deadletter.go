@@ -2,6 +2,7 @@ package consumer
 
 import (
 	"context"
+	"errors"
 	"log/slog"
 	"time"
 )
@@ -89,8 +90,19 @@ func (p *Processor) deadLetter(ctx context.Context, stop <-chan struct{}, msg Me
 			return errAbandoned
 		}
 		wait := bo.NextBackOff()
-		p.log.LogAttrs(ctx, slog.LevelWarn, "consumer: dead-letter publish failed; retrying",
-			slog.String("dlq", rec.Topic), slog.Int64("offset", msg.Offset), slog.Duration("backoff", wait), slog.Any("error", err))
+		missing := errors.Is(err, ErrDeadLetterTopicMissing)
+		if missing {
+			// Loud: the partition stays stalled until an operator acts.
+			p.log.LogAttrs(ctx, slog.LevelError, "consumer: dead-letter topic does not exist; the partition waits until it is created",
+				slog.String("dlq", rec.Topic), slog.String("topic", msg.Topic), slog.Int("partition", int(msg.Partition)),
+				slog.Int64("offset", msg.Offset), slog.Duration("backoff", wait), slog.Any("error", err))
+		} else {
+			p.log.LogAttrs(ctx, slog.LevelWarn, "consumer: dead-letter publish failed; retrying",
+				slog.String("dlq", rec.Topic), slog.Int64("offset", msg.Offset), slog.Duration("backoff", wait), slog.Any("error", err))
+		}
+		for _, h := range p.hooks.dlqF {
+			h.OnDeadLetterFailed(DeadLetterFailedEvent{Consumer: p.name, Message: msg, Topic: rec.Topic, Err: err, TopicMissing: missing, Backoff: wait})
+		}
 		if !sleep(ctx, stop, wait) {
 			return errAbandoned
 		}

@@ -45,7 +45,13 @@
 // headers plus onceflow-error, onceflow-attempts, onceflow-consumer and
 // onceflow-origin-topic/-partition/-offset, and the partition moves on.
 // The dead-letter publish itself is retried until the broker acknowledges
-// it: a message is never dropped. Database outages (no connection can be
+// it: a message is never dropped. onceflow never creates topics: create the
+// dead-letter topic beside each consumed topic. While it is missing, the
+// partition waits, loudly: each failed publish is logged at Error and
+// reported to HookDeadLetterFailed (consumerprom counts it as
+// onceflow_consumer_dead_letter_failures_total{reason="topic-missing"}), and
+// the adapters' StopOnMissingDeadLetterTopic makes Run return an error
+// wrapping ErrDeadLetterTopicMissing instead. Database outages (no connection can be
 // acquired, or the transaction cannot begin) are waited out with backoff
 // and never spend a budget, so an outage does not dead-letter messages. A
 // connection lost after the transaction began (the server ended the

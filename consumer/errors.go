@@ -38,3 +38,12 @@ type PanicError struct {
 }
 
 func (e *PanicError) Error() string { return fmt.Sprintf("handler panicked: %v", e.Value) }
+
+// ErrDeadLetterTopicMissing is wrapped by a Transport's PublishDeadLetter
+// error when the broker says the dead-letter topic does not exist. onceflow
+// never creates topics: create "<topic>.dlq" beside every consumed topic
+// (or whatever Config.DeadLetterTopic names). Until it exists, the message's
+// partition waits: every failed publish is logged at Error and reported to
+// HookDeadLetterFailed, and the adapters' StopOnMissingDeadLetterTopic makes
+// Run return an error wrapping this instead.
+var ErrDeadLetterTopicMissing = errors.New("dead-letter topic does not exist")

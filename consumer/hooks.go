@@ -83,6 +83,24 @@ type HookDeadLetter interface {
 	OnDeadLetter(DeadLetterEvent)
 }
 
+// DeadLetterFailedEvent reports a dead-letter publish that failed and will
+// be retried after Backoff; the message's partition waits meanwhile.
+// TopicMissing is set when the broker said the topic does not exist (see
+// ErrDeadLetterTopicMissing), which lasts until someone creates it.
+type DeadLetterFailedEvent struct {
+	Consumer     string
+	Message      Message
+	Topic        string
+	Err          error
+	TopicMissing bool
+	Backoff      time.Duration
+}
+
+// HookDeadLetterFailed is called after every failed dead-letter publish.
+type HookDeadLetterFailed interface {
+	OnDeadLetterFailed(DeadLetterFailedEvent)
+}
+
 // BatchEvent reports a batch-mode transaction that ended well: committed,
 // or rolled back because every message was a duplicate.
 type BatchEvent struct {
@@ -105,6 +123,7 @@ type hooks struct {
 	done  []HookDone
 	retry []HookRetry
 	dead  []HookDeadLetter
+	dlqF  []HookDeadLetterFailed
 	batch []HookBatch
 }
 
@@ -119,6 +138,9 @@ func newHooks(hs []Hook) hooks {
 		}
 		if d, ok := x.(HookDeadLetter); ok {
 			h.dead = append(h.dead, d)
+		}
+		if f, ok := x.(HookDeadLetterFailed); ok {
+			h.dlqF = append(h.dlqF, f)
 		}
 		if b, ok := x.(HookBatch); ok {
 			h.batch = append(h.batch, b)

@@ -14,6 +14,10 @@
 //   - onceflow_consumer_lag_seconds{topic,partition}: age of the record
 //     finished last in the partition (now minus its Kafka timestamp), the
 //     consumer's time lag; it holds its value while nothing is finished
+//   - onceflow_consumer_dead_letter_failures_total{topic,reason="topic-missing|other"}:
+//     failed publishes of topic's dead letters; the message's partition
+//     waits while they go on. Alert on any topic-missing failure: it lasts
+//     until the dead-letter topic is created
 //   - onceflow_consumer_transaction_seconds{mode="message|batch"}: begin to
 //     commit of a committed transaction, the handler latency as the
 //     database sees it
@@ -30,13 +34,15 @@ import (
 )
 
 // Hook implements consumer.HookDone, consumer.HookRetry,
-// consumer.HookDeadLetter and consumer.HookBatch. It is safe for concurrent use; one Hook may
+// consumer.HookDeadLetter, consumer.HookDeadLetterFailed and
+// consumer.HookBatch. It is safe for concurrent use; one Hook may
 // serve several Processors.
 type Hook struct {
 	messages *prometheus.CounterVec
 	retries  *prometheus.CounterVec
 	dead     *prometheus.CounterVec
 	lag      *prometheus.GaugeVec
+	dlqFail  *prometheus.CounterVec
 	txn      *prometheus.HistogramVec
 	byTopic  sync.Map // [2]string{consumer, topic} -> *topicCounters
 }
@@ -46,6 +52,8 @@ var (
 	_ consumer.HookRetry      = (*Hook)(nil)
 	_ consumer.HookDeadLetter = (*Hook)(nil)
 	_ consumer.HookBatch      = (*Hook)(nil)
+
+	_ consumer.HookDeadLetterFailed = (*Hook)(nil)
 )
 
 // NewHook registers the consumer metrics with reg.
@@ -59,11 +67,13 @@ func NewHook(reg prometheus.Registerer) *Hook {
 			Help: "Messages published to their dead-letter topic, by the topic they came from."}, []string{"consumer", "topic"}),
 		lag: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "onceflow_consumer_lag_seconds",
 			Help: "Age (now minus Kafka timestamp) of the record finished last in the partition."}, []string{"consumer", "topic", "partition"}),
+		dlqFail: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "onceflow_consumer_dead_letter_failures_total",
+			Help: "Failed publishes of dead letters (retried; the message's partition waits), by the topic they came from. reason=topic-missing lasts until the dead-letter topic is created."}, []string{"consumer", "topic", "reason"}),
 		txn: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "onceflow_consumer_transaction_seconds",
 			Help:    "Begin to commit of committed consumer transactions (dedup record plus handler).",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16)}, []string{"consumer", "mode"}),
 	}
-	reg.MustRegister(h.messages, h.retries, h.dead, h.lag, h.txn)
+	reg.MustRegister(h.messages, h.retries, h.dead, h.lag, h.dlqFail, h.txn)
 	return h
 }
 
@@ -118,4 +128,13 @@ func (h *Hook) counters(name, topic string) *topicCounters {
 // OnDeadLetter implements consumer.HookDeadLetter.
 func (h *Hook) OnDeadLetter(e consumer.DeadLetterEvent) {
 	h.counters(e.Consumer, e.Message.Topic).dead.Inc()
+}
+
+// OnDeadLetterFailed implements consumer.HookDeadLetterFailed.
+func (h *Hook) OnDeadLetterFailed(e consumer.DeadLetterFailedEvent) {
+	reason := "other"
+	if e.TopicMissing {
+		reason = "topic-missing"
+	}
+	h.dlqFail.WithLabelValues(e.Consumer, e.Message.Topic, reason).Inc()
 }

@@ -3,6 +3,7 @@ package consumerprom_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -95,5 +96,54 @@ onceflow_consumer_dead_letters_total{consumer="ledger",topic="t"} 1
 	}
 	for _, p := range problems {
 		t.Errorf("promlint: %s: %s", p.Metric, p.Text)
+	}
+}
+
+// missingDLQ fails its first dead-letter publish as a missing topic, its
+// second as something else.
+type missingDLQ struct {
+	transport
+	calls int
+}
+
+func (m *missingDLQ) PublishDeadLetter(context.Context, consumer.DeadLetter) error {
+	m.calls++
+	switch m.calls {
+	case 1:
+		return fmt.Errorf("publish: %w", consumer.ErrDeadLetterTopicMissing)
+	case 2:
+		return errors.New("broker unavailable")
+	}
+	return nil
+}
+
+func TestHookCountsDeadLetterFailures(t *testing.T) {
+	schema := pgtest.Schema(t)
+	reg := prometheus.NewPedanticRegistry()
+	hook := consumerprom.NewHook(reg)
+	p, err := consumer.New(pgtest.Pool(t), "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		return consumer.Permanent(errors.New("bad"))
+	}, &consumer.Config{Schema: schema, MinBackoff: time.Millisecond, MaxBackoff: time.Millisecond, Hooks: []consumer.Hook{hook}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := &missingDLQ{transport: transport{last: make(chan int64, 1)}}
+	ctx := context.Background()
+	w := p.StartPartition(ctx, tr)
+	defer w.Stop(ctx)
+	_ = w.Add(ctx, consumer.Message{Topic: "t", Headers: []consumer.Header{{Key: "message-id", Value: []byte("a")}}})
+	select {
+	case <-tr.last:
+	case <-time.After(20 * time.Second):
+		t.Fatal("message not finished")
+	}
+	want := `
+# HELP onceflow_consumer_dead_letter_failures_total Failed publishes of dead letters (retried; the message's partition waits), by the topic they came from. reason=topic-missing lasts until the dead-letter topic is created.
+# TYPE onceflow_consumer_dead_letter_failures_total counter
+onceflow_consumer_dead_letter_failures_total{consumer="ledger",reason="other",topic="t"} 1
+onceflow_consumer_dead_letter_failures_total{consumer="ledger",reason="topic-missing",topic="t"} 1
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "onceflow_consumer_dead_letter_failures_total"); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -41,6 +41,14 @@ type Config struct {
 	// RequiredAcks all, murmur2 partitioning and a 5ms BatchTimeout
 	// (kafka-go's defaults are acks=none and 1s).
 	DeadLetterWriter *kafka.Writer
+	// StopOnMissingDeadLetterTopic makes Run stop (draining and
+	// committing what finished, as at shutdown) and return an error
+	// wrapping consumer.ErrDeadLetterTopicMissing when a dead letter
+	// cannot be published because its topic does not exist. Otherwise the
+	// message's partition waits, retrying, with an Error log and a
+	// consumer.HookDeadLetterFailed event per failed publish, until the
+	// topic is created. onceflow never creates topics. Defaults to false.
+	StopOnMissingDeadLetterTopic bool
 	// Logger receives fetch and commit errors (Warn). Defaults to
 	// discarding.
 	Logger *slog.Logger
@@ -57,9 +65,11 @@ type Consumer struct {
 	// at shutdown; nil when the user supplied the Writer.
 	ownTransport *kafka.Transport
 
-	mu    sync.Mutex
-	parts map[tp]*consumer.Partition
-	marks map[tp]kafka.Message // highest finished message per partition, not yet committed
+	mu      sync.Mutex
+	stopRun context.CancelFunc
+	err     error // why Run stopped on its own
+	parts   map[tp]*consumer.Partition
+	marks   map[tp]kafka.Message // highest finished message per partition, not yet committed
 }
 
 type tp struct {
@@ -145,10 +155,17 @@ func New(p *consumer.Processor, cfg *Config) (*Consumer, error) {
 
 // Run joins the group and processes messages until ctx is canceled, then
 // drains (see Config.ShutdownGrace), commits what finished, closes the
-// Reader and returns nil.
+// Reader and returns nil. After the same drain it returns an error when
+// Config.StopOnMissingDeadLetterTopic stopped it.
 func (c *Consumer) Run(ctx context.Context) error {
 	procCtx, cancelProc := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelProc()
+	outer := ctx
+	ctx, stopRun := context.WithCancel(ctx)
+	defer stopRun()
+	c.mu.Lock()
+	c.stopRun = stopRun
+	c.mu.Unlock()
 	r := kafka.NewReader(c.cfg.Reader)
 
 	commitDone := make(chan struct{})
@@ -225,7 +242,23 @@ func (c *Consumer) Run(ctx context.Context) error {
 		_ = c.writer.Close()
 		c.ownTransport.CloseIdleConnections()
 	}
-	return nil
+	if outer.Err() != nil {
+		return nil
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.err
+}
+
+// fail stops Run with err, once.
+func (c *Consumer) fail(err error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.err == nil {
+		c.err = err
+		c.log.Error("kafkagoconsumer: stopping", "error", err)
+		c.stopRun()
+	}
 }
 
 // commit commits the highest finished offset of every partition with new
@@ -276,10 +309,36 @@ func (t *transport) PublishDeadLetter(ctx context.Context, d consumer.DeadLetter
 	for i, h := range d.Headers {
 		m.Headers[i] = kafka.Header{Key: h.Key, Value: h.Value}
 	}
-	if err := t.c.writer.WriteMessages(ctx, m); err != nil {
+	err := t.c.writer.WriteMessages(ctx, m)
+	switch {
+	case err == nil:
+		return nil
+	case unknownTopic(err):
+		err = fmt.Errorf("kafkagoconsumer: publish dead letter to %s: %w: %w", d.Topic, consumer.ErrDeadLetterTopicMissing, err)
+		if t.c.cfg.StopOnMissingDeadLetterTopic {
+			t.c.fail(err)
+		}
+		return err
+	default:
 		return fmt.Errorf("kafkagoconsumer: publish dead letter to %s: %w", d.Topic, err)
 	}
-	return nil
+}
+
+// unknownTopic reports whether a Writer's error says the topic does not
+// exist; kafka.WriteErrors does not unwrap.
+func unknownTopic(err error) bool {
+	if errors.Is(err, kafka.UnknownTopicOrPartition) {
+		return true
+	}
+	var we kafka.WriteErrors
+	if errors.As(err, &we) {
+		for _, e := range we {
+			if e != nil && errors.Is(e, kafka.UnknownTopicOrPartition) {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // Message converts a kafka-go message; Raw holds m.

@@ -14,7 +14,7 @@ import (
 )
 
 var adapter = conformance.Adapter{
-	New: func(p *consumer.Processor, brokers []string, group string, topics []string) (conformance.Runner, error) {
+	New: func(p *consumer.Processor, brokers []string, group string, topics []string, o conformance.Options) (conformance.Runner, error) {
 		return kafkagoconsumer.New(p, &kafkagoconsumer.Config{
 			Reader: kafka.ReaderConfig{
 				Brokers:           brokers,
@@ -29,6 +29,8 @@ var adapter = conformance.Adapter{
 				ReadBackoffMax:    200 * time.Millisecond,
 			},
 			CommitInterval: 200 * time.Millisecond,
+
+			StopOnMissingDeadLetterTopic: o.StopOnMissingDeadLetterTopic,
 		})
 	},
 }

@@ -8,6 +8,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/onceflow/onceflow/consumer"
@@ -44,6 +45,14 @@ type Config struct {
 	ShutdownGrace time.Duration
 	// MaxPollRecords bounds the records taken per poll. Defaults to 1000.
 	MaxPollRecords int
+	// StopOnMissingDeadLetterTopic makes Run stop (draining and
+	// committing what finished, as at shutdown) and return an error
+	// wrapping consumer.ErrDeadLetterTopicMissing when a dead letter
+	// cannot be published because its topic does not exist. Otherwise the
+	// message's partition waits, retrying, with an Error log and a
+	// consumer.HookDeadLetterFailed event per failed publish, until the
+	// topic is created. onceflow never creates topics. Defaults to false.
+	StopOnMissingDeadLetterTopic bool
 	// Logger receives fetch and commit errors (Warn). Defaults to
 	// discarding.
 	Logger *slog.Logger
@@ -61,6 +70,8 @@ type Consumer struct {
 	mu      sync.Mutex
 	parts   map[tp]*partition
 	procCtx context.Context // parent of every partition's work; see Run
+	stopRun context.CancelFunc
+	err     error // why Run stopped on its own
 }
 
 type tp struct {
@@ -123,12 +134,18 @@ func New(p *consumer.Processor, cfg *Config) (*Consumer, error) {
 
 // Run joins the group and processes messages until ctx is canceled, then
 // drains (see Config.ShutdownGrace), commits what finished, leaves the group
-// and returns nil. It returns an error only when the client cannot start.
+// and returns nil. It returns an error when the client cannot start, or,
+// after the same drain, when Config.StopOnMissingDeadLetterTopic stopped
+// it.
 func (c *Consumer) Run(ctx context.Context) error {
 	procCtx, cancelProc := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelProc()
+	outer := ctx
+	ctx, stopRun := context.WithCancel(ctx)
+	defer stopRun()
 	c.mu.Lock()
 	c.procCtx = procCtx
+	c.stopRun = stopRun
 	c.mu.Unlock()
 
 	opts := append([]kgo.Opt{kgo.SeedBrokers(c.cfg.Brokers...)}, c.connOpts...)
@@ -178,7 +195,23 @@ func (c *Consumer) Run(ctx context.Context) error {
 	}
 	cancel()
 	cl.CloseAllowingRebalance()
-	return nil
+	if outer.Err() != nil {
+		return nil
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.err
+}
+
+// fail stops Run with err, once.
+func (c *Consumer) fail(err error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.err == nil {
+		c.err = err
+		c.log.Error("kgoconsumer: stopping", "error", err)
+		c.stopRun()
+	}
 }
 
 func (c *Consumer) hasPending() bool {
@@ -216,7 +249,7 @@ func (c *Consumer) dispatch(cl *kgo.Client, fetches kgo.Fetches) {
 		key := tp{f.Topic, f.Partition}
 		p := c.parts[key]
 		if p == nil {
-			p = &partition{w: c.p.StartPartition(c.procCtx, &transport{cl: cl})}
+			p = &partition{w: c.p.StartPartition(c.procCtx, &transport{c: c, cl: cl})}
 			c.parts[key] = p
 		}
 		msgs := make([]consumer.Message, len(f.Records))
@@ -298,6 +331,7 @@ func (c *Consumer) stopParts(ps []*partition, abandon bool) {
 
 // transport marks and dead-letters through the group's client.
 type transport struct {
+	c  *Consumer
 	cl *kgo.Client
 }
 
@@ -312,10 +346,19 @@ func (t *transport) PublishDeadLetter(ctx context.Context, d consumer.DeadLetter
 	for i, h := range d.Headers {
 		r.Headers[i] = kgo.RecordHeader{Key: h.Key, Value: h.Value}
 	}
-	if err := t.cl.ProduceSync(ctx, r).FirstErr(); err != nil {
+	err := t.cl.ProduceSync(ctx, r).FirstErr()
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, kerr.UnknownTopicOrPartition):
+		err = fmt.Errorf("kgoconsumer: publish dead letter to %s: %w: %w", d.Topic, consumer.ErrDeadLetterTopicMissing, err)
+		if t.c.cfg.StopOnMissingDeadLetterTopic {
+			t.c.fail(err)
+		}
+		return err
+	default:
 		return fmt.Errorf("kgoconsumer: publish dead letter to %s: %w", d.Topic, err)
 	}
-	return nil
 }
 
 // Message converts a franz-go record; Raw holds r.

@@ -15,12 +15,14 @@ import (
 
 var adapter = conformance.Adapter{
 	HidesAborted: true,
-	New: func(p *consumer.Processor, brokers []string, group string, topics []string) (conformance.Runner, error) {
+	New: func(p *consumer.Processor, brokers []string, group string, topics []string, o conformance.Options) (conformance.Runner, error) {
 		return kgoconsumer.New(p, &kgoconsumer.Config{
 			Brokers:        brokers,
 			Topics:         topics,
 			Group:          group,
 			CommitInterval: 200 * time.Millisecond,
+
+			StopOnMissingDeadLetterTopic: o.StopOnMissingDeadLetterTopic,
 			ClientOpts: []kgo.Opt{
 				kgo.MetadataMinAge(100 * time.Millisecond),
 				kgo.SessionTimeout(1500 * time.Millisecond),

@@ -101,7 +101,7 @@ func childMain(a Adapter) error {
 	if err != nil {
 		return err
 	}
-	r, err := a.New(p, strings.Split(get("BROKERS"), ","), get("GROUP"), []string{get("TOPIC")})
+	r, err := a.New(p, strings.Split(get("BROKERS"), ","), get("GROUP"), []string{get("TOPIC")}, Options{})
 	if err != nil {
 		return err
 	}

@@ -32,10 +32,16 @@ type Runner interface {
 type Adapter struct {
 	// New returns a consumer of topics in group, with group timeouts short
 	// enough for tests (a killed member must be evicted within seconds).
-	New func(p *consumer.Processor, brokers []string, group string, topics []string) (Runner, error)
+	New func(p *consumer.Processor, brokers []string, group string, topics []string, o Options) (Runner, error)
 	// HidesAborted reports whether records of aborted transactions are
 	// hidden from the handler (read_committed).
 	HidesAborted bool
+}
+
+// Options are the adapter settings a suite test asks for.
+type Options struct {
+	// StopOnMissingDeadLetterTopic sets the adapter's option of that name.
+	StopOnMissingDeadLetterTopic bool
 }
 
 // env is what a suite test needs: PostgreSQL, Kafka, and an effects table
@@ -102,29 +108,62 @@ func (e *env) processor(t *testing.T, name string, cfg *consumer.Config) *consum
 // ends); stop checks that Run returned nil in time.
 func (e *env) start(t *testing.T, p *consumer.Processor, group string, topics ...string) (stop func()) {
 	t.Helper()
-	r, err := e.a.New(p, e.k.Brokers, group, topics)
+	r := e.startWith(t, p, Options{}, group, topics...)
+	return func() {
+		if err := r.stop(); err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	}
+}
+
+// running is a consumer started by startWith.
+type running struct {
+	t      *testing.T
+	cancel context.CancelFunc
+	done   chan error
+	once   sync.Once
+	err    error
+}
+
+// stop cancels Run and returns its error; it fails the test if Run does
+// not return within 30s.
+func (r *running) stop() error {
+	r.once.Do(func() {
+		r.cancel()
+		select {
+		case r.err = <-r.done:
+		case <-time.After(30 * time.Second):
+			r.t.Errorf("Run did not return within 30s of cancel")
+		}
+	})
+	return r.err
+}
+
+// wait returns Run's error once it returns on its own, failing the test
+// after timeout.
+func (r *running) wait(timeout time.Duration) error {
+	r.t.Helper()
+	select {
+	case err := <-r.done:
+		r.once.Do(func() { r.err = err })
+		return err
+	case <-time.After(timeout):
+		r.t.Fatalf("Run did not return on its own within %v", timeout)
+		return nil
+	}
+}
+
+func (e *env) startWith(t *testing.T, p *consumer.Processor, o Options, group string, topics ...string) *running {
+	t.Helper()
+	r, err := e.a.New(p, e.k.Brokers, group, topics, o)
 	if err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	var once sync.Once
-	stop = func() {
-		once.Do(func() {
-			cancel()
-			select {
-			case err := <-done:
-				if err != nil {
-					t.Errorf("Run: %v", err)
-				}
-			case <-time.After(30 * time.Second):
-				t.Errorf("Run did not return within 30s of cancel")
-			}
-		})
-	}
-	t.Cleanup(stop)
-	return stop
+	run := &running{t: t, cancel: cancel, done: make(chan error, 1)}
+	go func() { run.done <- r.Run(ctx) }()
+	t.Cleanup(func() { _ = run.stop() })
+	return run
 }
 
 type rec struct {

@@ -2,7 +2,10 @@ package conformance
 
 import (
 	"context"
+	"errors"
+	"log/slog"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -17,6 +20,7 @@ import (
 func Run(t *testing.T, a Adapter) {
 	t.Run("RedeliveryAndRepublishHaveOneEffect", func(t *testing.T) { testDedup(t, a) })
 	t.Run("DeadLetters", func(t *testing.T) { testDeadLetters(t, a) })
+	t.Run("MissingDeadLetterTopic", func(t *testing.T) { testMissingDeadLetterTopic(t, a) })
 	t.Run("InOrder", func(t *testing.T) { testMode(t, a, "in-order") })
 	t.Run("KeyParallel", func(t *testing.T) { testMode(t, a, "key-parallel") })
 	t.Run("Batch", func(t *testing.T) { testMode(t, a, "batch") })
@@ -284,5 +288,80 @@ func testShutdownDrains(t *testing.T, a Adapter) {
 	e.exactlyOnce(t, "ledger", 1)
 	if !e.committed(t, "g", topic) {
 		t.Fatal("the drained message's offset was not committed at shutdown")
+	}
+}
+
+// deadLetterFailures counts failed dead-letter publishes.
+type deadLetterFailures struct{ all, missing atomic.Int64 }
+
+func (d *deadLetterFailures) OnDeadLetterFailed(e consumer.DeadLetterFailedEvent) {
+	d.all.Add(1)
+	if e.TopicMissing {
+		d.missing.Add(1)
+	}
+}
+
+// errorLog counts Error records that name the dead-letter topic.
+type errorLog struct {
+	dlq string
+	n   atomic.Int64
+}
+
+func (h *errorLog) Enabled(_ context.Context, l slog.Level) bool { return l >= slog.LevelError }
+func (h *errorLog) Handle(_ context.Context, r slog.Record) error {
+	r.Attrs(func(a slog.Attr) bool {
+		if a.Key == "dlq" && a.Value.String() == h.dlq && strings.Contains(r.Message, "does not exist") {
+			h.n.Add(1)
+		}
+		return true
+	})
+	return nil
+}
+func (h *errorLog) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h *errorLog) WithGroup(string) slog.Handler      { return h }
+
+// testMissingDeadLetterTopic: the dead-letter topic does not exist (and
+// the broker does not create topics). The partition waits, loudly: an
+// Error log and a HookDeadLetterFailed event per failed publish, nothing
+// committed past the message. Once the topic exists the dead letter goes
+// out and the partition moves on. With StopOnMissingDeadLetterTopic, Run
+// returns an error wrapping consumer.ErrDeadLetterTopicMissing instead.
+func testMissingDeadLetterTopic(t *testing.T, a Adapter) {
+	for _, stopRun := range []bool{false, true} {
+		t.Run("stop="+strconv.FormatBool(stopRun), func(t *testing.T) {
+			e := setup(t, a)
+			topic := e.k.Topic(t, 1)
+			e.produce(t, topic, rec{id: "id-0", value: "ok"}, rec{id: "bad", value: "perm"}, rec{id: "id-1", value: "ok"})
+			fails := &deadLetterFailures{}
+			logs := &errorLog{dlq: topic + ".dlq"}
+			p := e.processor(t, "ledger", &consumer.Config{Hooks: []consumer.Hook{fails}, Logger: slog.New(logs)})
+			r := e.startWith(t, p, Options{StopOnMissingDeadLetterTopic: stopRun}, "g", topic)
+			if stopRun {
+				err := r.wait(90 * time.Second)
+				if !errors.Is(err, consumer.ErrDeadLetterTopicMissing) {
+					t.Fatalf("Run returned %v, want an error wrapping ErrDeadLetterTopicMissing", err)
+				}
+				if off := e.committedOffset(t, "g", topic, 0); off > 1 {
+					t.Fatalf("committed offset %d, want at most 1: the undelivered dead letter's offset was committed", off)
+				}
+				e.exactlyOnce(t, "ledger", 1)
+				return
+			}
+			waitFor(t, 90*time.Second, "failed dead-letter publishes reported as a missing topic", func() bool {
+				return fails.missing.Load() >= 2 && logs.n.Load() >= 2
+			})
+			if off := e.committedOffset(t, "g", topic, 0); off > 1 {
+				t.Fatalf("committed offset %d while the dead letter is not published, want at most 1", off)
+			}
+			e.k.CreateTopic(t, topic+".dlq", 1, nil)
+			e.waitCommitted(t, "g", topic, 90*time.Second)
+			if err := r.stop(); err != nil {
+				t.Fatalf("Run: %v", err)
+			}
+			e.exactlyOnce(t, "ledger", 2)
+			if dead := e.k.ReadAll(t, topic+".dlq", 1, 20*time.Second); len(dead) != 1 {
+				t.Fatalf("dead letters = %d, want 1", len(dead))
+			}
+		})
 	}
 }
