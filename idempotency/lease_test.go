@@ -34,7 +34,7 @@ func TestDoClaimHeldPastItsWindowIsNotTakenOver(t *testing.T) {
 	b := setup(t)
 	// Window = Lease: the record's window ends while fn still runs with its
 	// lease renewed.
-	f := newFence(t, b, idempotency.FenceConfig{Lease: 2 * time.Second, Window: 2 * time.Second})
+	f := newFence(t, b, idempotency.FenceConfig{Lease: 3 * time.Second, Window: 3 * time.Second})
 	started, release := make(chan struct{}), make(chan struct{})
 	var runs atomic.Int64
 	done := make(chan error, 1)
@@ -73,7 +73,7 @@ func TestLeasedClaimHeldPastItsWindowIsNotTakenOver(t *testing.T) {
 	b := setup(t)
 	started, release := make(chan struct{}), make(chan struct{})
 	var runs atomic.Int64
-	srv := newServer(t, b, idempotency.Config{Mode: idempotency.Leased, Lease: 2 * time.Second, Window: 2 * time.Second},
+	srv := newServer(t, b, idempotency.Config{Mode: idempotency.Leased, Lease: 3 * time.Second, Window: 3 * time.Second},
 		func(w http.ResponseWriter, r *http.Request) {
 			if runs.Add(1) == 1 {
 				close(started)

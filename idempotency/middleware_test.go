@@ -308,7 +308,7 @@ func TestStoredClientAndServerErrors(t *testing.T) {
 func TestLeaseIsRenewedWhileHandlerRuns(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	const lease = 300 * time.Millisecond
+	const lease = time.Second
 	release := make(chan struct{})
 	started := make(chan struct{})
 	srv := newServer(t, b, idempotency.Config{Mode: idempotency.Leased, Lease: lease}, func(w http.ResponseWriter, r *http.Request) {

@@ -105,7 +105,7 @@ func TestFenceAndPurgerWorkInEveryQueryExecMode(t *testing.T) {
 			t.Parallel()
 			b := setupQueryMode(t, qm)
 			ctx := context.Background()
-			f := newFence(t, b, idempotency.FenceConfig{Lease: 600 * time.Millisecond, MaxResultBytes: 8})
+			f := newFence(t, b, idempotency.FenceConfig{Lease: 3 * time.Second, MaxResultBytes: 8})
 			table := pgx.Identifier{b.schema, "idempotency_keys"}.Sanitize()
 
 			var renewed bool
