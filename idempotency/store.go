@@ -20,7 +20,8 @@ import (
 
 // DB is what the package needs from PostgreSQL. *pgxpool.Pool satisfies it
 // (use a pool: the middleware serves concurrent requests); so does *pgx.Conn
-// for single-goroutine use.
+// for single-goroutine use. Any pgx QueryExecMode works, exec and
+// simple_protocol included (PgBouncer in transaction mode).
 type DB interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
