@@ -36,6 +36,7 @@ type Relay struct {
 	log    *slog.Logger
 	wake   chan struct{}
 	ran    atomic.Bool
+	beat   atomic.Int64 // unix nanoseconds of the publish loop's last pass
 
 	// Owned by the publish loop.
 	blocked      map[string]*keyState
@@ -88,6 +89,18 @@ func New(pool *pgxpool.Pool, pub Publisher, cfg *Config) (*Relay, error) {
 
 // InstanceID returns the name this relay uses in relay_instances.
 func (r *Relay) InstanceID() string { return r.cfg.InstanceID }
+
+// LastLoop is when the publish loop last began a pass: a round, or an idle
+// wait of at most PollInterval. It is zero before Run gets past its start
+// checks. A pass waits as long as Kafka takes to acknowledge a round, so a
+// liveness check should allow for that (see the binary's /livez). Safe for
+// concurrent use.
+func (r *Relay) LastLoop() time.Time {
+	if n := r.beat.Load(); n != 0 {
+		return time.Unix(0, n)
+	}
+	return time.Time{}
+}
 
 // Run publishes until ctx is done, then lets the in-flight round finish or
 // fail (what was not acknowledged stays pending), hands its shards back and
@@ -220,6 +233,7 @@ func (r *Relay) signal() {
 func (r *Relay) publishLoop(ctx context.Context) {
 	var ahead *prefetch
 	for ctx.Err() == nil {
+		r.beat.Store(time.Now().UnixNano())
 		if r.leases.hasExcess() {
 			if ahead != nil { // it may hold events of shards about to go
 				r.forgetRound(ctx, ahead.round)

@@ -46,7 +46,7 @@ func TestBadInputIsAUsageError(t *testing.T) {
 }
 
 func TestUnreachableDatabaseFailsAtStart(t *testing.T) {
-	_, err := runCLI(t, "relay", "--database-url", "postgres://postgres@127.0.0.1:1/x?connect_timeout=2", "--brokers", "127.0.0.1:9092")
+	_, err := runCLI(t, "relay", "--database-url", "postgres://postgres@127.0.0.1:1/x?connect_timeout=2", "--brokers", "127.0.0.1:9092", "--wait-for-database=false")
 	if err == nil || errors.Is(err, errUsage) || !strings.Contains(err.Error(), "connect to database") {
 		t.Fatalf("err = %v, want a connection error", err)
 	}

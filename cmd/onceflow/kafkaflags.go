@@ -22,11 +22,13 @@ type kafkaFlags struct {
 	linger                                       time.Duration
 }
 
-// kafkaEnvBool reads a boolean environment variable (1, true, yes, …).
-func kafkaEnvBool(name string) bool {
+// kafkaEnvBool reads a boolean environment variable (1, true, …).
+func kafkaEnvBool(name string) bool { return kafkaEnvBoolDefault(name, false) }
+
+func kafkaEnvBoolDefault(name string, fallback bool) bool {
 	v, ok := os.LookupEnv(name)
 	if !ok || v == "" {
-		return false
+		return fallback
 	}
 	b, err := strconv.ParseBool(v)
 	if err != nil {

@@ -265,6 +265,35 @@ func flatten(s string) string {
 // connect opens a pool and checks the database answers, so a bad URL or a
 // database that is down fails at start with one line.
 func (c *common) connect(ctx context.Context) (*pgxpool.Pool, error) {
+	pool, err := c.open(ctx)
+	if err != nil {
+		return nil, err
+	}
+	pingCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := pool.Ping(pingCtx); err != nil {
+		pool.Close()
+		cfg := pool.Config().ConnConfig
+		return nil, fmt.Errorf("connect to database %s@%s:%d/%s: %w", cfg.User, cfg.Host, cfg.Port, cfg.Database, err)
+	}
+	return pool, nil
+}
+
+// open returns a pool without waiting for the database: pgxpool connects
+// on first use.
+func (c *common) open(ctx context.Context) (*pgxpool.Pool, error) {
+	cfg, err := c.poolConfig()
+	if err != nil {
+		return nil, err
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("connect to database: %w", err)
+	}
+	return pool, nil
+}
+
+func (c *common) poolConfig() (*pgxpool.Config, error) {
 	cfg, err := pgxpool.ParseConfig(c.databaseURL)
 	if err != nil {
 		return nil, fmt.Errorf("--database-url: %w", err)
@@ -272,17 +301,7 @@ func (c *common) connect(ctx context.Context) (*pgxpool.Pool, error) {
 	if _, ok := cfg.ConnConfig.RuntimeParams["application_name"]; !ok {
 		cfg.ConnConfig.RuntimeParams["application_name"] = "onceflow"
 	}
-	pingCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	pool, err := pgxpool.NewWithConfig(pingCtx, cfg)
-	if err != nil {
-		return nil, fmt.Errorf("connect to database: %w", err)
-	}
-	if err := pool.Ping(pingCtx); err != nil {
-		pool.Close()
-		return nil, fmt.Errorf("connect to database %s@%s:%d/%s: %w", cfg.ConnConfig.User, cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.ConnConfig.Database, err)
-	}
-	return pool, nil
+	return cfg, nil
 }
 
 func oneLine(err error) string {

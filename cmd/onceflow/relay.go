@@ -25,20 +25,25 @@ const relaySummary = `Publish committed outbox events to Kafka, at least once an
 until SIGTERM or SIGINT (then hand shards back and exit 0). Several relays may
 run at once: they share the 256 shards between them.
 
-A database that cannot be reached at start is an error (exit 1). After start,
-database and broker outages are logged and waited out; no event is lost.`
+A database that does not answer at start is waited for, with backoff, saying so
+(--wait-for-database=false: exit 1 instead); bad credentials or a missing
+database exit 1 at once. After start, database and broker outages are logged
+and waited out; no event is lost. With --http-addr: /livez (the process and
+its loop are alive), /readyz (database and a broker answer), /metrics.`
 
 func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	var c common
 	fs := newFlagSet("relay", relaySummary, stderr)
 	c.register(fs, true)
-	httpAddr := fs.String("http-addr", env("ONCEFLOW_HTTP_ADDR", ""), "serve /metrics and /healthz here, e.g. :9090; empty: off (env ONCEFLOW_HTTP_ADDR)")
+	httpAddr := fs.String("http-addr", env("ONCEFLOW_HTTP_ADDR", ""), "serve /metrics, /livez and /readyz here, e.g. :9090; empty: off (env ONCEFLOW_HTTP_ADDR)")
 	publisher := fs.String("publisher", env("ONCEFLOW_PUBLISHER", "franz-go"), "Kafka client: franz-go (idempotent producer) or kafka-go (env ONCEFLOW_PUBLISHER)")
 	instanceID := fs.String("instance-id", env("ONCEFLOW_INSTANCE_ID", ""), "unique name of this relay; default host-pid-random (env ONCEFLOW_INSTANCE_ID)")
 	batchSize := fs.Int("batch-size", envInt("ONCEFLOW_BATCH_SIZE", 1000), "events per publish round (env ONCEFLOW_BATCH_SIZE)")
 	poll := fs.Duration("poll-interval", envDuration("ONCEFLOW_POLL_INTERVAL", 500*time.Millisecond), "poll when no notification arrives (env ONCEFLOW_POLL_INTERVAL)")
 	lease := fs.Duration("lease-duration", envDuration("ONCEFLOW_LEASE_DURATION", 6*time.Second), "shard lease; a killed relay's shards move after about this (env ONCEFLOW_LEASE_DURATION)")
 	grace := fs.Duration("unknown-topic-grace", envDuration("ONCEFLOW_UNKNOWN_TOPIC_GRACE", time.Minute), "retry an unknown topic this long before dead-lettering (env ONCEFLOW_UNKNOWN_TOPIC_GRACE)")
+	waitDB := fs.Bool("wait-for-database", kafkaEnvBoolDefault("ONCEFLOW_WAIT_FOR_DATABASE", true), "at start, wait (with backoff, saying so) for a database that does not answer instead of exiting 1; bad credentials or a missing database still exit 1 (env ONCEFLOW_WAIT_FOR_DATABASE)")
+	checkEvery := fs.Duration("kafka-check-interval", envDuration("ONCEFLOW_KAFKA_CHECK_INTERVAL", 5*time.Second), "how often to check a broker answers (logged at Warn and exported as onceflow_relay_kafka_up) (env ONCEFLOW_KAFKA_CHECK_INTERVAL)")
 	var kf kafkaFlags
 	kf.register(fs)
 	if err := c.parse(fs, args, true); err != nil {
@@ -54,9 +59,12 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	if *publisher != "franz-go" && *publisher != "kafka-go" {
 		return fmt.Errorf("%w: --publisher: %q is not franz-go or kafka-go", errUsage, *publisher)
 	}
+	if *checkEvery <= 0 {
+		return fmt.Errorf("%w: --kafka-check-interval: %s is not positive", errUsage, *checkEvery)
+	}
 	log, _ := c.logger(stderr)
 
-	pool, err := c.connect(ctx)
+	pool, err := c.open(ctx)
 	if err != nil {
 		return err
 	}
@@ -76,7 +84,8 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	reg.MustRegister(relayprom.NewBacklogCollector(pool, c.schema))
-	r, err := relay.New(pool, pub, &relay.Config{
+	watch := newBrokerWatch(pub, log, reg, *checkEvery)
+	r, err := relay.New(pool, watch, &relay.Config{
 		Schema:            c.schema,
 		InstanceID:        *instanceID,
 		BatchSize:         *batchSize,
@@ -90,6 +99,7 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 		return fmt.Errorf("%w: %v", errUsage, err)
 	}
 
+	pr := &probes{pool: pool, watch: watch, stallAt: 2*time.Minute + 4**poll}
 	if *httpAddr != "" {
 		ln, err := net.Listen("tcp", *httpAddr)
 		if err != nil {
@@ -97,15 +107,7 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 		}
 		mux := http.NewServeMux()
 		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
-		mux.HandleFunc("/healthz", func(w http.ResponseWriter, req *http.Request) {
-			pingCtx, cancel := context.WithTimeout(req.Context(), 2*time.Second)
-			defer cancel()
-			if err := pool.Ping(pingCtx); err != nil {
-				http.Error(w, "database: "+oneLine(err), http.StatusServiceUnavailable)
-				return
-			}
-			fmt.Fprintln(w, "ok")
-		})
+		pr.register(mux)
 		srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 		go func() {
 			if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
@@ -113,8 +115,19 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 			}
 		}()
 		defer srv.Close()
-		log.Info("serving /metrics and /healthz", "addr", ln.Addr().String())
+		log.Info("serving /metrics, /livez and /readyz", "addr", ln.Addr().String())
 	}
 	log.Info("relay starting", "instance", r.InstanceID(), "publisher", *publisher, "brokers", strings.Join(brokers, ","), "kafka", conn.String(), "schema", c.schema, "pid", os.Getpid())
+	watchCtx, stopWatch := context.WithCancel(ctx)
+	watchDone := make(chan struct{})
+	go func() { defer close(watchDone); watch.run(watchCtx) }()
+	defer func() { stopWatch(); <-watchDone }()
+	if err := waitForDatabase(ctx, pool, log, *waitDB); err != nil {
+		if ctx.Err() != nil {
+			return nil // stopped while waiting: nothing was started
+		}
+		return err
+	}
+	pr.relay.Store(r)
 	return r.Run(ctx)
 }

@@ -208,6 +208,21 @@ func toMessage(r relay.Record) kafka.Message {
 	return m
 }
 
+// Ping checks that a broker answers (and accepts the connection's TLS and
+// SASL settings). Publish retries an unreachable broker until ctx is done:
+// Ping is how to tell sooner. Safe for concurrent use.
+func (p *Publisher) Ping(ctx context.Context) error {
+	cl := &kafka.Client{Addr: p.w.Addr, Transport: p.w.Transport}
+	resp, err := cl.ApiVersions(ctx, &kafka.ApiVersionsRequest{Addr: p.w.Addr})
+	if err == nil && resp.Error != nil {
+		err = resp.Error
+	}
+	if err != nil {
+		return fmt.Errorf("kafkagopublisher: no broker answers: %w", err)
+	}
+	return nil
+}
+
 // Close flushes and closes the writer, and the connections of the
 // transport New built.
 func (p *Publisher) Close() error {

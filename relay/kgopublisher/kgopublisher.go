@@ -165,6 +165,16 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 	return out
 }
 
+// Ping checks that a broker answers (and accepts the connection's TLS and
+// SASL settings). Publish never fails for an unreachable broker, it waits:
+// Ping is how to tell. Safe for concurrent use.
+func (p *Publisher) Ping(ctx context.Context) error {
+	if err := p.cl.Ping(ctx); err != nil {
+		return fmt.Errorf("kgopublisher: no broker answers: %w", err)
+	}
+	return nil
+}
+
 // Close closes the client if New created it.
 func (p *Publisher) Close() error {
 	p.once.Do(func() {

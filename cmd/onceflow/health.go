@@ -1,0 +1,224 @@
+package main
+
+import (
+	"context"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/cenkalti/backoff/v4"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/onceflow/onceflow/relay"
+)
+
+// brokerWatch checks every interval that a Kafka broker answers. A relay's
+// Publish never fails for an unreachable broker (it waits, G7), so without
+// this a wrong address or a cluster outage showed nowhere. It logs the loss
+// at once and then at most every warnEvery while it lasts (Warn), the
+// recovery (Info), and a publish round that Kafka has not acknowledged for
+// warnEvery while the brokers do answer (advertised listeners, ACLs, ISR);
+// it exports onceflow_relay_kafka_up, onceflow_relay_kafka_check_failures_total
+// and onceflow_relay_publish_waiting_seconds.
+type brokerWatch struct {
+	relay.Publisher
+	ping      func(context.Context) error
+	log       *slog.Logger
+	interval  time.Duration
+	warnEvery time.Duration
+
+	up      atomic.Bool
+	checked atomic.Bool
+	since   atomic.Int64 // unix ns a Publish began, 0 when none is in flight
+
+	upGauge  prometheus.Gauge
+	failures prometheus.Counter
+}
+
+// newBrokerWatch wraps pub (Publish calls are timed) and registers the
+// metrics in reg.
+func newBrokerWatch(pub relay.Publisher, log *slog.Logger, reg prometheus.Registerer, interval time.Duration) *brokerWatch {
+	w := &brokerWatch{Publisher: pub, log: log, interval: interval, warnEvery: 30 * time.Second}
+	if p, ok := pub.(interface{ Ping(context.Context) error }); ok {
+		w.ping = p.Ping
+	} else {
+		w.ping = func(context.Context) error { return nil }
+	}
+	w.upGauge = prometheus.NewGauge(prometheus.GaugeOpts{Name: "onceflow_relay_kafka_up",
+		Help: "1 if a Kafka broker answered the relay's last check (every --kafka-check-interval), 0 if none did."})
+	w.failures = prometheus.NewCounter(prometheus.CounterOpts{Name: "onceflow_relay_kafka_check_failures_total",
+		Help: "Checks in which no Kafka broker answered."})
+	waiting := prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "onceflow_relay_publish_waiting_seconds",
+		Help: "How long the publish round in flight has waited for Kafka's acknowledgements; 0 when none is in flight."},
+		func() float64 { return w.waiting().Seconds() })
+	reg.MustRegister(w.upGauge, w.failures, waiting)
+	return w
+}
+
+// Publish times the call, for the stuck-round warning and /livez.
+func (w *brokerWatch) Publish(ctx context.Context, records []relay.Record) []error {
+	w.since.Store(time.Now().UnixNano())
+	defer w.since.Store(0)
+	return w.Publisher.Publish(ctx, records)
+}
+
+func (w *brokerWatch) waiting() time.Duration {
+	if s := w.since.Load(); s != 0 {
+		return time.Since(time.Unix(0, s))
+	}
+	return 0
+}
+
+// reachable reports the last check's outcome; true before the first.
+func (w *brokerWatch) reachable() bool { return !w.checked.Load() || w.up.Load() }
+
+func (w *brokerWatch) run(ctx context.Context) {
+	var downSince, lastWarn, lastStuck time.Time
+	t := time.NewTicker(w.interval)
+	defer t.Stop()
+	for {
+		pingCtx, cancel := context.WithTimeout(ctx, max(w.interval, 5*time.Second))
+		err := w.ping(pingCtx)
+		cancel()
+		if ctx.Err() != nil {
+			return
+		}
+		now := time.Now()
+		switch {
+		case err != nil:
+			w.failures.Inc()
+			w.upGauge.Set(0)
+			w.up.Store(false)
+			if downSince.IsZero() {
+				downSince, lastWarn = now, now
+				w.log.Warn("relay: cannot reach any Kafka broker; events wait in the outbox", "err", err)
+			} else if now.Sub(lastWarn) >= w.warnEvery {
+				lastWarn = now
+				w.log.Warn("relay: still cannot reach any Kafka broker; events wait in the outbox", "for", now.Sub(downSince).Round(time.Second), "err", err)
+			}
+		default:
+			w.upGauge.Set(1)
+			w.up.Store(true)
+			if !downSince.IsZero() {
+				w.log.Info("relay: Kafka reachable again", "after", now.Sub(downSince).Round(time.Second))
+				downSince = time.Time{}
+			}
+			if d := w.waiting(); d >= w.warnEvery && now.Sub(lastStuck) >= w.warnEvery {
+				lastStuck = now
+				w.log.Warn("relay: brokers answer but have not acknowledged the publish round in flight (check advertised listeners, ACLs, in-sync replicas)", "waiting", d.Round(time.Second))
+			}
+		}
+		w.checked.Store(true)
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// probes serves /livez and /readyz (and /healthz, an alias of /readyz
+// kept for existing probes). Bodies name no user, host or database.
+type probes struct {
+	pool    *pgxpool.Pool
+	watch   *brokerWatch
+	relay   atomic.Pointer[relay.Relay] // nil while waiting for the database
+	stallAt time.Duration               // /livez fails when the loop has not passed for this long
+}
+
+func (p *probes) register(mux *http.ServeMux) {
+	mux.HandleFunc("/livez", p.livez)
+	mux.HandleFunc("/readyz", p.readyz)
+	mux.HandleFunc("/healthz", p.readyz)
+}
+
+// livez: the process runs and its publish loop is progressing, or waiting
+// on purpose (for the database at start, or for Kafka to acknowledge).
+func (p *probes) livez(w http.ResponseWriter, _ *http.Request) {
+	r := p.relay.Load()
+	if r == nil {
+		fmt.Fprintln(w, "ok: starting")
+		return
+	}
+	last := r.LastLoop()
+	if last.IsZero() || time.Since(last) < p.stallAt || p.watch.waiting() > 0 {
+		fmt.Fprintln(w, "ok")
+		return
+	}
+	http.Error(w, fmt.Sprintf("publish loop stalled for %s", time.Since(last).Round(time.Second)), http.StatusServiceUnavailable)
+}
+
+// readyz: the database and a Kafka broker answer.
+func (p *probes) readyz(w http.ResponseWriter, req *http.Request) {
+	var bad []string
+	pingCtx, cancel := context.WithTimeout(req.Context(), 2*time.Second)
+	defer cancel()
+	if err := p.pool.Ping(pingCtx); err != nil {
+		bad = append(bad, "database unreachable")
+	}
+	if !p.watch.reachable() {
+		bad = append(bad, "kafka unreachable")
+	}
+	if len(bad) == 0 && p.relay.Load() == nil {
+		bad = append(bad, "starting")
+	}
+	if len(bad) > 0 {
+		http.Error(w, strings.Join(bad, "; "), http.StatusServiceUnavailable)
+		return
+	}
+	fmt.Fprintln(w, "ok")
+}
+
+// waitForDatabase pings until the database answers, with backoff (1 s up
+// to 30 s), logging each failure at Warn. Errors that waiting cannot fix
+// (authentication, a database that does not exist, a certificate that does
+// not verify) return at once, as does every error when wait is false.
+func waitForDatabase(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger, wait bool) error {
+	bo := backoff.NewExponentialBackOff()
+	bo.InitialInterval, bo.MaxInterval, bo.MaxElapsedTime = time.Second, 30*time.Second, 0
+	start := time.Now()
+	for {
+		pingCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		err := pool.Ping(pingCtx)
+		cancel()
+		switch {
+		case err == nil:
+			if time.Since(start) > time.Second {
+				log.Info("relay: database answers", "after", time.Since(start).Round(time.Second))
+			}
+			return nil
+		case ctx.Err() != nil:
+			return ctx.Err()
+		case !wait || permanentDBError(err):
+			cfg := pool.Config().ConnConfig
+			return fmt.Errorf("connect to database %s@%s:%d/%s: %w", cfg.User, cfg.Host, cfg.Port, cfg.Database, err)
+		}
+		next := bo.NextBackOff()
+		log.Warn("relay: database unreachable; waiting for it (--wait-for-database)", "err", oneLine(err), "retry_in", next.Round(100*time.Millisecond))
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(next):
+		}
+	}
+}
+
+// permanentDBError: waiting will not help.
+func permanentDBError(err error) bool {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		// 28xxx: invalid authorization; 3D000: no such database.
+		return strings.HasPrefix(pgErr.Code, "28") || pgErr.Code == "3D000"
+	}
+	var unknownCA x509.UnknownAuthorityError
+	var hostname x509.HostnameError
+	var invalid x509.CertificateInvalidError
+	return errors.As(err, &unknownCA) || errors.As(err, &hostname) || errors.As(err, &invalid)
+}
