@@ -1,13 +1,15 @@
 // Command onceflow migrates onceflow's schema, runs the outbox relay,
 // reports status, manages dead letters and runs a demo.
 //
-//	onceflow migrate up|down|status
+//	onceflow migrate up|down|status|print
 //	onceflow relay
-//	onceflow status
-//	onceflow dead list|replay
+//	onceflow status [--json]
+//	onceflow dead list|replay|discard
 //	onceflow demo
+//	onceflow version
 //
-// Every flag can also come from the environment variable named in its help.
+// Every flag except the demo's can also come from the environment variable
+// named in its help. The demo reads only its flags.
 package main
 
 import (
@@ -32,11 +34,15 @@ import (
 const usage = `onceflow: effectively-once effects on PostgreSQL and Kafka.
 
 Usage:
-  onceflow migrate up|down|status   apply, revert (one step) or list schema migrations
+  onceflow migrate up|down|status|print
+                                    apply, revert (one step) or list schema migrations,
+                                    or print them as SQL for your own migration tool
   onceflow relay                    publish committed outbox events to Kafka until SIGTERM/SIGINT
   onceflow status                   backlog, oldest pending event, dead letters, relays and shards
-  onceflow dead list|replay         show dead-lettered events, or move them back into the outbox
+  onceflow dead list|replay|discard show dead-lettered events, move them back into the outbox,
+                                    or delete them for good
   onceflow demo                     run the whole story on this machine, with an embedded Kafka
+  onceflow version                  print the version and VCS revision (also --version)
 
 Run 'onceflow COMMAND --help' for a command's flags.
 `
@@ -84,6 +90,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return runDemoConsumer(ctx, rest, stdout, stderr)
 	case "demo-postgres": // internal: the demo's embedded PostgreSQL
 		return runDemoPostgres(ctx, rest, stdout, stderr)
+	case "version", "--version":
+		return runVersion(rest, stdout, stderr)
 	case "help", "-h", "--help":
 		fmt.Fprint(stdout, usage)
 		return nil

@@ -75,6 +75,7 @@ func TestRelayServesMetricsAndHealth(t *testing.T) {
 	for _, want := range []string{
 		"onceflow_relay_dead_lettered_total 1",
 		"onceflow_relay_owned_shards 256",
+		`onceflow_build_info{goversion="go`,
 		"onceflow_outbox_backlog_events 0",
 		"onceflow_outbox_dead_events 1",
 		"onceflow_outbox_scrape_ok 1",

@@ -84,6 +84,7 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	reg.MustRegister(relayprom.NewBacklogCollector(pool, c.schema))
+	reg.MustRegister(buildInfoGauge())
 	watch := newBrokerWatch(pub, log, reg, *checkEvery)
 	r, err := relay.New(pool, watch, &relay.Config{
 		Schema:            c.schema,
