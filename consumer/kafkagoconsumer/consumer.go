@@ -17,29 +17,38 @@ import (
 
 // Config configures a Consumer. Reader.Brokers and the topics are required.
 type Config struct {
-	// Reader configures the kafka-go Reader. Brokers and GroupTopics (or
-	// Topic) are required; GroupID defaults to the Processor's name;
-	// Partition must be unset. CommitInterval is ignored: the Consumer
-	// commits itself (see CommitInterval below). MaxWait defaults to 500ms
-	// rather than kafka-go's 10s. IsolationLevel is ignored by kafka-go's
-	// Reader; see the package doc. Other zero fields keep kafka-go's
-	// defaults.
+	// Reader holds the group and fetch settings, named as for a kafka-go
+	// Reader; the Consumer does not build a Reader (see the package doc).
+	// Brokers and GroupTopics (or Topic) are required; GroupID defaults to
+	// the Processor's name; Partition must be unset. Used as kafka-go uses
+	// them: Dialer (TLS, SASL, client id: for the group coordinator and
+	// for fetches), GroupBalancers, HeartbeatInterval, SessionTimeout,
+	// RebalanceTimeout, JoinGroupBackoff, RetentionTime, StartOffset,
+	// WatchPartitionChanges, PartitionWatchInterval, MinBytes, MaxBytes,
+	// MaxWait (defaults to 500ms rather than 10s), ReadBackoffMin/Max (the
+	// wait after a failed fetch), IsolationLevel, Logger and ErrorLogger.
+	// CommitInterval, QueueCapacity and the Reader's other fields are
+	// ignored. Other zero fields keep kafka-go's defaults.
 	Reader kafka.ReaderConfig
 	// Conn is how to reach the brokers: client id, TLS, SASL. It becomes
-	// Reader.Dialer and the default dead-letter Writer's transport. Set
-	// Conn or Reader.Dialer, not both. Defaults to plaintext without
+	// Reader.Dialer (for the group coordinator), the fetches' transport and
+	// the default dead-letter Writer's transport. Set Conn or
+	// Reader.Dialer, not both. Defaults to plaintext without
 	// authentication.
 	Conn kafkaconn.Config
 	// CommitInterval is how often offsets of finished messages are
-	// committed; they are also committed at shutdown. Defaults to 1s.
+	// committed; they are also committed when the generation ends (a
+	// rebalance) and at shutdown. Defaults to 1s.
 	CommitInterval time.Duration
 	// ShutdownGrace is how long a transaction in flight may take to finish
-	// at shutdown before it is canceled and rolled back. Defaults to 5s.
+	// when the generation ends (a rebalance, shutdown) before it is
+	// canceled and rolled back. Defaults to 5s.
 	ShutdownGrace time.Duration
 	// DeadLetterWriter publishes dead letters; its Topic must be empty (each
 	// record names its own). Defaults to a Writer on Reader.Brokers with
 	// RequiredAcks all, murmur2 partitioning and a 5ms BatchTimeout
-	// (kafka-go's defaults are acks=none and 1s).
+	// (kafka-go's defaults are acks=none and 1s), over Reader.Dialer's TLS
+	// and SASL settings.
 	DeadLetterWriter *kafka.Writer
 	// StopOnMissingDeadLetterTopic makes Run stop (draining and
 	// committing what finished, as at shutdown) and return an error
@@ -49,18 +58,22 @@ type Config struct {
 	// consumer.HookDeadLetterFailed event per failed publish, until the
 	// topic is created. onceflow never creates topics. Defaults to false.
 	StopOnMissingDeadLetterTopic bool
-	// Logger receives fetch and commit errors (Warn). Defaults to
+	// Logger receives group, fetch and commit errors (Warn). Defaults to
 	// discarding.
 	Logger *slog.Logger
 }
 
-// Consumer runs a consumer.Processor over a kafka-go Reader in a consumer
-// group. It is not safe to call Run more than once.
+// Consumer runs a consumer.Processor in a Kafka consumer group over
+// segmentio/kafka-go. It is not safe to call Run more than once.
 type Consumer struct {
-	p      *consumer.Processor
-	cfg    Config
-	log    *slog.Logger
-	writer *kafka.Writer
+	p     *consumer.Processor
+	cfg   Config
+	group kafka.ConsumerGroupConfig
+	log   *slog.Logger
+	// client fetches records and lists offsets over fetchTransport.
+	client         *kafka.Client
+	fetchTransport *kafka.Transport
+	writer         *kafka.Writer
 	// ownTransport is the default dead-letter Writer's transport, closed
 	// at shutdown; nil when the user supplied the Writer.
 	ownTransport *kafka.Transport
@@ -68,13 +81,6 @@ type Consumer struct {
 	mu      sync.Mutex
 	stopRun context.CancelFunc
 	err     error // why Run stopped on its own
-	parts   map[tp]*consumer.Partition
-	marks   map[tp]kafka.Message // highest finished message per partition, not yet committed
-}
-
-type tp struct {
-	topic     string
-	partition int
 }
 
 // New returns a Consumer for p.
@@ -86,12 +92,24 @@ func New(p *consumer.Processor, cfg *Config) (*Consumer, error) {
 		return nil, errors.New("kafkagoconsumer: Config.Reader.Brokers and topics are required")
 	}
 	c := *cfg
-	if c.Reader.GroupID == "" {
-		c.Reader.GroupID = p.Name()
+	r := &c.Reader
+	if r.GroupID == "" {
+		r.GroupID = p.Name()
 	}
-	c.Reader.CommitInterval = 0 // synchronous CommitMessages, called by our committer
-	if c.Reader.MaxWait == 0 {
-		c.Reader.MaxWait = 500 * time.Millisecond
+	if r.MaxWait == 0 {
+		r.MaxWait = 500 * time.Millisecond
+	}
+	if r.MinBytes == 0 {
+		r.MinBytes = 1
+	}
+	if r.MaxBytes == 0 {
+		r.MaxBytes = 1e6
+	}
+	if r.ReadBackoffMin == 0 {
+		r.ReadBackoffMin = 100 * time.Millisecond
+	}
+	if r.ReadBackoffMax == 0 {
+		r.ReadBackoffMax = time.Second
 	}
 	if c.CommitInterval == 0 {
 		c.CommitInterval = time.Second
@@ -102,13 +120,21 @@ func New(p *consumer.Processor, cfg *Config) (*Consumer, error) {
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
 	}
+	topics := r.GroupTopics
+	if len(topics) == 0 && r.Topic != "" {
+		topics = []string{r.Topic}
+	}
 	switch {
-	case len(c.Reader.Brokers) == 0:
+	case len(r.Brokers) == 0:
 		return nil, errors.New("kafkagoconsumer: Config.Reader.Brokers is required")
-	case len(c.Reader.GroupTopics) == 0 && c.Reader.Topic == "":
+	case len(topics) == 0:
 		return nil, errors.New("kafkagoconsumer: Config.Reader.GroupTopics (or Topic) is required")
-	case c.Reader.Partition != 0:
+	case r.Partition != 0:
 		return nil, errors.New("kafkagoconsumer: Config.Reader.Partition must be unset: the Consumer needs a consumer group")
+	case r.MinBytes < 0 || r.MaxBytes < r.MinBytes:
+		return nil, errors.New("kafkagoconsumer: Config.Reader.MinBytes and MaxBytes must satisfy 0 <= MinBytes <= MaxBytes")
+	case r.MaxWait < 0 || r.ReadBackoffMin < 0 || r.ReadBackoffMax < r.ReadBackoffMin:
+		return nil, errors.New("kafkagoconsumer: Config.Reader.MaxWait, ReadBackoffMin and ReadBackoffMax must not be negative, and ReadBackoffMax not below ReadBackoffMin")
 	case c.CommitInterval < 0:
 		return nil, errors.New("kafkagoconsumer: Config.CommitInterval must not be negative")
 	case c.ShutdownGrace < 0:
@@ -116,34 +142,47 @@ func New(p *consumer.Processor, cfg *Config) (*Consumer, error) {
 	case c.DeadLetterWriter != nil && c.DeadLetterWriter.Topic != "":
 		return nil, errors.New("kafkagoconsumer: Config.DeadLetterWriter.Topic must be empty")
 	}
-	if err := kafkaconn.CheckBrokers(c.Reader.Brokers); err != nil {
+	if err := kafkaconn.CheckBrokers(r.Brokers); err != nil {
 		return nil, fmt.Errorf("kafkagoconsumer: Config.Reader.Brokers: %w", err)
 	}
 	if c.Conn != (kafkaconn.Config{}) {
-		if c.Reader.Dialer != nil {
+		if r.Dialer != nil {
 			return nil, errors.New("kafkagoconsumer: Config.Conn and Config.Reader.Dialer are both set; set one")
 		}
 		d, err := kafkagoconn.Dialer(c.Conn)
 		if err != nil {
 			return nil, fmt.Errorf("kafkagoconsumer: Config.Conn.%w", err)
 		}
-		c.Reader.Dialer = d
+		r.Dialer = d
 	}
-	if err := c.Reader.Validate(); err != nil {
+	group := kafka.ConsumerGroupConfig{
+		ID:                     r.GroupID,
+		Brokers:                r.Brokers,
+		Dialer:                 r.Dialer,
+		Topics:                 topics,
+		GroupBalancers:         r.GroupBalancers,
+		HeartbeatInterval:      r.HeartbeatInterval,
+		PartitionWatchInterval: r.PartitionWatchInterval,
+		WatchPartitionChanges:  r.WatchPartitionChanges,
+		SessionTimeout:         r.SessionTimeout,
+		RebalanceTimeout:       r.RebalanceTimeout,
+		JoinGroupBackoff:       r.JoinGroupBackoff,
+		RetentionTime:          r.RetentionTime,
+		StartOffset:            r.StartOffset,
+		Logger:                 r.Logger,
+		ErrorLogger:            r.ErrorLogger,
+	}
+	if err := group.Validate(); err != nil {
 		return nil, fmt.Errorf("kafkagoconsumer: Config.Reader: %w", err)
 	}
-	out := &Consumer{p: p, cfg: c, log: c.Logger.With("consumer", p.Name(), "group", c.Reader.GroupID),
-		parts: map[tp]*consumer.Partition{}, marks: map[tp]kafka.Message{}}
+	out := &Consumer{p: p, cfg: c, group: group, log: c.Logger.With("consumer", p.Name(), "group", r.GroupID)}
+	out.fetchTransport = newTransport(r.Dialer)
+	out.client = &kafka.Client{Addr: kafka.TCP(r.Brokers...), Transport: out.fetchTransport}
 	out.writer = c.DeadLetterWriter
 	if out.writer == nil {
-		out.ownTransport = &kafka.Transport{}
-		if c.Reader.Dialer != nil {
-			out.ownTransport.TLS = c.Reader.Dialer.TLS
-			out.ownTransport.SASL = c.Reader.Dialer.SASLMechanism
-			out.ownTransport.ClientID = c.Reader.Dialer.ClientID
-		}
+		out.ownTransport = newTransport(r.Dialer)
 		out.writer = &kafka.Writer{
-			Addr:         kafka.TCP(c.Reader.Brokers...),
+			Addr:         kafka.TCP(r.Brokers...),
 			RequiredAcks: kafka.RequireAll,
 			Balancer:     &kafka.Murmur2Balancer{},
 			BatchTimeout: 5 * time.Millisecond,
@@ -153,95 +192,52 @@ func New(p *consumer.Processor, cfg *Config) (*Consumer, error) {
 	return out, nil
 }
 
+// newTransport returns a Transport with d's TLS, SASL and client id.
+func newTransport(d *kafka.Dialer) *kafka.Transport {
+	t := &kafka.Transport{}
+	if d != nil {
+		t.TLS = d.TLS
+		t.SASL = d.SASLMechanism
+		t.ClientID = d.ClientID
+	}
+	return t
+}
+
 // Run joins the group and processes messages until ctx is canceled, then
-// drains (see Config.ShutdownGrace), commits what finished, closes the
-// Reader and returns nil. After the same drain it returns an error when
+// drains (see Config.ShutdownGrace), commits what finished, leaves the group
+// and returns nil. After the same drain it returns an error when
 // Config.StopOnMissingDeadLetterTopic stopped it.
 func (c *Consumer) Run(ctx context.Context) error {
-	procCtx, cancelProc := context.WithCancel(context.WithoutCancel(ctx))
-	defer cancelProc()
 	outer := ctx
 	ctx, stopRun := context.WithCancel(ctx)
 	defer stopRun()
 	c.mu.Lock()
 	c.stopRun = stopRun
 	c.mu.Unlock()
-	r := kafka.NewReader(c.cfg.Reader)
-
-	commitDone := make(chan struct{})
-	commitCtx, stopCommitter := context.WithCancel(context.WithoutCancel(ctx))
-	go func() {
-		defer close(commitDone)
-		t := time.NewTicker(c.cfg.CommitInterval)
-		defer t.Stop()
-		for {
-			select {
-			case <-commitCtx.Done():
-				return
-			case <-t.C:
-				c.commit(commitCtx, r)
-			}
-		}
-	}()
-
+	cg, err := kafka.NewConsumerGroup(c.group)
+	if err != nil {
+		return fmt.Errorf("kafkagoconsumer: consumer group: %w", err)
+	}
 	for {
-		m, err := r.FetchMessage(ctx)
+		gen, err := cg.Next(ctx)
 		if ctx.Err() != nil {
 			break
 		}
 		if err != nil {
-			c.log.Warn("kafkagoconsumer: fetch failed", "error", err)
-			select {
-			case <-ctx.Done():
-			case <-time.After(100 * time.Millisecond):
-			}
+			c.log.Warn("kafkagoconsumer: joining the group failed; retrying", "error", err)
 			continue
 		}
-		key := tp{m.Topic, m.Partition}
-		c.mu.Lock()
-		w := c.parts[key]
-		if w == nil {
-			w = c.p.StartPartition(procCtx, &transport{c: c})
-			c.parts[key] = w
-		}
-		c.mu.Unlock()
-		msg := Message(m)
-		if IsControlRecord(m) {
-			err = w.AddSkip(ctx, msg)
-		} else {
-			err = w.Add(ctx, msg)
-		}
-		if err != nil && ctx.Err() != nil {
-			break
-		}
+		c.startGeneration(gen)
 	}
-
-	// Shutdown: stop every partition (finishing in-flight work within the
-	// grace), commit what finished, leave the group.
-	c.mu.Lock()
-	parts := c.parts
-	c.parts = map[tp]*consumer.Partition{}
-	c.mu.Unlock()
-	graceCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.ShutdownGrace)
-	var wg sync.WaitGroup
-	for _, w := range parts {
-		wg.Add(1)
-		go func() { defer wg.Done(); w.Stop(graceCtx) }()
-	}
-	wg.Wait()
-	cancel()
-	stopCommitter()
-	<-commitDone
-	finalCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-	c.commit(finalCtx, r)
-	cancel()
-	if err := r.Close(); err != nil {
-		c.log.Warn("kafkagoconsumer: close reader", "error", err)
-	}
+	// Closing the group ends the current generation: its partitions drain
+	// within ShutdownGrace and commit (see startGeneration) before the
+	// member leaves the group.
+	_ = cg.Close()
 	if c.ownTransport != nil {
 		_ = c.writer.Close()
 		c.ownTransport.CloseIdleConnections()
 	}
+	c.fetchTransport.CloseIdleConnections()
 	if outer.Err() != nil {
 		return nil
 	}
@@ -261,47 +257,124 @@ func (c *Consumer) fail(err error) {
 	}
 }
 
-// commit commits the highest finished offset of every partition with new
-// marks. A failed commit keeps the marks for the next round.
-func (c *Consumer) commit(ctx context.Context, r *kafka.Reader) {
-	c.mu.Lock()
-	if len(c.marks) == 0 {
-		c.mu.Unlock()
+// generation is one group generation as this member sees it: the
+// partitions it was assigned, and the offsets finished in it and not yet
+// committed. Offsets are committed through the generation only, so once
+// the group moved on the broker refuses them: a member never commits for a
+// partition it no longer owns, and no committed offset moves backwards.
+type generation struct {
+	c   *Consumer
+	gen *kafka.Generation
+
+	mu    sync.Mutex
+	marks map[tp]int64 // highest finished offset per partition, not yet committed
+}
+
+type tp struct {
+	topic     string
+	partition int
+}
+
+// startGeneration starts fetching and processing the generation's
+// partitions, each on its own (a stuck partition holds up only itself),
+// and a committer. When the generation ends (a rebalance, lost membership,
+// shutdown), every partition stops taking work, work in flight gets
+// ShutdownGrace to finish, and what finished is committed in this
+// generation; kafka-go's ConsumerGroup rejoins only after that.
+func (c *Consumer) startGeneration(gen *kafka.Generation) {
+	g := &generation{c: c, gen: gen, marks: map[tp]int64{}}
+	procCtx, cancelProc := context.WithCancel(context.Background())
+	var parts []*consumer.Partition
+	for topic, as := range gen.Assignments {
+		for _, a := range as {
+			w := c.p.StartPartition(procCtx, &transport{c: c, g: g})
+			parts = append(parts, w)
+			f := &fetcher{c: c, w: w, topic: topic, partition: a.ID, offset: a.Offset}
+			gen.Start(f.run)
+		}
+	}
+	gen.Start(func(gctx context.Context) {
+		defer cancelProc()
+		t := time.NewTicker(c.cfg.CommitInterval)
+		defer t.Stop()
+	loop:
+		for {
+			select {
+			case <-gctx.Done():
+				break loop
+			case <-t.C:
+				g.commit(false)
+			}
+		}
+		grace, cancel := context.WithTimeout(context.Background(), c.cfg.ShutdownGrace)
+		var wg sync.WaitGroup
+		for _, w := range parts {
+			wg.Add(1)
+			go func() { defer wg.Done(); w.Stop(grace) }()
+		}
+		wg.Wait()
+		cancel()
+		g.commit(true)
+	})
+}
+
+func (g *generation) mark(m kafka.Message) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	key := tp{m.Topic, m.Partition}
+	if old, ok := g.marks[key]; !ok || m.Offset > old {
+		g.marks[key] = m.Offset
+	}
+}
+
+// commit commits the offsets finished since the last commit. A failed
+// commit keeps them for the next round, unless this is the generation's
+// last commit or the broker says the generation is over.
+func (g *generation) commit(last bool) {
+	g.mu.Lock()
+	if len(g.marks) == 0 {
+		g.mu.Unlock()
 		return
 	}
-	msgs := make([]kafka.Message, 0, len(c.marks))
-	for _, m := range c.marks {
-		msgs = append(msgs, m)
-	}
-	clear(c.marks)
-	c.mu.Unlock()
-	if err := r.CommitMessages(ctx, msgs...); err != nil {
-		c.log.Warn("kafkagoconsumer: commit failed; will retry", "error", err)
-		c.mu.Lock()
-		for _, m := range msgs {
-			c.markLocked(m)
+	marks := g.marks
+	g.marks = map[tp]int64{}
+	g.mu.Unlock()
+	offsets := map[string]map[int]int64{}
+	for k, off := range marks {
+		if offsets[k.topic] == nil {
+			offsets[k.topic] = map[int]int64{}
 		}
-		c.mu.Unlock()
+		offsets[k.topic][k.partition] = off + 1
 	}
+	err := g.gen.CommitOffsets(offsets)
+	if err == nil {
+		return
+	}
+	if last || errors.Is(err, kafka.IllegalGeneration) || errors.Is(err, kafka.UnknownMemberId) || errors.Is(err, kafka.RebalanceInProgress) {
+		g.c.log.Warn("kafkagoconsumer: commit refused or failed as the generation ends; those messages will be delivered again and skipped as duplicates",
+			"generation", g.gen.ID, "error", err)
+		return
+	}
+	g.c.log.Warn("kafkagoconsumer: commit failed; will retry", "generation", g.gen.ID, "error", err)
+	g.mu.Lock()
+	for k, off := range marks {
+		if old, ok := g.marks[k]; !ok || off > old {
+			g.marks[k] = off
+		}
+	}
+	g.mu.Unlock()
 }
 
-func (c *Consumer) markLocked(m kafka.Message) {
-	key := tp{m.Topic, m.Partition}
-	if old, ok := c.marks[key]; !ok || m.Offset > old.Offset {
-		c.marks[key] = m
-	}
+// transport marks into a generation and dead-letters through the Writer.
+type transport struct {
+	c *Consumer
+	g *generation
 }
-
-type transport struct{ c *Consumer }
 
 func (t *transport) MarkDone(msg consumer.Message) {
-	m, ok := msg.Raw.(kafka.Message)
-	if !ok {
-		return
+	if m, ok := msg.Raw.(kafka.Message); ok {
+		t.g.mark(m)
 	}
-	t.c.mu.Lock()
-	t.c.markLocked(m)
-	t.c.mu.Unlock()
 }
 
 func (t *transport) PublishDeadLetter(ctx context.Context, d consumer.DeadLetter) error {
@@ -359,16 +432,4 @@ func Message(m kafka.Message) consumer.Message {
 		}
 	}
 	return out
-}
-
-// IsControlRecord reports whether m looks like a transaction marker (commit
-// or abort), which kafka-go's Reader hands to the application as if it were
-// a message. kafka-go does not expose the batch's control flag, so this
-// checks the marker's shape: no headers, a 4-byte key holding version 0 and
-// type 0 (abort) or 1 (commit), and a 6-byte value holding version 0 and
-// the coordinator epoch.
-func IsControlRecord(m kafka.Message) bool {
-	return len(m.Headers) == 0 &&
-		len(m.Key) == 4 && m.Key[0] == 0 && m.Key[1] == 0 && m.Key[2] == 0 && m.Key[3] <= 1 &&
-		len(m.Value) == 6 && m.Value[0] == 0 && m.Value[1] == 0
 }

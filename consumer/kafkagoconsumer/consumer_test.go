@@ -49,21 +49,3 @@ func TestMain(m *testing.M) {
 func TestConformance(t *testing.T) {
 	conformance.Run(t, adapter)
 }
-
-func TestIsControlRecord(t *testing.T) {
-	t.Parallel()
-	for _, tc := range []struct {
-		name string
-		m    kafka.Message
-		want bool
-	}{
-		{"commit marker", kafka.Message{Key: []byte{0, 0, 0, 1}, Value: []byte{0, 0, 0, 0, 0, 3}}, true},
-		{"abort marker", kafka.Message{Key: []byte{0, 0, 0, 0}, Value: []byte{0, 0, 0, 0, 0, 0}}, true},
-		{"message with id", kafka.Message{Key: []byte{0, 0, 0, 1}, Value: []byte{0, 0, 0, 0, 0, 3}, Headers: []kafka.Header{{Key: "message-id", Value: []byte("x")}}}, false},
-		{"json", kafka.Message{Key: []byte("a1"), Value: []byte(`{"a":1}`)}, false},
-	} {
-		if got := kafkagoconsumer.IsControlRecord(tc.m); got != tc.want {
-			t.Errorf("%s: IsControlRecord = %v, want %v", tc.name, got, tc.want)
-		}
-	}
-}

@@ -1,5 +1,5 @@
-// Package kafkagoconsumer runs a consumer.Processor over a
-// segmentio/kafka-go Reader in a consumer group.
+// Package kafkagoconsumer runs a consumer.Processor in a Kafka consumer
+// group over segmentio/kafka-go.
 //
 //	p, err := consumer.New(pool, "ledger", handle, nil)
 //	c, err := kafkagoconsumer.New(p, &kafkagoconsumer.Config{Reader: kafka.ReaderConfig{
@@ -8,25 +8,31 @@
 //	}})
 //	err = c.Run(ctx) // until ctx is canceled
 //
-// Offsets of finished messages (committed transaction, duplicate or dead
-// letter) are committed with Reader.CommitMessages every CommitInterval and
-// at shutdown; the Reader's own CommitInterval is not used.
+// The Consumer does not use kafka-go's Reader, which hides what a correct
+// consumer needs. It joins the group with kafka-go's ConsumerGroup and
+// works generation by generation:
 //
-// Limits of kafka-go, and what the adapter does about them:
-//
-//   - The Reader hands transaction control records (commit and abort
-//     markers) to the application. The adapter recognises them by shape
-//     (IsControlRecord) and only advances the offset past them.
-//   - The Reader ignores read_committed: records of aborted transactions
-//     reach the handler. Use kgoconsumer for topics written by
+//   - Each assigned partition is fetched on its own (kafka.Client.Fetch),
+//     so a partition whose queue is full (a slow handler, retries, a
+//     missing dead-letter topic) holds up only itself.
+//   - Offsets of finished messages (committed transaction, duplicate or
+//     dead letter) are committed through the generation every
+//     CommitInterval. When the generation ends (a member joins or leaves,
+//     this member lost its session, shutdown), every partition stops
+//     taking work, transactions in flight get ShutdownGrace to finish,
+//     what finished is committed, and only then does the member rejoin.
+//     The broker refuses commits of a generation that is over, so a member
+//     never commits for a partition it no longer owns and a committed
+//     offset never moves backwards.
+//   - Transaction markers (commit and abort control records) are told
+//     apart by their batch's control attribute, as the protocol defines
+//     them, and only move the offset on. Every other record is a message,
+//     whatever its key and value look like.
+//   - Records of aborted transactions are not filtered out
+//     (read_committed with Reader.IsolationLevel only stops fetching at
+//     the last stable offset): use kgoconsumer for topics written by
 //     transactional producers that abort. onceflow's relay does not use
 //     transactions.
-//   - The Reader has no revocation callback. After a rebalance, messages
-//     of a partition that moved may still finish here and their offsets be
-//     committed late. That can only move a committed offset back, which
-//     causes redeliveries, and those are skipped as duplicates.
-//   - One fetch loop serves every partition: a partition whose queue is
-//     full (a slow handler, retries) holds up fetching for the others.
 //
 // The default dead-letter Writer uses RequiredAcks all, murmur2
 // partitioning and a 5ms BatchTimeout; kafka-go's defaults (no acks, 1s)

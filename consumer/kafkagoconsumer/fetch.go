@@ -1,0 +1,176 @@
+package kafkagoconsumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"time"
+
+	"github.com/segmentio/kafka-go"
+	"github.com/segmentio/kafka-go/protocol"
+
+	"github.com/onceflow/onceflow/consumer"
+)
+
+// fetcher fetches one assigned partition and queues its records on the
+// partition's worker, blocking only itself when the worker's queue is full.
+type fetcher struct {
+	c         *Consumer
+	w         *consumer.Partition
+	topic     string
+	partition int
+	// offset is the next offset to fetch, or kafka.FirstOffset or
+	// kafka.LastOffset until it is resolved.
+	offset int64
+}
+
+// run fetches until ctx (the generation) ends.
+func (f *fetcher) run(ctx context.Context) {
+	r := f.c.cfg.Reader
+	wait := r.ReadBackoffMin
+	for ctx.Err() == nil {
+		err := f.fetchOnce(ctx)
+		if err == nil {
+			wait = r.ReadBackoffMin
+			continue
+		}
+		if ctx.Err() != nil || errors.Is(err, consumer.ErrStopped) {
+			return
+		}
+		if errors.Is(err, kafka.OffsetOutOfRange) {
+			f.c.log.Warn("kafkagoconsumer: offset out of range; starting over from Reader.StartOffset",
+				"topic", f.topic, "partition", f.partition, "offset", f.offset, "error", err)
+			f.offset = f.c.group.StartOffset
+		} else {
+			f.c.log.Warn("kafkagoconsumer: fetch failed; retrying", "topic", f.topic, "partition", f.partition,
+				"offset", f.offset, "backoff", wait, "error", err)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(wait):
+		}
+		wait = min(2*wait, r.ReadBackoffMax)
+	}
+}
+
+// fetchOnce resolves the start offset if need be, fetches once, and queues
+// what it got.
+func (f *fetcher) fetchOnce(ctx context.Context) error {
+	r := f.c.cfg.Reader
+	if f.offset < 0 {
+		res, err := f.c.client.ListOffsets(ctx, &kafka.ListOffsetsRequest{
+			Topics:         map[string][]kafka.OffsetRequest{f.topic: {{Partition: f.partition, Timestamp: f.offset}}},
+			IsolationLevel: r.IsolationLevel,
+		})
+		if err != nil {
+			return fmt.Errorf("list offsets: %w", err)
+		}
+		for _, p := range res.Topics[f.topic] {
+			if p.Partition != f.partition {
+				continue
+			}
+			if p.Error != nil {
+				return fmt.Errorf("list offsets: %w", p.Error)
+			}
+			if f.offset == kafka.FirstOffset {
+				f.offset = p.FirstOffset
+			} else {
+				f.offset = p.LastOffset
+			}
+		}
+		if f.offset < 0 {
+			return errors.New("list offsets: partition missing from the answer")
+		}
+	}
+	res, err := f.c.client.Fetch(ctx, &kafka.FetchRequest{
+		Topic:          f.topic,
+		Partition:      f.partition,
+		Offset:         f.offset,
+		MinBytes:       int64(r.MinBytes),
+		MaxBytes:       int64(r.MaxBytes),
+		MaxWait:        r.MaxWait,
+		IsolationLevel: r.IsolationLevel,
+	})
+	if err != nil {
+		return err
+	}
+	if res.Error != nil {
+		return res.Error
+	}
+	return f.queue(ctx, res)
+}
+
+// queue hands the fetched records to the worker in offset order. Records
+// of control batches (transaction commit and abort markers, told apart by
+// the batch's control attribute, as the protocol defines them) only move
+// the offset on: they are queued with AddSkip so that their offsets are
+// committed in order with the messages around them. Every other record is
+// a message, whatever its key and value look like.
+func (f *fetcher) queue(ctx context.Context, res *kafka.FetchResponse) error {
+	batches := []protocol.RecordReader{res.Records}
+	if s, ok := res.Records.(*protocol.RecordStream); ok {
+		// kafka-go's RecordStream hides control batches; walk its
+		// batches to see them.
+		batches = s.Records
+	}
+	for _, b := range batches {
+		_, control := b.(*protocol.ControlBatch)
+		for {
+			rec, err := b.ReadRecord()
+			if errors.Is(err, io.EOF) {
+				break
+			}
+			if err != nil {
+				return fmt.Errorf("read records: %w", err)
+			}
+			m, err := f.message(rec, res.HighWatermark)
+			if err != nil {
+				return err
+			}
+			if m.Offset < f.offset {
+				continue // a batch may start before the offset fetched
+			}
+			if control {
+				err = f.w.AddSkip(ctx, Message(m))
+			} else {
+				err = f.w.Add(ctx, Message(m))
+			}
+			if err != nil {
+				return err
+			}
+			f.offset = m.Offset + 1
+		}
+	}
+	return nil
+}
+
+func (f *fetcher) message(rec *protocol.Record, hwm int64) (kafka.Message, error) {
+	defer func() {
+		if rec.Key != nil {
+			rec.Key.Close()
+		}
+		if rec.Value != nil {
+			rec.Value.Close()
+		}
+	}()
+	key, err := protocol.ReadAll(rec.Key)
+	if err != nil {
+		return kafka.Message{}, fmt.Errorf("read record key: %w", err)
+	}
+	value, err := protocol.ReadAll(rec.Value)
+	if err != nil {
+		return kafka.Message{}, fmt.Errorf("read record value: %w", err)
+	}
+	return kafka.Message{
+		Topic:         f.topic,
+		Partition:     f.partition,
+		Offset:        rec.Offset,
+		HighWaterMark: hwm,
+		Key:           key,
+		Value:         value,
+		Headers:       rec.Headers,
+		Time:          rec.Time,
+	}, nil
+}
