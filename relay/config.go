@@ -38,8 +38,11 @@ type Config struct {
 	// MaxRetryBackoff caps the wait before a key whose event failed is tried
 	// again. Defaults to 10s.
 	MaxRetryBackoff time.Duration
-	// Logger receives Warn and Error logs (and Info for lifecycle events).
-	// Defaults to discarding.
+	// Logger receives Warn and Error logs, Info for start, stop, shards
+	// taken and handed back and recovery after an outage, and Debug for the
+	// loop's decisions (leases, each round's outcome, wake-ups). Lines carry
+	// instance=InstanceID; errors are logged as error. Defaults to
+	// discarding.
 	Logger *slog.Logger
 	// Observer receives metrics events. Defaults to none.
 	Observer Observer

@@ -3,6 +3,7 @@ package relay
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"os"
 	"slices"
 	"sync"
@@ -24,6 +25,7 @@ type leases struct {
 	host     string
 	duration time.Duration
 	obs      Observer
+	log      *slog.Logger
 
 	mu         sync.Mutex
 	owned      []int16   // sorted
@@ -34,9 +36,9 @@ type leases struct {
 	changed    chan struct{}
 }
 
-func newLeases(st *store, id string, duration time.Duration, obs Observer) *leases {
+func newLeases(st *store, id string, duration time.Duration, obs Observer, log *slog.Logger) *leases {
 	host, _ := os.Hostname()
-	return &leases{st: st, id: id, host: host, duration: duration, obs: obs, changed: make(chan struct{}, 1)}
+	return &leases{st: st, id: id, host: host, duration: duration, obs: obs, log: log, changed: make(chan struct{}, 1)}
 }
 
 // snapshot returns the shards this relay may publish now.
@@ -73,9 +75,10 @@ func (l *leases) tick(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("renew shards: %w", err)
 	}
+	var taken []int16
 	if len(renewed) < fair {
 		// takeSQL also re-takes this relay's own lapsed leases first.
-		taken, err := l.queryShards(ctx, l.st.takeSQL, l.id, dur, fair-len(renewed))
+		taken, err = l.queryShards(ctx, l.st.takeSQL, l.id, dur, fair-len(renewed))
 		if err != nil {
 			return fmt.Errorf("take shards: %w", err)
 		}
@@ -93,7 +96,14 @@ func (l *leases) tick(ctx context.Context) error {
 	l.excess = max(len(renewed)-fair, 0)
 	signal := before != len(renewed) || l.excess > 0 || l.lapsed
 	l.lapsed = false
+	excess := l.excess
 	l.mu.Unlock()
+	if len(taken) > 0 {
+		l.log.Info("relay: took shards", "shards", len(taken), "owned", len(renewed))
+	}
+	if l.log.Enabled(ctx, slog.LevelDebug) {
+		l.log.Debug("relay: leases", "live", live, "fair", fair, "owned", len(renewed), "taken", len(taken), "excess", excess)
+	}
 	if signal {
 		l.obs.ObserveShards(len(renewed))
 		select {
@@ -151,6 +161,7 @@ func (l *leases) releaseExcess(ctx context.Context) error {
 		return fmt.Errorf("release shards: %w", err)
 	}
 	l.obs.ObserveShards(owned)
+	l.log.Info("relay: handed shards back", "shards", len(give), "owned", owned)
 	return nil
 }
 

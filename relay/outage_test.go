@@ -3,6 +3,7 @@ package relay_test
 import (
 	"context"
 	"io"
+	"log/slog"
 	"net"
 	"net/url"
 	"sync"
@@ -105,7 +106,8 @@ func TestOwnedShardsDropWhenLeasesLapseInAnOutage(t *testing.T) {
 	}
 	t.Cleanup(pool.Close)
 	obs := &shardsObserver{}
-	b.startRelayOn(t, pool, relay.Config{Observer: obs, LeaseDuration: 900 * time.Millisecond})
+	log, logs := newLogger(slog.LevelInfo)
+	b.startRelayOn(t, pool, relay.Config{Observer: obs, LeaseDuration: 900 * time.Millisecond, Logger: log})
 	waitFor(t, "the relay to own every shard", 30*time.Second, func() bool { return obs.owned.Load() == relay.NumShards })
 
 	proxy.down()
@@ -113,4 +115,13 @@ func TestOwnedShardsDropWhenLeasesLapseInAnOutage(t *testing.T) {
 
 	proxy.up()
 	waitFor(t, "owned shards back after the database returned", 60*time.Second, func() bool { return obs.owned.Load() == relay.NumShards })
+
+	// The lapse is a warning; the recovery is logged at Info.
+	waitFor(t, "the recovery in the log", 30*time.Second, func() bool {
+		return len(logs.lines(`level=INFO msg="relay: lease upkeep recovered" instance=\S+ shards=`)) > 0
+	})
+	if len(logs.lines(`level=WARN msg="relay: shard leases lapsed; publishing paused until the database answers" instance=\S+ shards=256`)) == 0 {
+		t.Errorf("the lapse was not logged:\n%s", logs.String())
+	}
+	checkVocabulary(t, logs)
 }

@@ -79,8 +79,8 @@ func New(pool *pgxpool.Pool, pub Publisher, cfg *Config) (*Relay, error) {
 		pool:         pool,
 		pub:          pub,
 		st:           st,
-		leases:       newLeases(st, c.InstanceID, c.LeaseDuration, c.Observer),
-		log:          c.Logger.With("relay", c.InstanceID),
+		leases:       newLeases(st, c.InstanceID, c.LeaseDuration, c.Observer, c.Logger.With("instance", c.InstanceID)),
+		log:          c.Logger.With("instance", c.InstanceID),
 		wake:         make(chan struct{}, 1),
 		blocked:      map[string]*keyState{},
 		roundBackoff: newBackoff(c.MaxRetryBackoff),
@@ -140,7 +140,7 @@ func (r *Relay) Run(ctx context.Context) error {
 	defer cancel()
 	if err := r.leases.releaseAll(release); err != nil {
 		// The leases lapse on their own within LeaseDuration.
-		r.log.Warn("relay: hand back shards at shutdown", "err", err)
+		r.log.Warn("relay: hand back shards at shutdown", "error", err)
 	}
 	r.log.Info("relay stopped")
 	return nil
@@ -172,7 +172,7 @@ func (r *Relay) leaseLoop(ctx context.Context) {
 			return
 		case err != nil:
 			failing = true
-			r.log.Warn("relay: lease upkeep failed; shards lapse unless it recovers", "err", err)
+			r.log.Warn("relay: lease upkeep failed; shards lapse unless it recovers", "error", err)
 			if lost := r.leases.lapse(); lost > 0 {
 				r.log.Warn("relay: shard leases lapsed; publishing paused until the database answers", "shards", lost)
 			}
@@ -196,7 +196,7 @@ func (r *Relay) listenLoop(ctx context.Context) {
 			return
 		}
 		wait := bo.NextBackOff()
-		r.log.Warn("relay: notification listener lost; reconnecting", "err", err, "in", wait)
+		r.log.Warn("relay: notification listener lost; reconnecting", "error", err, "backoff", wait)
 		sleep(ctx, wait)
 	}
 }
@@ -242,7 +242,7 @@ func (r *Relay) publishLoop(ctx context.Context) {
 			r.waitFinish() // and their deletes still need the lease
 		}
 		if err := r.leases.releaseExcess(ctx); err != nil && ctx.Err() == nil {
-			r.log.Warn("relay: hand back shards", "err", err)
+			r.log.Warn("relay: hand back shards", "error", err)
 		}
 		shards := r.leases.snapshot()
 		if ahead != nil && !slices.Equal(ahead.shards, shards) {
@@ -258,16 +258,22 @@ func (r *Relay) publishLoop(ctx context.Context) {
 		switch {
 		case err != nil && ctx.Err() == nil:
 			wait := r.roundBackoff.NextBackOff()
-			r.log.Warn("relay: publish round failed", "err", err, "retry_in", wait)
+			r.log.Warn("relay: publish round failed", "error", err, "backoff", wait)
 			sleep(ctx, wait)
 		case res.claimed > 0 && res.acked == 0 && res.dead == 0:
 			// Everything failed: the broker is likely down. Don't spin.
-			sleep(ctx, r.roundBackoff.NextBackOff())
+			wait := r.roundBackoff.NextBackOff()
+			r.debugRound(ctx, len(shards), res, next != nil, "backoff", wait)
+			sleep(ctx, wait)
 		case res.claimed == r.cfg.BatchSize:
 			r.roundBackoff.Reset()
 			// More may be waiting: go again at once.
+			r.debugRound(ctx, len(shards), res, next != nil, "at_once", 0)
 		default:
 			r.roundBackoff.Reset()
+			if res.claimed > 0 {
+				r.debugRound(ctx, len(shards), res, next != nil, "idle", 0)
+			}
 			r.idle(ctx)
 		}
 	}
@@ -285,12 +291,40 @@ func (r *Relay) idle(ctx context.Context) {
 	}
 	t := time.NewTimer(wait)
 	defer t.Stop()
+	woken := "poll"
+	if wait < r.cfg.PollInterval {
+		woken = "key_retry"
+	}
 	select {
 	case <-ctx.Done():
+		return
 	case <-r.wake:
+		woken = "notification"
 	case <-r.leases.changed:
+		woken = "shards"
 	case <-t.C:
 	}
+	if r.log.Enabled(ctx, slog.LevelDebug) {
+		r.log.LogAttrs(ctx, slog.LevelDebug, "relay: idle", slog.String("woken_by", woken), slog.Duration("waited", time.Since(now)))
+	}
+}
+
+// debugRound logs a round's outcome and what the loop does next, at debug
+// level (and costs nothing above it).
+func (r *Relay) debugRound(ctx context.Context, shards int, res roundResult, readAhead bool, next string, wait time.Duration) {
+	if !r.log.Enabled(ctx, slog.LevelDebug) {
+		return
+	}
+	attrs := []slog.Attr{
+		slog.Int("claimed", res.claimed), slog.Int("published", res.acked),
+		slog.Int("failed", res.claimed-res.acked-res.dead), slog.Int("dead_lettered", res.dead),
+		slog.String("next", next),
+	}
+	if wait > 0 {
+		attrs = append(attrs, slog.Duration("backoff", wait))
+	}
+	attrs = append(attrs, slog.Int("shards", shards), slog.Bool("read_ahead", readAhead))
+	r.log.LogAttrs(ctx, slog.LevelDebug, "relay: round", attrs...)
 }
 
 type roundResult struct {
@@ -404,7 +438,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 			}
 		case kind == tooLarge || kind == forbidden || kind == invalid:
 			dead = append(dead, deadEvent{id: e.id, err: err.Error()})
-			r.log.Warn("relay: Kafka refused an event for good; dead-lettered", "event_id", string(e.eventID), "topic", e.topic, "err", err)
+			r.log.Warn("relay: Kafka refused an event for good; dead-lettered", "event_id", string(e.eventID), "topic", e.topic, "error", err)
 		case kind == unknownTopic && e.refusedFor != nil && *e.refusedFor >= r.cfg.UnknownTopicGrace.Seconds():
 			dead = append(dead, deadEvent{id: e.id, err: fmt.Sprintf("%v (still unknown after %s)", err, r.cfg.UnknownTopicGrace)})
 			r.log.Warn("relay: topic still unknown after grace; dead-lettered", "event_id", string(e.eventID), "topic", e.topic)
@@ -485,21 +519,21 @@ func (r *Relay) record(ctx context.Context, start, oldest time.Time, shards []in
 	if err != nil {
 		stats.Published, stats.NotDeleted = 0, 0
 		r.log.Warn("relay: events were published but their outcome could not be recorded; they will be published again",
-			"events", len(acked), "err", err)
+			"events", len(acked), "error", err)
 	}
 	r.cfg.Observer.ObserveBatch(stats)
 	if stats.NotDeleted > 0 {
 		r.log.Warn("relay: lost shard ownership mid-round; the new owner republishes", "events", stats.NotDeleted)
 	}
 	if len(failed) > 0 {
-		r.log.Warn("relay: events failed; their keys wait and retry", "failed", len(failed), "first_err", failed[0].err)
+		r.log.Warn("relay: events failed; their keys wait and retry", "failed", len(failed), "first_error", failed[0].err)
 	}
 }
 
 // forgetRound drops the in-flight record of a round read but not sent.
 func (r *Relay) forgetRound(ctx context.Context, round roundKey) {
 	if _, err := r.pool.Exec(context.WithoutCancel(ctx), r.st.landedSQL, r.cfg.InstanceID, round.lo, round.hi); err != nil {
-		r.log.Warn("relay: forget an unsent round", "err", err)
+		r.log.Warn("relay: forget an unsent round", "error", err)
 	}
 }
 
