@@ -163,8 +163,10 @@ func (r *Relay) leaseLoop(ctx context.Context) {
 			return
 		case <-t.C:
 		}
-		// A tick that outlasts the lease is no use: give up and try again.
-		tickCtx, cancel := context.WithTimeout(ctx, r.cfg.LeaseDuration)
+		// A tick that hangs (a database that drops packets) must not stop
+		// the leases from being reported lapsed: give up after twice the
+		// lease (at least 5s), long after they lapsed, and try again.
+		tickCtx, cancel := context.WithTimeout(ctx, max(2*r.cfg.LeaseDuration, 5*time.Second))
 		err := r.leases.tick(tickCtx)
 		cancel()
 		switch {

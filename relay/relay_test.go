@@ -373,6 +373,11 @@ func TestSurvivesTerminatedConnections(t *testing.T) {
 	}
 	t.Cleanup(pool.Close)
 	b.startRelayOn(t, pool, relay.Config{BatchSize: 50})
+	// Run fails fast when it cannot start: terminate only once it runs.
+	waitFor(t, "the relay to own its shards", 60*time.Second, func() bool {
+		st, err := relay.ReadStatus(context.Background(), b.pool, b.schema)
+		return err == nil && st.UnownedShards == 0
+	})
 
 	keyOf := map[string]string{}
 	ctx, cancel := context.WithCancel(context.Background())
