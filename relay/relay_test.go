@@ -406,7 +406,7 @@ func TestSurvivesTerminatedConnections(t *testing.T) {
 		b.write(t, msgs...)
 		time.Sleep(20 * time.Millisecond)
 	}
-	waitFor(t, "outbox to drain despite terminated connections", 90*time.Second, func() bool { return b.count(t, "outbox") == 0 })
+	waitFor(t, "outbox to drain despite terminated connections", 3*time.Minute, func() bool { return b.count(t, "outbox") == 0 })
 	cancel()
 	wg.Wait()
 	if terminated.Load() == 0 {
