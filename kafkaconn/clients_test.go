@@ -267,3 +267,109 @@ func TestWrongCredentialsFailVisibly(t *testing.T) {
 		})
 	}
 }
+
+// realListeners returns the real broker's SSL and SASL_SSL listeners with
+// the settings each needs, from the env of scripts/kafka.sh (make
+// test-kafka); nil when it is not set.
+func realListeners(t *testing.T) map[string]secured {
+	t.Helper()
+	ssl, sasl := os.Getenv("ONCEFLOW_TEST_KAFKA_SSL_BROKERS"), os.Getenv("ONCEFLOW_TEST_KAFKA_SASL_BROKERS")
+	if ssl == "" || sasl == "" {
+		return nil
+	}
+	ca := os.Getenv("ONCEFLOW_TEST_KAFKA_CA_FILE")
+	out := map[string]secured{
+		"SSL": {brokers: strings.Split(ssl, ","), conn: kafkaconn.Config{TLS: &kafkaconn.TLS{CAFile: ca}}},
+		"SSLMutual": {brokers: strings.Split(ssl, ","), conn: kafkaconn.Config{TLS: &kafkaconn.TLS{CAFile: ca,
+			CertFile: os.Getenv("ONCEFLOW_TEST_KAFKA_CLIENT_CERT_FILE"), KeyFile: os.Getenv("ONCEFLOW_TEST_KAFKA_CLIENT_KEY_FILE"),
+			ServerName: os.Getenv("ONCEFLOW_TEST_KAFKA_SERVER_NAME")}}},
+	}
+	mechs := os.Getenv("ONCEFLOW_TEST_KAFKA_SASL_MECHANISMS")
+	if mechs == "" {
+		mechs = "SCRAM-SHA-512,SCRAM-SHA-256,PLAIN"
+	}
+	for _, m := range strings.Split(mechs, ",") {
+		mech, err := kafkaconn.ParseMechanism(m)
+		if err != nil {
+			t.Fatalf("ONCEFLOW_TEST_KAFKA_SASL_MECHANISMS: %v", err)
+		}
+		out["SASL_SSL/"+string(mech)] = secured{brokers: strings.Split(sasl, ","), conn: kafkaconn.Config{
+			ClientID: "onceflow-test",
+			TLS:      &kafkaconn.TLS{CAFile: ca},
+			SASL:     &kafkaconn.SASL{Mechanism: mech, Username: os.Getenv("ONCEFLOW_TEST_KAFKA_SASL_USER"), Password: os.Getenv("ONCEFLOW_TEST_KAFKA_SASL_PASSWORD")},
+		}}
+	}
+	return out
+}
+
+// TestEveryClientReachesTheRealBroker: the same round trip as on kfake,
+// against Apache Kafka's SSL listener (with and without a client
+// certificate) and its SASL_SSL listener with each mechanism. Run by make
+// test-kafka (scripts/kafka.sh's env).
+func TestEveryClientReachesTheRealBroker(t *testing.T) {
+	ls := realListeners(t)
+	if ls == nil {
+		t.Skip("no real broker: ONCEFLOW_TEST_KAFKA_SSL_BROKERS and _SASL_BROKERS are unset (make test-kafka sets them)")
+	}
+	for name, s := range ls {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			roundTrip(t, s, topicName())
+		})
+	}
+}
+
+// TestRealBrokerRefusesWrongCredentials: a wrong SCRAM password and a
+// certificate from another CA fail the publish with an error that says
+// what is wrong.
+func TestRealBrokerRefusesWrongCredentials(t *testing.T) {
+	ls := realListeners(t)
+	if ls == nil {
+		t.Skip("no real broker: ONCEFLOW_TEST_KAFKA_SSL_BROKERS and _SASL_BROKERS are unset (make test-kafka sets them)")
+	}
+	good := ls["SASL_SSL/SCRAM-SHA-512"]
+	topic := topicName()
+	createTopic(t, good, topic)
+	other := tlstest.New(t)
+	cases := map[string]struct {
+		s    secured
+		want []string
+	}{
+		"WrongPassword": {secured{brokers: good.brokers, conn: kafkaconn.Config{TLS: good.conn.TLS,
+			SASL: &kafkaconn.SASL{Mechanism: kafkaconn.ScramSHA512, Username: good.conn.SASL.Username, Password: "wrong-password"}}},
+			[]string{"SASL", "uthenticat"}},
+		"UnknownCA": {secured{brokers: good.brokers, conn: kafkaconn.Config{TLS: &kafkaconn.TLS{CAFile: other.CAFile}, SASL: good.conn.SASL}},
+			[]string{"certificate"}},
+	}
+	for name, tc := range cases {
+		t.Run(name, func(t *testing.T) {
+			for _, pub := range []string{"kgo", "kafka-go"} {
+				var p relay.Publisher
+				var err error
+				if pub == "kgo" {
+					p, err = kgopublisher.New(tc.s.brokers, &kgopublisher.Config{Conn: tc.s.conn, Opts: []kgo.Opt{kgo.RecordDeliveryTimeout(15 * time.Second)}})
+				} else {
+					p, err = kafkagopublisher.New(tc.s.brokers, &kafkagopublisher.Config{Conn: tc.s.conn, MaxAttempts: 1})
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+				errs := p.Publish(ctx, []relay.Record{{Topic: topic, Value: []byte("x")}})
+				cancel()
+				p.Close()
+				if errs[0] == nil {
+					t.Fatalf("%s: publish succeeded", pub)
+				}
+				found := false
+				for _, w := range tc.want {
+					found = found || strings.Contains(errs[0].Error(), w)
+				}
+				if !found {
+					t.Errorf("%s: error %q mentions none of %q", pub, errs[0], tc.want)
+				}
+				t.Logf("%s: %v", pub, errs[0])
+			}
+		})
+	}
+}

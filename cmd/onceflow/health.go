@@ -214,8 +214,9 @@ func waitForDatabase(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger, 
 func permanentDBError(err error) bool {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
-		// 28xxx: invalid authorization; 3D000: no such database.
-		return strings.HasPrefix(pgErr.Code, "28") || pgErr.Code == "3D000"
+		// 28xxx: invalid authorization; 3D000: no such database; 08P01:
+		// protocol violation, which is how PgBouncer fails a SASL login.
+		return strings.HasPrefix(pgErr.Code, "28") || pgErr.Code == "3D000" || pgErr.Code == "08P01"
 	}
 	var unknownCA x509.UnknownAuthorityError
 	var hostname x509.HostnameError

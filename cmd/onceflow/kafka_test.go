@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
 
@@ -224,6 +225,79 @@ func TestOversizedEventPublishedAfterRaisingTheLimit(t *testing.T) {
 				if h.Key == "message-id" && string(h.Value) != eventID {
 					t.Fatalf("message-id %s, want the dead-lettered event's %s", h.Value, eventID)
 				}
+			}
+		})
+	}
+}
+
+// TestRelayPublishesToTheRealSASLSSLListener: the relay binary, configured
+// as README's production example (SASL_SSL:// brokers, a CA file,
+// SCRAM-SHA-512, the password from a file), publishes to Apache Kafka's
+// SASL_SSL listener with each publisher. Run by make test-kafka.
+func TestRelayPublishesToTheRealSASLSSLListener(t *testing.T) {
+	sasl := os.Getenv("ONCEFLOW_TEST_KAFKA_SASL_BROKERS")
+	if sasl == "" {
+		t.Skip("no real broker: ONCEFLOW_TEST_KAFKA_SASL_BROKERS is unset (make test-kafka sets it)")
+	}
+	bin := buildBinary(t)
+	user, password, ca := os.Getenv("ONCEFLOW_TEST_KAFKA_SASL_USER"), os.Getenv("ONCEFLOW_TEST_KAFKA_SASL_PASSWORD"), os.Getenv("ONCEFLOW_TEST_KAFKA_CA_FILE")
+	brokers := strings.Split(sasl, ",")
+	conn := kafkaconn.Config{TLS: &kafkaconn.TLS{CAFile: ca}, SASL: &kafkaconn.SASL{Mechanism: kafkaconn.ScramSHA512, Username: user, Password: password}}
+	file := filepath.Join(t.TempDir(), "password")
+	if err := os.WriteFile(file, []byte(password+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, publisher := range []string{"franz-go", "kafka-go"} {
+		t.Run(publisher, func(t *testing.T) {
+			t.Parallel()
+			topic := randomTopic()
+			opts, err := kgoconn.Opts(conn)
+			if err != nil {
+				t.Fatal(err)
+			}
+			cl, err := kgo.NewClient(append(opts, kgo.SeedBrokers(brokers...))...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			resp, err := kadm.NewClient(cl).CreateTopic(ctx, 2, 1, nil, topic)
+			cancel()
+			cl.Close()
+			if err == nil {
+				err = resp.Err
+			}
+			if err != nil {
+				t.Fatalf("create topic: %v", err)
+			}
+			var prefixed []string
+			for _, b := range brokers {
+				prefixed = append(prefixed, "SASL_SSL://"+b)
+			}
+			schema := pgtest.Schema(t)
+			env := []string{"ONCEFLOW_DATABASE_URL=" + pgtest.URL(t), "ONCEFLOW_SCHEMA=" + schema}
+			p := startRelayProc(t, bin, env, "--publisher", publisher, "--log-level", "info",
+				"--brokers", strings.Join(prefixed, ","), "--kafka-tls-ca-file", ca,
+				"--kafka-sasl-mechanism", "SCRAM-SHA-512", "--kafka-sasl-username", user, "--kafka-sasl-password-file", file)
+			waitUntil(t, "the relay to start", 60*time.Second, relayStarted(p))
+			w, _ := outbox.NewWriter(&outbox.Config{Schema: schema})
+			var msgs []outbox.Message
+			for i := range 20 {
+				msgs = append(msgs, outbox.Message{Topic: topic, Key: []byte(fmt.Sprint(i % 3)), Value: []byte("v")})
+			}
+			bg := context.Background()
+			if err := pgx.BeginFunc(bg, pgtest.Pool(t), func(tx pgx.Tx) error { return w.Write(bg, tx, msgs...) }); err != nil {
+				t.Fatal(err)
+			}
+			waitUntil(t, "the outbox to drain", 90*time.Second, func() bool { return count(t, schema, "outbox") == 0 })
+			if got := readSecured(t, brokers, conn, topic, 20); len(got) < 20 {
+				t.Fatalf("read %d records, want 20", len(got))
+			}
+			_ = p.Signal(syscall.SIGTERM)
+			if err, exited := p.Wait(30 * time.Second); !exited || err != nil {
+				t.Fatalf("after SIGTERM: exited %v, err %v", exited, err)
+			}
+			if strings.Contains(p.Output(), password) {
+				t.Fatal("the relay printed the password")
 			}
 		})
 	}

@@ -104,10 +104,13 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 // common are the flags every command shares.
 type common struct {
 	databaseURL string
-	schema      string
-	brokers     string
-	logLevel    string
-	logFormat   string
+	// passwordFile and poolSize: see pgflags.go.
+	passwordFile string
+	poolSize     int
+	schema       string
+	brokers      string
+	logLevel     string
+	logFormat    string
 }
 
 func env(name, fallback string) string {
@@ -160,6 +163,7 @@ func newFlagSet(name, summary string, stderr io.Writer) *flag.FlagSet {
 func (c *common) register(fs *flag.FlagSet, withBrokers bool) {
 	fs.StringVar(&c.databaseURL, "database-url", env("ONCEFLOW_DATABASE_URL", ""), "PostgreSQL URL (env ONCEFLOW_DATABASE_URL)")
 	fs.StringVar(&c.schema, "schema", env("ONCEFLOW_SCHEMA", migrations.DefaultSchema), "schema holding onceflow's tables (env ONCEFLOW_SCHEMA)")
+	c.registerPG(fs)
 	if withBrokers {
 		fs.StringVar(&c.brokers, "brokers", env("ONCEFLOW_BROKERS", ""), "Kafka brokers, comma-separated host:port (env ONCEFLOW_BROKERS)")
 	}
@@ -308,6 +312,9 @@ func (c *common) poolConfig() (*pgxpool.Config, error) {
 	}
 	if _, ok := cfg.ConnConfig.RuntimeParams["application_name"]; !ok {
 		cfg.ConnConfig.RuntimeParams["application_name"] = "onceflow"
+	}
+	if err := c.applyPG(cfg); err != nil {
+		return nil, err
 	}
 	return cfg, nil
 }

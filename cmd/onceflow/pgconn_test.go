@@ -1,0 +1,115 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/onceflow/onceflow/internal/pgbouncertest"
+	"github.com/onceflow/onceflow/internal/pgtest"
+	"github.com/onceflow/onceflow/internal/tlstest"
+)
+
+// TestDatabasePasswordSources: behind a PgBouncer that requires a SCRAM
+// password, the password is taken from the URL, PGPASSWORD, a .pgpass file
+// (PGPASSFILE) or --database-password-file; without one, `status` fails
+// and the relay exits at once (waiting cannot fix a password).
+func TestDatabasePasswordSources(t *testing.T) {
+	pgb := pgbouncertest.Start(t)
+	schema := pgtest.Schema(t)
+	bare := fmt.Sprintf("postgres://postgres@%s/session?sslmode=disable", pgb.Addr)
+	t.Setenv("PGPASSWORD", "")
+	os.Unsetenv("PGPASSWORD")
+	t.Setenv("PGPASSFILE", filepath.Join(t.TempDir(), "none"))
+	status := func(args ...string) error {
+		_, err := runCLI(t, append([]string{"status", "--schema", schema}, args...)...)
+		return err
+	}
+	if err := status("--database-url", bare); err == nil || !strings.Contains(err.Error(), "authentication") {
+		t.Fatalf("no password: %v, want an authentication error", err)
+	}
+	if err := status("--database-url", pgb.SessionURL); err != nil {
+		t.Fatalf("password in the URL: %v", err)
+	}
+	file := filepath.Join(t.TempDir(), "pw")
+	if err := os.WriteFile(file, []byte(pgb.Password+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	wrong := fmt.Sprintf("postgres://postgres:wrong@%s/session?sslmode=disable", pgb.Addr)
+	if err := status("--database-url", wrong, "--database-password-file", file); err != nil {
+		t.Fatalf("--database-password-file over a wrong URL password: %v", err)
+	}
+	t.Setenv("ONCEFLOW_DATABASE_PASSWORD_FILE", file)
+	if err := status("--database-url", bare); err != nil {
+		t.Fatalf("ONCEFLOW_DATABASE_PASSWORD_FILE: %v", err)
+	}
+	os.Unsetenv("ONCEFLOW_DATABASE_PASSWORD_FILE")
+	pass := filepath.Join(t.TempDir(), "pgpass")
+	host, port, _ := strings.Cut(pgb.Addr, ":")
+	if err := os.WriteFile(pass, []byte(fmt.Sprintf("%s:%s:session:postgres:%s\n", host, port, pgb.Password)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("PGPASSFILE", pass)
+	if err := status("--database-url", bare); err != nil {
+		t.Fatalf(".pgpass: %v", err)
+	}
+	t.Setenv("PGPASSFILE", filepath.Join(t.TempDir(), "none"))
+	t.Setenv("PGPASSWORD", pgb.Password)
+	if err := status("--database-url", bare); err != nil {
+		t.Fatalf("PGPASSWORD: %v", err)
+	}
+	os.Unsetenv("PGPASSWORD")
+
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	var out strings.Builder
+	err := run(ctx, []string{"relay", "--database-url", bare, "--schema", schema, "--brokers", "127.0.0.1:1"}, &out, &out)
+	if err == nil || ctx.Err() != nil || !strings.Contains(err.Error(), "authentication") {
+		t.Fatalf("relay without a password: %v (ctx %v), want an immediate authentication error", err, ctx.Err())
+	}
+}
+
+// TestDatabaseSSLModeIsHonoured: sslmode and sslrootcert in the URL are
+// applied (pgx reads them): verify-full with PgBouncer's certificate
+// connects over TLS; with another CA's it fails on the certificate, and the
+// relay exits at once instead of waiting.
+func TestDatabaseSSLModeIsHonoured(t *testing.T) {
+	pgb := pgbouncertest.Start(t)
+	schema := pgtest.Schema(t)
+	base := fmt.Sprintf("postgres://postgres:%s@%s/session", pgb.Password, pgb.Addr)
+	if _, err := runCLI(t, "status", "--schema", schema, "--database-url", base+"?sslmode=verify-full&sslrootcert="+pgb.CAFile); err != nil {
+		t.Fatalf("verify-full with the right CA: %v", err)
+	}
+	other := tlstest.New(t)
+	wrong := base + "?sslmode=verify-full&sslrootcert=" + other.CAFile
+	if _, err := runCLI(t, "status", "--schema", schema, "--database-url", wrong); err == nil || !strings.Contains(err.Error(), "certificate") {
+		t.Fatalf("verify-full with another CA: %v, want a certificate error", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	var out strings.Builder
+	err := run(ctx, []string{"relay", "--database-url", wrong, "--schema", schema, "--brokers", "127.0.0.1:1"}, &out, &out)
+	if err == nil || ctx.Err() != nil || !strings.Contains(err.Error(), "certificate") {
+		t.Fatalf("relay with a certificate that does not verify: %v (ctx %v), want an immediate error", err, ctx.Err())
+	}
+}
+
+func TestDatabasePoolSize(t *testing.T) {
+	c := common{databaseURL: "postgres://u@h/d?pool_max_conns=7"}
+	cfg, err := c.poolConfig()
+	if err != nil || cfg.MaxConns != 7 {
+		t.Fatalf("pool_max_conns in the URL: %v, %v", cfg.MaxConns, err)
+	}
+	c.poolSize = 3
+	if cfg, err = c.poolConfig(); err != nil || cfg.MaxConns != 3 {
+		t.Fatalf("--database-pool-size 3: %v, %v", cfg.MaxConns, err)
+	}
+	c.poolSize = -1
+	if _, err = c.poolConfig(); err == nil || !strings.Contains(err.Error(), "--database-pool-size") {
+		t.Fatalf("--database-pool-size -1: %v", err)
+	}
+}

@@ -1,0 +1,45 @@
+package main
+
+import (
+	"flag"
+	"fmt"
+	"os"
+	"strings"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// PostgreSQL connection settings beyond the URL. pgx itself reads sslmode,
+// sslrootcert, sslcert, sslkey and pool_max_conns from the URL, and the
+// password from the URL, PGPASSWORD, or the passfile (PGPASSFILE, default
+// ~/.pgpass), in that order.
+
+func (c *common) registerPG(fs *flag.FlagSet) {
+	fs.StringVar(&c.passwordFile, "database-password-file", env("ONCEFLOW_DATABASE_PASSWORD_FILE", ""), "file holding the database password (one trailing newline ignored), e.g. a mounted secret; overrides the URL's, PGPASSWORD and .pgpass (env ONCEFLOW_DATABASE_PASSWORD_FILE)")
+	fs.IntVar(&c.poolSize, "database-pool-size", envInt("ONCEFLOW_DATABASE_POOL_SIZE", 0), "most connections the pool opens; 0: the URL's pool_max_conns, else pgx's default (4 or the CPU count) (env ONCEFLOW_DATABASE_POOL_SIZE)")
+}
+
+// applyPG applies the password file and pool size to cfg.
+func (c *common) applyPG(cfg *pgxpool.Config) error {
+	if c.passwordFile != "" {
+		b, err := os.ReadFile(c.passwordFile)
+		if err != nil {
+			return fmt.Errorf("--database-password-file: %w", err)
+		}
+		pw := strings.TrimSuffix(strings.TrimSuffix(string(b), "\n"), "\r")
+		if pw == "" {
+			return fmt.Errorf("--database-password-file: %s is empty", c.passwordFile)
+		}
+		cfg.ConnConfig.Password = pw
+	}
+	switch {
+	case c.poolSize < 0 || c.poolSize > 10000:
+		return fmt.Errorf("--database-pool-size: %d is not between 0 and 10000", c.poolSize)
+	case c.poolSize > 0:
+		cfg.MaxConns = int32(c.poolSize)
+		if cfg.MinConns > cfg.MaxConns {
+			cfg.MinConns = cfg.MaxConns
+		}
+	}
+	return nil
+}

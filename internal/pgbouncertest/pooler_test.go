@@ -1,0 +1,231 @@
+package pgbouncertest_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/onceflow/onceflow/consumer"
+	"github.com/onceflow/onceflow/consumer/kgoconsumer"
+	"github.com/onceflow/onceflow/idempotency"
+	"github.com/onceflow/onceflow/internal/kafkatest"
+	"github.com/onceflow/onceflow/internal/pgbouncertest"
+	"github.com/onceflow/onceflow/internal/pgtest"
+	"github.com/onceflow/onceflow/outbox"
+	"github.com/onceflow/onceflow/relay"
+	"github.com/onceflow/onceflow/relay/kgopublisher"
+)
+
+// modes are the PgBouncer set-ups README's table reports on. PgBouncer
+// 1.18 (Debian 12) keeps no prepared statements across transactions, so
+// transaction mode needs pgx's exec or simple_protocol query mode (set in
+// the URL); 1.21+ with max_prepared_statements does not.
+func modes(t *testing.T) map[string]string {
+	e := pgbouncertest.Start(t)
+	return map[string]string{
+		"session":          e.SessionURL,
+		"transaction/exec": e.TransactionURL + "&default_query_exec_mode=exec",
+	}
+}
+
+func poolFor(t *testing.T, url string) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = 8
+	p, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.Close)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := p.Ping(ctx); err != nil {
+		t.Fatalf("PgBouncer at %s: %v", strings.SplitN(url, "@", 2)[1], err)
+	}
+	return p
+}
+
+// TestRelayBehindPgBouncer: a relay whose pool goes through PgBouncer
+// publishes every event and empties the outbox, in session and in
+// transaction mode.
+func TestRelayBehindPgBouncer(t *testing.T) {
+	for mode, url := range modes(t) {
+		t.Run(mode, func(t *testing.T) {
+			t.Parallel()
+			schema := pgtest.Schema(t)
+			k := kafkatest.New(t)
+			topic := k.Topic(t, 2)
+			pool := poolFor(t, url)
+			pub, err := kgopublisher.New(k.Brokers, &kgopublisher.Config{Opts: []kgo.Opt{kgo.MetadataMinAge(100 * time.Millisecond)}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer pub.Close()
+			r, err := relay.New(pool, pub, &relay.Config{Schema: schema, PollInterval: 100 * time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan error, 1)
+			go func() { done <- r.Run(ctx) }()
+			defer func() {
+				cancel()
+				if err := <-done; err != nil {
+					t.Errorf("relay.Run: %v", err)
+				}
+			}()
+			w, _ := outbox.NewWriter(&outbox.Config{Schema: schema})
+			var msgs []outbox.Message
+			for i := range 200 {
+				msgs = append(msgs, outbox.Message{Topic: topic, Key: []byte(fmt.Sprint(i % 7)), Value: []byte("v")})
+			}
+			if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return w.Write(ctx, tx, msgs...) }); err != nil {
+				t.Fatalf("outbox.Write through PgBouncer: %v", err)
+			}
+			waitUntil(t, "the outbox to drain", 60*time.Second, func() bool {
+				var n int
+				_ = pgtest.Pool(t).QueryRow(ctx, `SELECT count(*) FROM `+pgx.Identifier{schema, "outbox"}.Sanitize()).Scan(&n)
+				return n == 0
+			})
+			if got := k.ReadAll(t, topic, 200, 30*time.Second); len(got) < 200 {
+				t.Fatalf("read %d records, want 200", len(got))
+			}
+		})
+	}
+}
+
+// TestConsumerBehindPgBouncer: the idempotent consumer applies every
+// message once through PgBouncer, with pipelined commits and with
+// Config.PlainBegin, in session and in transaction mode.
+func TestConsumerBehindPgBouncer(t *testing.T) {
+	for mode, url := range modes(t) {
+		for _, plain := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/PlainBegin=%v", mode, plain), func(t *testing.T) {
+				testConsumer(t, url, plain)
+			})
+		}
+	}
+}
+
+func testConsumer(t *testing.T, url string, plain bool) {
+	t.Parallel()
+	schema := pgtest.Schema(t)
+	k := kafkatest.New(t)
+	topic := k.Topic(t, 2)
+	cl := k.Client(t)
+	ctx := context.Background()
+	for i := range 100 {
+		r := &kgo.Record{Topic: topic, Key: []byte(fmt.Sprint(i % 5)), Value: []byte("v"),
+			Headers: []kgo.RecordHeader{{Key: "message-id", Value: []byte(fmt.Sprintf("m-%d", i%80))}}} // 20 duplicates
+		if err := cl.ProduceSync(ctx, r).FirstErr(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	pool := poolFor(t, url)
+	effects := pgx.Identifier{schema, "effects"}.Sanitize()
+	if _, err := pgtest.Pool(t).Exec(ctx, `CREATE TABLE `+effects+` (id text)`); err != nil {
+		t.Fatal(err)
+	}
+	p, err := consumer.New(pool, "pgb", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		_, err := tx.Exec(ctx, `INSERT INTO `+effects+` VALUES ($1)`, m.ID)
+		return err
+	}, &consumer.Config{Schema: schema, PlainBegin: plain})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := kgoconsumer.New(p, &kgoconsumer.Config{Brokers: k.Brokers, Topics: []string{topic},
+		ClientOpts: []kgo.Opt{kgo.MetadataMinAge(100 * time.Millisecond), kgo.FetchMaxWait(200 * time.Millisecond)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	runCtx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- c.Run(runCtx) }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	}()
+	waitUntil(t, "80 effects", 90*time.Second, func() bool {
+		var n int
+		_ = pgtest.Pool(t).QueryRow(ctx, `SELECT count(*) FROM `+effects).Scan(&n)
+		return n >= 80
+	})
+	var n, distinct int
+	if err := pgtest.Pool(t).QueryRow(ctx, `SELECT count(*), count(DISTINCT id) FROM `+effects).Scan(&n, &distinct); err != nil {
+		t.Fatal(err)
+	}
+	if n != 80 || distinct != 80 {
+		t.Fatalf("effects %d (%d distinct), want 80 once each", n, distinct)
+	}
+}
+
+// TestIdempotencyBehindPgBouncer: the middleware runs a keyed request once
+// and replays it, in both modes and both PgBouncer modes.
+func TestIdempotencyBehindPgBouncer(t *testing.T) {
+	for mode, url := range modes(t) {
+		for _, im := range []idempotency.Mode{idempotency.Transactional, idempotency.Leased} {
+			t.Run(fmt.Sprintf("%s/%v", mode, im), func(t *testing.T) {
+				t.Parallel()
+				schema := pgtest.Schema(t)
+				pool := poolFor(t, url)
+				mw, err := idempotency.New(pool, &idempotency.Config{Schema: schema, Mode: im, Scope: idempotency.SharedScope})
+				if err != nil {
+					t.Fatal(err)
+				}
+				var mu sync.Mutex
+				runs := 0
+				srv := httptest.NewServer(mw.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+					mu.Lock()
+					runs++
+					mu.Unlock()
+					w.WriteHeader(http.StatusCreated)
+					_, _ = io.WriteString(w, "made")
+				})))
+				defer srv.Close()
+				for i := range 3 {
+					req, _ := http.NewRequest("POST", srv.URL+"/orders", strings.NewReader(`{"a":1}`))
+					req.Header.Set("Idempotency-Key", "k-1")
+					resp, err := http.DefaultClient.Do(req)
+					if err != nil {
+						t.Fatal(err)
+					}
+					body, _ := io.ReadAll(resp.Body)
+					resp.Body.Close()
+					replayed := resp.Header.Get("Idempotent-Replayed") == "true"
+					if resp.StatusCode != http.StatusCreated || string(body) != "made" || replayed != (i > 0) {
+						t.Fatalf("request %d: %d %q replayed=%v", i, resp.StatusCode, body, replayed)
+					}
+				}
+				if runs != 1 {
+					t.Fatalf("handler ran %d times, want 1", runs)
+				}
+			})
+		}
+	}
+}
+
+func waitUntil(t *testing.T, what string, timeout time.Duration, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %s waiting for %s", timeout, what)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
