@@ -26,3 +26,12 @@ bench:
 
 demo:
 	$(GO) run ./cmd/onceflow demo
+
+# PgBouncer (Debian's package, installed if missing) in session and
+# transaction mode in front of the local PostgreSQL, for the pooler tests
+# (which also start it themselves); prints its env file.
+.PHONY: pgbouncer-start pgbouncer-stop
+pgbouncer-start:
+	scripts/pgbouncer.sh start
+pgbouncer-stop:
+	scripts/pgbouncer.sh stop
