@@ -136,7 +136,7 @@ func (f *Fence) Do(ctx context.Context, key string, fn func(ctx context.Context)
 	defer scancel()
 	if err != nil {
 		if rerr := f.store.release(sctx, f.db, c); rerr != nil {
-			f.cfg.Logger.Warn("idempotency: release claim", "key", key, "err", rerr)
+			f.cfg.Logger.Warn("idempotency: release claim", "key", key, "error", rerr)
 		}
 		var p *panicError
 		if errors.As(err, &p) {

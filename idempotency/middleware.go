@@ -267,7 +267,7 @@ func (m *Middleware) fail(w http.ResponseWriter, r *http.Request, err error) {
 		w.Header().Set("Retry-After", strconv.Itoa(int((m.cfg.RetryAfter+time.Second-1)/time.Second)))
 	}
 	if StatusCode(err) == http.StatusInternalServerError {
-		m.cfg.Logger.WarnContext(r.Context(), "idempotency: request failed", "path", r.URL.Path, "err", err)
+		m.cfg.Logger.WarnContext(r.Context(), "idempotency: request failed", "path", r.URL.Path, "error", err)
 	}
 	m.cfg.ErrorHandler(w, r, err)
 }
@@ -421,7 +421,7 @@ func (m *Middleware) serveLeased(w http.ResponseWriter, r *http.Request, next ht
 	if err := m.storeResponse(sctx, m.db, c, rw); err != nil {
 		// The handler's effects happened: answer with them. A retry will see
 		// the key in progress until the lease lapses, then run again.
-		m.cfg.Logger.Warn("idempotency: store response", "key", c.key, "err", err)
+		m.cfg.Logger.Warn("idempotency: store response", "key", c.key, "error", err)
 	}
 	rw.flush(false)
 }
@@ -430,7 +430,7 @@ func (m *Middleware) release(ctx context.Context, c claim) {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	if err := m.store.release(ctx, m.db, c); err != nil {
-		m.cfg.Logger.Warn("idempotency: release claim", "key", c.key, "err", err)
+		m.cfg.Logger.Warn("idempotency: release claim", "key", c.key, "error", err)
 	}
 }
 

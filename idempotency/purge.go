@@ -81,7 +81,7 @@ func (p *Purger) Run(ctx context.Context) error {
 	defer t.Stop()
 	for {
 		if _, err := p.Purge(ctx); err != nil && ctx.Err() == nil {
-			p.cfg.Logger.Warn("idempotency: purge failed", "err", err)
+			p.cfg.Logger.Warn("idempotency: purge failed", "error", err)
 		}
 		select {
 		case <-ctx.Done():

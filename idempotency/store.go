@@ -289,7 +289,7 @@ func (s *store) keepLease(db querier, c claim, lease time.Duration, held time.Ti
 			cancel()
 			switch {
 			case err != nil:
-				log("idempotency: renew lease", "scope", c.scope, "key", c.key, "err", err)
+				log("idempotency: renew lease", "scope", c.scope, "key", c.key, "error", err)
 			case !ok:
 				log("idempotency: lease lost", "scope", c.scope, "key", c.key)
 				onLost(ErrLeaseLost)

@@ -98,10 +98,10 @@ func (w *brokerWatch) run(ctx context.Context) {
 			w.up.Store(false)
 			if downSince.IsZero() {
 				downSince, lastWarn = now, now
-				w.log.Warn("relay: cannot reach any Kafka broker; events wait in the outbox", "err", err)
+				w.log.Warn("relay: cannot reach any Kafka broker; events wait in the outbox", "error", err)
 			} else if now.Sub(lastWarn) >= w.warnEvery {
 				lastWarn = now
-				w.log.Warn("relay: still cannot reach any Kafka broker; events wait in the outbox", "for", now.Sub(downSince).Round(time.Second), "err", err)
+				w.log.Warn("relay: still cannot reach any Kafka broker; events wait in the outbox", "down_for", now.Sub(downSince).Round(time.Second), "error", err)
 			}
 		default:
 			w.upGauge.Set(1)
@@ -201,7 +201,7 @@ func waitForDatabase(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger, 
 			return fmt.Errorf("connect to database %s@%s:%d/%s: %w", cfg.User, cfg.Host, cfg.Port, cfg.Database, err)
 		}
 		next := bo.NextBackOff()
-		log.Warn("relay: database unreachable; waiting for it (--wait-for-database)", "err", oneLine(err), "retry_in", next.Round(100*time.Millisecond))
+		log.Warn("relay: database unreachable; waiting for it (--wait-for-database)", "error", oneLine(err), "backoff", next.Round(100*time.Millisecond))
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
