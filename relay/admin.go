@@ -93,7 +93,7 @@ SELECT taken.id FROM taken`, ids)
 	if err != nil {
 		return 0, fmt.Errorf("relay: replay dead events: %w", err)
 	}
-	return len(moved), notFound("replayed", ids, moved)
+	return len(moved), notFound(ctx, db, schema, "replayed", ids, moved)
 }
 
 // DiscardDead deletes the given dead events for good and returns them, so
@@ -125,7 +125,7 @@ SELECT `+deadColumns+` FROM taken ORDER BY id`, ids)
 	if err := rows.Err(); err != nil {
 		return nil, fmt.Errorf("relay: discard dead events: %w", err)
 	}
-	return out, notFound("discarded", ids, moved)
+	return out, notFound(ctx, db, schema, "discarded", ids, moved)
 }
 
 // deadTake is the start of a statement that deletes the outbox_dead rows
@@ -141,20 +141,37 @@ taken AS (
     RETURNING ` + cols + `)`
 }
 
-// notFound returns a *DeadNotFoundError for the ids asked for but not taken.
-func notFound(did string, asked, taken []int64) error {
+// notFound returns a *DeadNotFoundError for the ids asked for that were
+// neither taken nor are still there (held back because another id was
+// missing).
+func notFound(ctx context.Context, db Querier, schema, did string, asked, taken []int64) error {
 	if asked == nil {
 		return nil
 	}
-	got := map[int64]bool{}
-	for _, id := range taken {
-		got[id] = true
-	}
-	var missing []int64
+	left := map[int64]bool{}
 	for _, id := range asked {
-		if !got[id] && !slices.Contains(missing, id) {
-			missing = append(missing, id)
-		}
+		left[id] = true
+	}
+	for _, id := range taken {
+		delete(left, id)
+	}
+	if len(left) == 0 {
+		return nil
+	}
+	rows, err := db.Query(ctx, `SELECT id FROM `+pgx.Identifier{schema, "outbox_dead"}.Sanitize()+` WHERE id = ANY($1)`, asked)
+	if err != nil {
+		return fmt.Errorf("relay: look up dead events: %w", err)
+	}
+	present, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		return fmt.Errorf("relay: look up dead events: %w", err)
+	}
+	for _, id := range present {
+		delete(left, id)
+	}
+	missing := make([]int64, 0, len(left))
+	for id := range left {
+		missing = append(missing, id)
 	}
 	if len(missing) == 0 {
 		return nil

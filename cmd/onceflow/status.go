@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"time"
@@ -13,6 +14,7 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	var c common
 	fs := newFlagSet("status", "Show the backlog, the oldest pending event, dead letters, and the live relays with their shards.", stderr)
 	c.register(fs, false)
+	asJSON := fs.Bool("json", false, "print one JSON object (for scripts)")
 	if err := c.parse(fs, args, false); err != nil {
 		return err
 	}
@@ -24,6 +26,9 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	st, err := relay.ReadStatus(ctx, pool, c.schema)
 	if err != nil {
 		return err
+	}
+	if *asJSON {
+		return printStatusJSON(stdout, c.schema, st)
 	}
 	fmt.Fprintf(stdout, "schema:          %s\n", c.schema)
 	fmt.Fprintf(stdout, "backlog:         %d events\n", st.Backlog)
@@ -69,4 +74,48 @@ func shardRanges(shards []int16) string {
 		i = j + 1
 	}
 	return "[" + out + "]"
+}
+
+// statusJSON is `onceflow status --json`.
+type statusJSON struct {
+	Schema          string      `json:"schema"`
+	Backlog         int64       `json:"backlog"`
+	OldestPendingAt *time.Time  `json:"oldest_pending_at"`
+	OldestAgeSecs   *float64    `json:"oldest_pending_age_seconds"`
+	MaxAttempts     int         `json:"max_attempts"`
+	DeadLetters     int64       `json:"dead_letters"`
+	Shards          int         `json:"shards"`
+	UnownedShards   int         `json:"unowned_shards"`
+	Relays          []relayJSON `json:"relays"`
+}
+
+type relayJSON struct {
+	ID          string    `json:"id"`
+	Live        bool      `json:"live"`
+	Hostname    string    `json:"hostname"`
+	PID         int       `json:"pid"`
+	StartedAt   time.Time `json:"started_at"`
+	HeartbeatAt time.Time `json:"heartbeat_at"`
+	Shards      []int16   `json:"shards"`
+}
+
+func printStatusJSON(w io.Writer, schema string, st *relay.Status) error {
+	out := statusJSON{
+		Schema: schema, Backlog: st.Backlog, OldestPendingAt: st.OldestPending, MaxAttempts: st.MaxAttempts,
+		DeadLetters: st.DeadLetters, Shards: relay.NumShards, UnownedShards: st.UnownedShards, Relays: []relayJSON{},
+	}
+	if st.OldestPending != nil {
+		age := time.Since(*st.OldestPending).Seconds()
+		out.OldestAgeSecs = &age
+	}
+	for _, r := range st.Relays {
+		shards := r.Shards
+		if shards == nil {
+			shards = []int16{}
+		}
+		out.Relays = append(out.Relays, relayJSON{r.ID, r.Live, r.Hostname, r.PID, r.StartedAt, r.HeartbeatAt, shards})
+	}
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(out)
 }
