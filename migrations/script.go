@@ -2,10 +2,12 @@ package migrations
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // Latest returns the newest migration's version: what this build of onceflow
@@ -119,21 +121,24 @@ func Check(ctx context.Context, db Querier, schema string) error {
 	if err != nil {
 		return err
 	}
-	var hasVersions, hasOutbox bool
-	err = db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL`,
-		pgx.Identifier{schema, "schema_migrations"}.Sanitize(), pgx.Identifier{schema, "outbox"}.Sanitize()).Scan(&hasVersions, &hasOutbox)
-	if err != nil {
-		return fmt.Errorf("migrations: check schema %s: %w", schema, err)
-	}
+	// One round trip when the version table is there (the relay's start).
+	hasVersions, hasOutbox := true, true
 	applied := map[int]bool{}
-	if hasVersions {
-		var versions []int32
-		if err := db.QueryRow(ctx, `SELECT coalesce(array_agg(version), '{}') FROM `+pgx.Identifier{schema, "schema_migrations"}.Sanitize()).Scan(&versions); err != nil {
-			return fmt.Errorf("migrations: read versions of schema %s: %w", schema, err)
+	var versions []int32
+	err = db.QueryRow(ctx, `SELECT coalesce(array_agg(version), '{}') FROM `+pgx.Identifier{schema, "schema_migrations"}.Sanitize()).Scan(&versions)
+	var pgErr *pgconn.PgError
+	switch {
+	case errors.As(err, &pgErr) && (pgErr.Code == "42P01" || pgErr.Code == "3F000"): // undefined table or schema
+		hasVersions = false
+		err = db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, pgx.Identifier{schema, "outbox"}.Sanitize()).Scan(&hasOutbox)
+		if err != nil {
+			return fmt.Errorf("migrations: check schema %s: %w", schema, err)
 		}
-		for _, v := range versions {
-			applied[int(v)] = true
-		}
+	case err != nil:
+		return fmt.Errorf("migrations: read versions of schema %s: %w", schema, err)
+	}
+	for _, v := range versions {
+		applied[int(v)] = true
 	}
 	missing := &MissingError{Schema: schema, NoVersionTable: !hasVersions, Tables: hasOutbox}
 	for _, m := range all {
