@@ -1,7 +1,9 @@
-# The targets CI runs (.ci/run calls `make test`: vet, gofmt, staticcheck, go test -race).
+# The targets CI runs (.ci/run calls `make services`, `make test`: vet, gofmt,
+# staticcheck, go test -race on kfake, and `make test-kafka`: the Kafka-facing
+# suites against a real Apache Kafka broker started by scripts/kafka.sh).
 GO ?= go
 
-.PHONY: test check vet fmt-check staticcheck race bench demo
+.PHONY: test check vet fmt-check staticcheck race bench demo services services-stop kafka-start kafka-stop test-kafka
 
 test: check race
 
@@ -26,6 +28,35 @@ bench:
 
 demo:
 	$(GO) run ./cmd/onceflow demo
+
+# PostgreSQL (installed and started if needed) and a real Apache Kafka broker
+# (scripts/kafka.sh: Maven-resolved jars, PLAINTEXT/SSL/SASL_SSL listeners).
+services:
+	scripts/postgres.sh
+	scripts/kafka.sh start >/dev/null
+	@echo "services: PostgreSQL on 127.0.0.1:5432; Kafka env: eval \"\$$(scripts/kafka.sh env)\""
+
+services-stop: kafka-stop
+
+kafka-start:
+	scripts/kafka.sh start
+
+kafka-stop:
+	scripts/kafka.sh stop
+
+# The Kafka-facing suites against the real broker: both publishers'
+# conformance, both consumer adapters' conformance, the relay crash test,
+# internal/e2e (and the broker-kill tests, which start their own broker with
+# scripts/kafka.sh --state DIR), the listener and TLS/SASL tests (kafkaconn).
+# Starts the broker if it
+# is not running; ONCEFLOW_TEST_KAFKA_BROKERS already set (a cluster of your
+# own) is used as it is.
+KAFKA_PKGS ?= ./internal/kafkatest/ ./kafkaconn/ ./relay/kgopublisher/ ./relay/kafkagopublisher/ \
+	./consumer/kgoconsumer/ ./consumer/kafkagoconsumer/ ./cmd/onceflow/ ./internal/e2e/
+KAFKA_RUN ?= .
+
+test-kafka:
+	GO=$(GO) KAFKA_RUN='$(KAFKA_RUN)' scripts/test-kafka.sh $(KAFKA_PKGS)
 
 # PgBouncer (Debian's package, installed if missing) in session and
 # transaction mode in front of the local PostgreSQL, for the pooler tests

@@ -24,6 +24,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/onceflow/onceflow/consumer"
 	"github.com/onceflow/onceflow/consumer/kgoconsumer"
@@ -51,6 +52,8 @@ func run(ctx context.Context, args []string, log *slog.Logger) error {
 	topic := fs.String("topic", "payments", "topic to consume")
 	group := fs.String("group", "ledger", "consumer group, also the name payments are deduplicated under")
 	window := fs.Duration("dedup-window", 7*24*time.Hour, "keep dedup records this long; must exceed the topic's retention")
+	session := fs.Duration("session-timeout", 0, "group session timeout: how soon a worker that died gives up its partitions (0: franz-go's 45s)")
+	rebalance := fs.Duration("rebalance-timeout", 0, "group rebalance timeout (0: franz-go's 60s)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -74,11 +77,19 @@ func run(ctx context.Context, args []string, log *slog.Logger) error {
 	if err != nil {
 		return err
 	}
+	var opts []kgo.Opt
+	if *session > 0 {
+		opts = append(opts, kgo.SessionTimeout(*session), kgo.HeartbeatInterval(min(3*time.Second, *session/5)))
+	}
+	if *rebalance > 0 {
+		opts = append(opts, kgo.RebalanceTimeout(*rebalance))
+	}
 	c, err := kgoconsumer.New(p, &kgoconsumer.Config{
-		Brokers: strings.Split(*brokers, ","),
-		Topics:  []string{*topic},
-		Group:   *group,
-		Logger:  log,
+		Brokers:    strings.Split(*brokers, ","),
+		Topics:     []string{*topic},
+		Group:      *group,
+		Logger:     log,
+		ClientOpts: opts,
 	})
 	if err != nil {
 		return err

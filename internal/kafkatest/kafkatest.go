@@ -8,6 +8,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"fmt"
 	"os"
 	"strings"
 	"testing"
@@ -63,7 +64,7 @@ func New(t testing.TB, opts ...kfake.Opt) *Kafka {
 func (k *Kafka) RequireFake(t testing.TB) *kfake.Cluster {
 	t.Helper()
 	if k.Fake == nil {
-		t.Skip("kafkatest: fault injection needs the in-process kfake cluster; ONCEFLOW_TEST_KAFKA_BROKERS is set")
+		t.Skip("kafkatest: injects broker errors with kfake's fault injection, which a real broker lacks (ONCEFLOW_TEST_KAFKA_BROKERS is set); make test runs it on kfake")
 	}
 	return k.Fake
 }
@@ -91,6 +92,58 @@ func (k *Kafka) CreateTopic(t testing.TB, name string, partitions int32, configs
 	if err != nil {
 		t.Fatalf("kafkatest: create topic %s: %v", name, err)
 	}
+	if k.Fake == nil {
+		k.waitTopicReady(t, adm, name, partitions)
+	}
+}
+
+// waitTopicReady waits until a real broker serves every partition of a new
+// topic: CreateTopics returns once the controller committed the topic, and
+// the broker applies it a moment later; until then it answers
+// UNKNOWN_TOPIC_OR_PARTITION, which the publishers rightly treat as a
+// refusal. kfake applies a topic before it answers.
+func (k *Kafka) waitTopicReady(t testing.TB, adm *kadm.Client, name string, partitions int32) {
+	t.Helper()
+	deadline := time.Now().Add(60 * time.Second)
+	var last error
+	for time.Now().Before(deadline) {
+		last = topicReady(adm, name, partitions)
+		if last == nil {
+			return
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	t.Fatalf("kafkatest: topic %s not served within 60s: %v", name, last)
+}
+
+func topicReady(adm *kadm.Client, name string, partitions int32) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	md, err := adm.Metadata(ctx, name)
+	if err != nil {
+		return err
+	}
+	d, ok := md.Topics[name]
+	switch {
+	case !ok:
+		return fmt.Errorf("not in metadata")
+	case d.Err != nil:
+		return d.Err
+	case int32(len(d.Partitions)) != partitions:
+		return fmt.Errorf("%d of %d partitions in metadata", len(d.Partitions), partitions)
+	}
+	for _, p := range d.Partitions {
+		if p.Err != nil || p.Leader < 0 {
+			return fmt.Errorf("partition %d: leader %d, %v", p.Partition, p.Leader, p.Err)
+		}
+	}
+	// ListOffsets is answered by the partition's leader itself: the
+	// broker has applied the topic, not only its metadata cache.
+	ends, err := adm.ListEndOffsets(ctx, name)
+	if err != nil {
+		return err
+	}
+	return ends.Error()
 }
 
 // Client returns a franz-go client closed at test end.
