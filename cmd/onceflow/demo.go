@@ -44,9 +44,10 @@ schema named onceflow_demo_<random> and drops only that one at the end (keep
 it with --keep). Brokers not on this machine need --allow-remote-brokers.
 
 Needs PostgreSQL only: --database-url defaults to the local server
-(postgres://postgres@127.0.0.1:5432/postgres). When that does not answer, the
-demo starts an embedded PostgreSQL (its binaries are downloaded from Maven
-Central on first use and cached) and removes it at the end.`
+(postgres://postgres@127.0.0.1:5432/postgres). When that default does not
+answer (a --database-url given is never replaced), the demo starts an embedded
+PostgreSQL (its binaries are downloaded from Maven Central on first use and
+cached) and removes it at the end.`
 
 // demoDatabaseURL is the demo's default database: the local server.
 const demoDatabaseURL = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
