@@ -72,8 +72,20 @@ die() {
 	exit 1
 }
 
+# need CMD [DEBIAN-PACKAGE]: as root with apt-get (CI, a fresh machine) a
+# missing tool is installed from Debian's packages; otherwise it is an error
+# that names the package.
 need() {
-	command -v "$1" >/dev/null 2>&1 || die "$1 is not installed (needed: java 17+, mvn, openssl); on Debian: apt-get install ${2:-$1}"
+	command -v "$1" >/dev/null 2>&1 && return
+	if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+		say "$1 is not installed; installing Debian's ${2:-$1}"
+		export DEBIAN_FRONTEND=noninteractive
+		if ! { apt-get update -qq >&2 && apt-get install -y -qq "${2:-$1}" >/dev/null; }; then
+			die "apt-get install ${2:-$1} failed"
+		fi
+		command -v "$1" >/dev/null 2>&1 && return
+	fi
+	die "$1 is not installed (needed: java 17+, mvn, openssl); on Debian: apt-get install ${2:-$1}"
 }
 
 # --- jars ------------------------------------------------------------------
