@@ -79,6 +79,9 @@ start() {
 	local bin
 	bin="$(command -v pgbouncer || echo /usr/sbin/pgbouncer)"
 	mkdir -p "$STATE"
+	# Test binaries of several packages may start it at once: one at a time.
+	exec 9>"$STATE/start.lock"
+	flock 9
 	if running; then
 		write_env
 		cat "$STATE/env"
@@ -119,7 +122,7 @@ INI
 	chown "$RUN_AS" "$STATE" "$STATE"/* 2>/dev/null || true
 	local args=(-d "$STATE/pgbouncer.ini")
 	[ "$(id -u)" = 0 ] && args=(-d -u "$RUN_AS" "$STATE/pgbouncer.ini")
-	"$bin" "${args[@]}" || die "pgbouncer did not start (log: $STATE/pgbouncer.log)"
+	"$bin" "${args[@]}" 9>&- || die "pgbouncer did not start (log: $STATE/pgbouncer.log)"
 	for _ in $(seq 1 100); do
 		if python3 -c "import socket,sys; socket.create_connection(('127.0.0.1', $(cat "$STATE/port")), 1)" 2>/dev/null; then
 			write_env

@@ -27,7 +27,8 @@ type Config struct {
 	// Conn is how to reach the brokers: client id, TLS, SASL (ClientOpts
 	// apply after it). Defaults to plaintext without authentication.
 	Conn kafkaconn.Config
-	// ClientOpts are extra franz-go options: TLS, SASL, session and
+	// ClientOpts are extra franz-go options (TLS and SASL are simpler
+	// through Conn): session and
 	// rebalance timeouts, balancers, the reset offset for a new group
 	// (franz-go's default is the start of each partition). Options the
 	// Consumer depends on are applied after them and win: the group and
