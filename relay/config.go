@@ -35,6 +35,13 @@ type Config struct {
 	// UnknownTopicGrace is how long an event's unknown topic is retried
 	// before the event is dead-lettered. Defaults to 1m.
 	UnknownTopicGrace time.Duration
+	// PublishTimeout bounds how long a round waits for Kafka's
+	// acknowledgements. A record not acknowledged by then (a partition that
+	// cannot take writes, e.g. below min.insync.replicas) is a failed,
+	// passing attempt for its key only: the key's later events are held
+	// back, it is retried beside the rounds with backoff and never
+	// dead-lettered for it, and every other key goes on. Defaults to 30s.
+	PublishTimeout time.Duration
 	// MaxRetryBackoff caps the wait before a key whose event failed is tried
 	// again. Defaults to 10s.
 	MaxRetryBackoff time.Duration
@@ -88,6 +95,12 @@ func (c *Config) withDefaults() (Config, error) {
 	}
 	if out.UnknownTopicGrace < 0 {
 		return out, fmt.Errorf("relay: Config.UnknownTopicGrace must not be negative, got %s", out.UnknownTopicGrace)
+	}
+	if out.PublishTimeout == 0 {
+		out.PublishTimeout = 30 * time.Second
+	}
+	if out.PublishTimeout < 10*time.Millisecond {
+		return out, fmt.Errorf("relay: Config.PublishTimeout must be at least 10ms, got %s", out.PublishTimeout)
 	}
 	if out.MaxRetryBackoff == 0 {
 		out.MaxRetryBackoff = 10 * time.Second

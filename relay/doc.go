@@ -21,6 +21,12 @@
 // until it is retried. Commits wake the relay through NOTIFY; polling is the
 // backstop.
 //
+// A round waits at most Config.PublishTimeout for its acknowledgements. A
+// record not acknowledged by then (a partition that cannot take writes) is a
+// failed, passing attempt for its key alone: the rounds leave the key out
+// and the relay retries that event beside them until it is acknowledged,
+// so one sick partition never holds up the other keys.
+//
 // # Refusals
 //
 // A Publisher classifies refusals by wrapping ErrRecordTooLarge,

@@ -15,8 +15,11 @@ type Observer interface {
 
 // BatchStats describes one publish round.
 type BatchStats struct {
-	Published    int // acknowledged by Kafka and deleted from the outbox
-	Failed       int // failed with a passing error; left pending for retry
+	Published int // acknowledged by Kafka and deleted from the outbox
+	Failed    int // failed with a passing error; left pending for retry
+	// TimedOut counts the failed events (included in Failed) that were
+	// not acknowledged within Config.PublishTimeout.
+	TimedOut     int
 	DeadLettered int // moved to outbox_dead
 	// NotDeleted counts acknowledged events whose delete was refused
 	// because this relay no longer owned their shard; the new owner

@@ -28,9 +28,12 @@ type Header struct {
 // A publisher marks refusals that will not heal by wrapping ErrRecordTooLarge,
 // ErrTopicForbidden, ErrRecordInvalid or ErrUnknownTopic; any other error is taken as passing
 // (a broker outage) and the record is retried. Publish must return when ctx
-// is done, failing what was not acknowledged.
+// is done, failing what was not acknowledged: the relay bounds each call
+// with Config.PublishTimeout this way.
 //
-// The relay calls Publish from one goroutine at a time.
+// The relay calls Publish from two goroutines at most: its rounds, and the
+// retry of records that were not acknowledged in time (never with records
+// of a key the other call holds). Publish must be safe for that.
 type Publisher interface {
 	Publish(ctx context.Context, records []Record) []error
 	Close() error

@@ -47,6 +47,9 @@ type Relay struct {
 	// reads must leave out until then.
 	finishing    chan struct{}
 	finishingIDs []int64
+	// sideDone delivers the side retry in flight, nil if none (sideretry.go).
+	sideDone chan sideResult
+	sideSQL  string
 }
 
 // keyState is a key (or a keyless event) whose event failed and waits for
@@ -58,7 +61,16 @@ type keyState struct {
 	retryAt  time.Time
 	backoff  backoff.BackOff
 	lastSeen time.Time
+	// timedOut: the key's event was not acknowledged in time; the side retry
+	// retries it (at sideAt) beside the rounds, which leave the key out
+	// until then (retryAt is farFuture).
+	timedOut bool
+	onSide   bool
+	sideAt   time.Time
 }
+
+// farFuture is the retryAt of a key the side retry is in charge of.
+var farFuture = time.Date(9999, 1, 1, 0, 0, 0, 0, time.UTC)
 
 // New returns a relay reading from pool's database and publishing through
 // pub. cfg may be nil. The relay does not close pool or pub.
@@ -84,6 +96,7 @@ func New(pool *pgxpool.Pool, pub Publisher, cfg *Config) (*Relay, error) {
 		wake:         make(chan struct{}, 1),
 		blocked:      map[string]*keyState{},
 		roundBackoff: newBackoff(c.MaxRetryBackoff),
+		sideSQL:      sideSQL(c.Schema),
 	}, nil
 }
 
@@ -133,6 +146,7 @@ func (r *Relay) Run(ctx context.Context) error {
 
 	r.publishLoop(ctx)
 	r.waitFinish()
+	r.finishSideRetry(ctx, true)
 
 	stopBackground()
 	wg.Wait()
@@ -236,6 +250,8 @@ func (r *Relay) publishLoop(ctx context.Context) {
 	var ahead *prefetch
 	for ctx.Err() == nil {
 		r.beat.Store(time.Now().UnixNano())
+		r.finishSideRetry(ctx, false)
+		r.startSideRetry(ctx)
 		if r.leases.hasExcess() {
 			if ahead != nil { // it may hold events of shards about to go
 				r.forgetRound(ctx, ahead.round)
@@ -291,6 +307,9 @@ func (r *Relay) idle(ctx context.Context) {
 			wait = d
 		}
 	}
+	if _, next := r.sideDue(now); !next.IsZero() && next.Sub(now) < wait {
+		wait = max(next.Sub(now), 0)
+	}
 	t := time.NewTimer(wait)
 	defer t.Stop()
 	woken := "poll"
@@ -305,6 +324,8 @@ func (r *Relay) idle(ctx context.Context) {
 	case <-r.leases.changed:
 		woken = "shards"
 	case <-t.C:
+	case res := <-r.sideDone: // nil (never ready) when none is in flight
+		r.sideDone <- res // finishSideRetry takes it
 	}
 	if r.log.Enabled(ctx, slog.LevelDebug) {
 		r.log.LogAttrs(ctx, slog.LevelDebug, "relay: idle", slog.String("woken_by", woken), slog.Duration("waited", time.Since(now)))
@@ -380,7 +401,9 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		records[i] = toRecord(&events[i])
 	}
 	published := make(chan []error, 1)
-	go func() { published <- r.pub.Publish(ctx, records) }()
+	pubCtx, cancelPub := context.WithTimeout(ctx, r.cfg.PublishTimeout)
+	defer cancelPub()
+	go func() { published <- r.pub.Publish(pubCtx, records) }()
 
 	var next *prefetch
 	if len(events) == r.cfg.BatchSize {
@@ -402,60 +425,8 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		return roundResult{claimed: len(events)}, nil, fmt.Errorf("relay: publisher returned %d results for %d records", len(errs), len(records))
 	}
 
-	var acked []int64
-	var dead []deadEvent
-	var failed []failedEvent
-	var oldest time.Time
-	failedKeys := map[string]bool{}
-	for i := range events {
-		e := &events[i]
-		err := errs[i]
-		if err == nil {
-			acked = append(acked, e.id)
-			if oldest.IsZero() || e.createdAt.Before(oldest) {
-				oldest = e.createdAt
-			}
-			continue
-		}
-		bk := blockKey(e)
-		kind := classify(err)
-		if (kind == tooLarge || kind == invalid) && len(events) > 1 {
-			if failedKeys[bk] {
-				// An earlier event of this key failed: nothing of the
-				// key may go out past it.
-				err, kind = errHeldBack, retriable
-			} else {
-				// The broker may have refused a whole batch for one
-				// record: publish this one alone to know whether it is
-				// the offender.
-				err = r.pub.Publish(ctx, records[i:i+1])[0]
-				kind = classify(err)
-			}
-		}
-		switch {
-		case err == nil:
-			acked = append(acked, e.id)
-			if oldest.IsZero() || e.createdAt.Before(oldest) {
-				oldest = e.createdAt
-			}
-		case kind == tooLarge || kind == forbidden || kind == invalid:
-			dead = append(dead, deadEvent{id: e.id, err: err.Error()})
-			r.log.Warn("relay: Kafka refused an event for good; dead-lettered", "event_id", string(e.eventID), "topic", e.topic, "error", err)
-		case kind == unknownTopic && e.refusedFor != nil && *e.refusedFor >= r.cfg.UnknownTopicGrace.Seconds():
-			dead = append(dead, deadEvent{id: e.id, err: fmt.Sprintf("%v (still unknown after %s)", err, r.cfg.UnknownTopicGrace)})
-			r.log.Warn("relay: topic still unknown after grace; dead-lettered", "event_id", string(e.eventID), "topic", e.topic)
-		default:
-			if ctx.Err() != nil {
-				// Shutting down: the event stays pending as it was.
-				continue
-			}
-			failed = append(failed, failedEvent{id: e.id, err: err.Error(), refused: kind == unknownTopic})
-			if !failedKeys[bk] {
-				failedKeys[bk] = true
-				r.block(bk, e)
-			}
-		}
-	}
+	o := r.judge(ctx, pubCtx, events, records, errs)
+	acked, dead, failedKeys := o.acked, o.dead, o.failedKeys
 	if next != nil && len(failedKeys) > 0 {
 		// The round read ahead must not carry a failed key past its
 		// failure; those events stay pending for the key's retry.
@@ -473,8 +444,9 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 	}
 	if len(r.blocked) > 0 {
 		for i := range events {
-			if bk := blockKey(&events[i]); !failedKeys[bk] {
-				delete(r.blocked, bk)
+			bk := blockKey(&events[i])
+			if k := r.blocked[bk]; k != nil && !failedKeys[bk] && !k.timedOut {
+				delete(r.blocked, bk) // the side retry keeps its own keys
 			}
 		}
 		r.forgetStaleBlocks(start)
@@ -497,7 +469,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 	r.finishing, r.finishingIDs = done, gone
 	go func() {
 		defer close(done)
-		r.record(ctx, start, oldest, shards, acked, dead, failed, round)
+		r.record(ctx, start, o, shards, round)
 	}()
 	return roundResult{claimed: len(events), acked: len(acked), dead: len(dead)}, next, nil
 }
@@ -506,17 +478,19 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 // acknowledged events must not be published again needlessly. A failure
 // leaves the events pending: they are published again (duplicates, not
 // loss).
-func (r *Relay) record(ctx context.Context, start, oldest time.Time, shards []int16, acked []int64, dead []deadEvent, failed []failedEvent, round roundKey) {
+func (r *Relay) record(ctx context.Context, start time.Time, o outcome, shards []int16, round roundKey) {
+	acked, failed := o.acked, o.failed
 	finishCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	defer cancel()
-	deleted, err := r.st.finish(finishCtx, r.cfg.InstanceID, shards, acked, dead, failed, round)
+	deleted, err := r.st.finish(finishCtx, r.cfg.InstanceID, shards, acked, o.dead, failed, round)
 	stats := BatchStats{
 		Published:       int(deleted),
 		Failed:          len(failed),
-		DeadLettered:    len(dead),
+		TimedOut:        o.timedOut,
+		DeadLettered:    len(o.dead),
 		NotDeleted:      len(acked) - int(deleted),
 		Duration:        time.Since(start),
-		OldestCreatedAt: oldest,
+		OldestCreatedAt: o.oldest,
 	}
 	if err != nil {
 		stats.Published, stats.NotDeleted = 0, 0
@@ -527,9 +501,98 @@ func (r *Relay) record(ctx context.Context, start, oldest time.Time, shards []in
 	if stats.NotDeleted > 0 {
 		r.log.Warn("relay: lost shard ownership mid-round; the new owner republishes", "events", stats.NotDeleted)
 	}
-	if len(failed) > 0 {
-		r.log.Warn("relay: events failed; their keys wait and retry", "failed", len(failed), "first_error", failed[0].err)
+	if o.timedOut > 0 {
+		r.log.Warn("relay: events not acknowledged within the publish timeout; their keys wait and are retried beside the other keys",
+			"timed_out", o.timedOut, "publish_timeout", r.cfg.PublishTimeout, "topics", o.timedOutTopics)
 	}
+	if len(failed) > o.timedOut {
+		r.log.Warn("relay: events failed; their keys wait and retry", "failed", len(failed)-o.timedOut, "first_error", o.firstErr)
+	}
+}
+
+// outcome is what a publish attempt did to its events.
+type outcome struct {
+	acked          []int64
+	dead           []deadEvent
+	failed         []failedEvent
+	failedKeys     map[string]bool
+	oldest         time.Time // creation time of the oldest acknowledged event
+	timedOut       int       // failed events not acknowledged within PublishTimeout
+	timedOutTopics []string
+	firstErr       string // of the first failure that is not a timeout
+}
+
+// judge sorts a publish attempt's events (in id order) by their errors:
+// acknowledged, refused for good (dead-lettered), or failed and retried
+// later; it holds back the keys of failed events. pubCtx is the context the
+// attempt was published with: if its deadline passed, a passing error is a
+// timeout, and the key is retried on the side (beside the rounds).
+func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, records []Record, errs []error) outcome {
+	o := outcome{failedKeys: map[string]bool{}}
+	deadline := pubCtx.Err() != nil && ctx.Err() == nil
+	for i := range events {
+		e := &events[i]
+		err := errs[i]
+		if err == nil {
+			o.acked = append(o.acked, e.id)
+			if o.oldest.IsZero() || e.createdAt.Before(o.oldest) {
+				o.oldest = e.createdAt
+			}
+			continue
+		}
+		bk := blockKey(e)
+		kind := classify(err)
+		if (kind == tooLarge || kind == invalid) && len(events) > 1 {
+			if o.failedKeys[bk] {
+				// An earlier event of this key failed: nothing of the
+				// key may go out past it.
+				err, kind = errHeldBack, retriable
+			} else {
+				// The broker may have refused a whole batch for one
+				// record: publish this one alone to know whether it is
+				// the offender.
+				alone, cancel := context.WithTimeout(ctx, r.cfg.PublishTimeout)
+				err = r.pub.Publish(alone, records[i:i+1])[0]
+				cancel()
+				kind = classify(err)
+			}
+		}
+		switch {
+		case err == nil:
+			o.acked = append(o.acked, e.id)
+			if o.oldest.IsZero() || e.createdAt.Before(o.oldest) {
+				o.oldest = e.createdAt
+			}
+		case kind == tooLarge || kind == forbidden || kind == invalid:
+			o.dead = append(o.dead, deadEvent{id: e.id, err: err.Error()})
+			r.log.Warn("relay: Kafka refused an event for good; dead-lettered", "event_id", string(e.eventID), "topic", e.topic, "error", err)
+		case kind == unknownTopic && e.refusedFor != nil && *e.refusedFor >= r.cfg.UnknownTopicGrace.Seconds():
+			o.dead = append(o.dead, deadEvent{id: e.id, err: fmt.Sprintf("%v (still unknown after %s)", err, r.cfg.UnknownTopicGrace)})
+			r.log.Warn("relay: topic still unknown after grace; dead-lettered", "event_id", string(e.eventID), "topic", e.topic)
+		default:
+			if ctx.Err() != nil {
+				// Shutting down: the event stays pending as it was.
+				continue
+			}
+			timedOut := deadline && kind == retriable && !errors.Is(err, errHeldBack)
+			msg := err.Error()
+			if timedOut {
+				msg = fmt.Sprintf("not acknowledged within the publish timeout (%s): %v", r.cfg.PublishTimeout, err)
+				o.timedOut++
+				if !slices.Contains(o.timedOutTopics, e.topic) {
+					o.timedOutTopics = append(o.timedOutTopics, e.topic)
+				}
+			} else if o.firstErr == "" {
+				o.firstErr = msg
+			}
+			o.failed = append(o.failed, failedEvent{id: e.id, err: msg, refused: kind == unknownTopic})
+			if !o.failedKeys[bk] {
+				o.failedKeys[bk] = true
+				r.block(bk, e, timedOut)
+			}
+		}
+	}
+	return o
 }
 
 // forgetRound drops the in-flight record of a round read but not sent.
@@ -594,7 +657,9 @@ var errHeldBack = errors.New("held back: an earlier event of its key failed")
 
 // block holds back the key of failed event e until its backoff passes,
 // counted from now (not from the round's start, which may be long ago).
-func (r *Relay) block(bk string, e *pendingEvent) {
+// A key whose event timed out is held back from the rounds until the side retry
+// has published that event (see sideretry.go).
+func (r *Relay) block(bk string, e *pendingEvent, timedOut bool) {
 	now := time.Now()
 	k := r.blocked[bk]
 	if k == nil {
@@ -602,8 +667,14 @@ func (r *Relay) block(bk string, e *pendingEvent) {
 		r.blocked[bk] = k
 	}
 	k.firstID = e.id
-	k.retryAt = now.Add(k.backoff.NextBackOff())
 	k.lastSeen = now
+	k.timedOut, k.onSide = timedOut, false
+	if timedOut {
+		k.retryAt = farFuture
+		k.sideAt = now.Add(k.backoff.NextBackOff())
+	} else {
+		k.retryAt = now.Add(k.backoff.NextBackOff())
+	}
 }
 
 // exclusions lists what must not be read now: for each key waiting out its

@@ -80,6 +80,7 @@ func TestRelayServesMetricsAndHealth(t *testing.T) {
 		"onceflow_outbox_dead_events 1",
 		"onceflow_outbox_scrape_ok 1",
 		"onceflow_relay_round_seconds_count",
+		"onceflow_relay_publish_timeouts_total 0",
 	} {
 		if !strings.Contains(metrics, want) {
 			t.Errorf("/metrics lacks %q", want)

@@ -46,6 +46,7 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	checkEvery := fs.Duration("kafka-check-interval", envDuration("ONCEFLOW_KAFKA_CHECK_INTERVAL", 5*time.Second), "how often to check a broker answers (logged at Warn and exported as onceflow_relay_kafka_up) (env ONCEFLOW_KAFKA_CHECK_INTERVAL)")
 	var kf kafkaFlags
 	kf.register(fs)
+	publishTimeout := fs.Duration("publish-timeout", envDuration("ONCEFLOW_PUBLISH_TIMEOUT", 30*time.Second), "wait this long for Kafka's acknowledgements; a record not acknowledged by then is retried beside the other keys, never dead-lettered (env ONCEFLOW_PUBLISH_TIMEOUT)")
 	if err := c.parse(fs, args, true); err != nil {
 		return err
 	}
@@ -93,6 +94,7 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 		PollInterval:      *poll,
 		LeaseDuration:     *lease,
 		UnknownTopicGrace: *grace,
+		PublishTimeout:    *publishTimeout,
 		Logger:            log,
 		Observer:          relayprom.NewObserver(reg),
 	})

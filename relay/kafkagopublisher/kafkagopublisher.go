@@ -46,8 +46,8 @@ type Config struct {
 	Transport kafka.RoundTripper
 }
 
-// Publisher publishes through a kafka.Writer. Publish is called by one
-// relay goroutine at a time; Close is idempotent.
+// Publisher publishes through a kafka.Writer. Publish is safe for
+// concurrent use; Close is idempotent.
 type Publisher struct {
 	w *kafka.Writer
 	// own is the transport New built from Config.Conn, closed by Close;

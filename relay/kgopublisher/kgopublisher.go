@@ -42,8 +42,17 @@ type Config struct {
 	Opts []kgo.Opt
 }
 
-// Publisher publishes through a kgo.Client. Publish is called by one relay
-// goroutine at a time; Close is idempotent.
+// Publisher publishes through a kgo.Client. Publish is safe for concurrent
+// use; Close is idempotent.
+//
+// Publish returns when ctx is done (the relay's Config.PublishTimeout),
+// failing what was not acknowledged. The records stay with the client:
+// franz-go fails a partition's buffered records on their context once that
+// is safe for the idempotent producer's sequence numbers (the request was
+// answered, or never sent) and then bumps the producer epoch itself; a
+// record it cannot fail yet may still land later, as a duplicate the
+// relay's retry repeats (at least once), never ahead of its key's earlier
+// records, which are in the same partition queue.
 type Publisher struct {
 	cl    *kgo.Client
 	owned bool

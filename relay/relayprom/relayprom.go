@@ -17,6 +17,7 @@ import (
 type Observer struct {
 	published    prometheus.Counter
 	failed       prometheus.Counter
+	timedOut     prometheus.Counter
 	deadLettered prometheus.Counter
 	notDeleted   prometheus.Counter
 	ownedShards  prometheus.Gauge
@@ -31,13 +32,14 @@ func NewObserver(reg prometheus.Registerer) *Observer {
 	o := &Observer{
 		published:    prometheus.NewCounter(prometheus.CounterOpts{Name: "onceflow_relay_published_total", Help: "Events acknowledged by Kafka and removed from the outbox."}),
 		failed:       prometheus.NewCounter(prometheus.CounterOpts{Name: "onceflow_relay_failures_total", Help: "Event publish attempts that failed with a passing error and will be retried."}),
+		timedOut:     prometheus.NewCounter(prometheus.CounterOpts{Name: "onceflow_relay_publish_timeouts_total", Help: "Event publish attempts not acknowledged within the publish timeout (also counted in failures); the key is retried beside the others."}),
 		deadLettered: prometheus.NewCounter(prometheus.CounterOpts{Name: "onceflow_relay_dead_lettered_total", Help: "Events Kafka refused for good, moved to outbox_dead."}),
 		notDeleted:   prometheus.NewCounter(prometheus.CounterOpts{Name: "onceflow_relay_ownership_lost_total", Help: "Published events left for the new shard owner after this relay lost ownership mid-round."}),
 		ownedShards:  prometheus.NewGauge(prometheus.GaugeOpts{Name: "onceflow_relay_owned_shards", Help: "Shards this relay owns."}),
 		roundSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "onceflow_relay_round_seconds", Help: "Duration of a publish round (read, publish, record).", Buckets: prometheus.ExponentialBuckets(0.001, 2, 14)}),
 		lagSeconds:   prometheus.NewHistogram(prometheus.HistogramOpts{Name: "onceflow_relay_oldest_published_age_seconds", Help: "Age of the oldest event in each round at publish time.", Buckets: prometheus.ExponentialBuckets(0.001, 2, 18)}),
 	}
-	reg.MustRegister(o.published, o.failed, o.deadLettered, o.notDeleted, o.ownedShards, o.roundSeconds, o.lagSeconds)
+	reg.MustRegister(o.published, o.failed, o.timedOut, o.deadLettered, o.notDeleted, o.ownedShards, o.roundSeconds, o.lagSeconds)
 	return o
 }
 
@@ -45,6 +47,7 @@ func NewObserver(reg prometheus.Registerer) *Observer {
 func (o *Observer) ObserveBatch(s relay.BatchStats) {
 	o.published.Add(float64(s.Published))
 	o.failed.Add(float64(s.Failed))
+	o.timedOut.Add(float64(s.TimedOut))
 	o.deadLettered.Add(float64(s.DeadLettered))
 	o.notDeleted.Add(float64(s.NotDeleted))
 	o.roundSeconds.Observe(s.Duration.Seconds())
