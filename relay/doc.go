@@ -18,7 +18,9 @@
 // re-checking that it still owns their shards. It keeps no cursor (a row
 // committed late behind a higher id is still read) and holds no transaction
 // open while Kafka answers. A failed event holds back its key's later events
-// until it is retried. Commits wake the relay through NOTIFY; polling is the
+// until it is retried, whatever their topics: a round carries a key's events
+// on one topic only, and a later event of a key whose earlier event failed
+// is not taken as published even if the publisher acknowledged it. Commits wake the relay through NOTIFY; polling is the
 // backstop.
 //
 // A round waits at most Config.PublishTimeout for its acknowledgements. A

@@ -396,6 +396,8 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 	if len(events) == 0 {
 		return roundResult{}, nil, nil
 	}
+	claimed := len(events)
+	events = oneTopicPerKey(events)
 	records := make([]Record, len(events))
 	for i := range events {
 		records[i] = toRecord(&events[i])
@@ -406,7 +408,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 	go func() { published <- r.pub.Publish(pubCtx, records) }()
 
 	var next *prefetch
-	if len(events) == r.cfg.BatchSize {
+	if claimed == r.cfg.BatchSize {
 		inFlight := make([]int64, 0, len(ids)+len(events)+len(r.finishingIDs))
 		inFlight = append(append(inFlight, ids...), r.finishingIDs...)
 		for i := range events {
@@ -422,7 +424,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		if next != nil {
 			r.forgetRound(ctx, next.round)
 		}
-		return roundResult{claimed: len(events)}, nil, fmt.Errorf("relay: publisher returned %d results for %d records", len(errs), len(records))
+		return roundResult{claimed: claimed}, nil, fmt.Errorf("relay: publisher returned %d results for %d records", len(errs), len(records))
 	}
 
 	o := r.judge(ctx, pubCtx, events, records, errs)
@@ -471,7 +473,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		defer close(done)
 		r.record(ctx, start, o, shards, round)
 	}()
-	return roundResult{claimed: len(events), acked: len(acked), dead: len(dead)}, next, nil
+	return roundResult{claimed: claimed, acked: len(acked), dead: len(dead)}, next, nil
 }
 
 // record writes a round's outcome: even when ctx is done, since
@@ -533,7 +535,7 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 	for i := range events {
 		e := &events[i]
 		err := errs[i]
-		if err == nil {
+		if err == nil && (len(o.failedKeys) == 0 || !o.failedKeys[blockKey(e)]) {
 			o.acked = append(o.acked, e.id)
 			if o.oldest.IsZero() || e.createdAt.Before(o.oldest) {
 				o.oldest = e.createdAt
@@ -541,6 +543,16 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 			continue
 		}
 		bk := blockKey(e)
+		if err == nil {
+			// The publisher acknowledged a later event of a key whose
+			// earlier event failed in the same call. It is not taken
+			// as published: it stays pending and goes out again after
+			// the failed one (a duplicate, not a reordering of first
+			// publications).
+			r.log.Warn("relay: publisher acknowledged an event after an earlier event of its key failed; it is published again after that one",
+				"event_id", string(e.eventID), "topic", e.topic)
+			err = errHeldBack
+		}
 		kind := classify(err)
 		if (kind == tooLarge || kind == invalid) && len(events) > 1 {
 			if o.failedKeys[bk] {
@@ -571,7 +583,9 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 			r.log.Warn("relay: topic still unknown after grace; dead-lettered", "event_id", string(e.eventID), "topic", e.topic)
 		default:
 			if ctx.Err() != nil {
-				// Shutting down: the event stays pending as it was.
+				// Shutting down: the event stays pending as it was, and
+				// so do its key's later events.
+				o.failedKeys[bk] = true
 				continue
 			}
 			timedOut := deadline && kind == retriable && !errors.Is(err, errHeldBack)
@@ -623,6 +637,44 @@ func (r *Relay) withoutBlocked(events []pendingEvent, now time.Time) []pendingEv
 			continue
 		}
 		out = append(out, events[i])
+	}
+	return out
+}
+
+// oneTopicPerKey drops from a round, for each key whose events in it span
+// several topics, the first event on another topic than the key's first
+// one and every later event of the key. Records of one key on one topic go
+// to one partition, where the publisher keeps them in order and stops at the
+// first failure; across topics nothing would stop a later event from being
+// acknowledged while an earlier one fails. The dropped events stay pending
+// for a later round, once the earlier ones are acknowledged.
+func oneTopicPerKey(events []pendingEvent) []pendingEvent {
+	mixed := false
+	for i := 1; i < len(events) && !mixed; i++ {
+		mixed = events[i].topic != events[0].topic
+	}
+	if !mixed {
+		return events
+	}
+	topicOf := map[string]string{}
+	cut := map[string]bool{}
+	out := events[:0:0]
+	for i := range events {
+		e := &events[i]
+		if e.key == nil { // a keyless event is its own unit of order
+			out = append(out, *e)
+			continue
+		}
+		k := string(e.key)
+		if cut[k] {
+			continue
+		}
+		if t, ok := topicOf[k]; ok && t != e.topic {
+			cut[k] = true
+			continue
+		}
+		topicOf[k] = e.topic
+		out = append(out, *e)
 	}
 	return out
 }

@@ -52,7 +52,8 @@ type Publisher struct {
 	w *kafka.Writer
 	// own is the transport New built from Config.Conn, closed by Close;
 	// nil when the caller supplied Config.Transport.
-	own *kafka.Transport
+	own        *kafka.Transport
+	batchBytes int64
 }
 
 var _ relay.Publisher = (*Publisher)(nil)
@@ -111,7 +112,7 @@ func New(brokers []string, cfg *Config) (*Publisher, error) {
 	case c.MaxAttempts < 1:
 		return nil, fmt.Errorf("kafkagopublisher: Config.MaxAttempts must be at least 1, got %d", c.MaxAttempts)
 	}
-	return &Publisher{own: own, w: &kafka.Writer{
+	return &Publisher{own: own, batchBytes: c.BatchBytes, w: &kafka.Writer{
 		Addr:                   kafka.TCP(brokers...),
 		Balancer:               &kafka.Murmur2Balancer{},
 		RequiredAcks:           kafka.RequireAll,
@@ -129,6 +130,12 @@ func New(brokers []string, cfg *Config) (*Publisher, error) {
 // kafka-go fails a whole call for one unknown topic or one oversized
 // record, so records are grouped by topic and an oversized record is taken
 // out and the rest written again.
+//
+// kafka-go writes a partition's records that do not fit one request as
+// several requests, and a later one can succeed after an earlier one failed.
+// So records go out in waves of at most BatchBytes in all (one request per
+// partition), and a record whose key failed with a passing error in an
+// earlier wave (or topic) is not sent: it fails too (G3).
 func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error {
 	errs := make([]error, len(records))
 	byTopic := map[string][]int{}
@@ -139,13 +146,58 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 		}
 		byTopic[r.Topic] = append(byTopic[r.Topic], i)
 	}
+	failedKeys := map[string]bool{}
 	for _, topic := range topics {
-		p.publishTopic(ctx, records, byTopic[topic], errs)
+		idx := byTopic[topic]
+		for len(idx) > 0 {
+			n, size := 0, int64(0)
+			for n < len(idx) {
+				s := sizeOf(&records[idx[n]])
+				if n > 0 && size+s > p.batchBytes {
+					break
+				}
+				size += s
+				n++
+			}
+			wave := make([]int, 0, n)
+			for _, i := range idx[:n] {
+				if k := records[i].Key; k != nil && failedKeys[string(k)] {
+					errs[i] = errHeldBack
+					continue
+				}
+				wave = append(wave, i)
+			}
+			idx = idx[n:]
+			p.publishWave(ctx, records, wave, errs)
+			for _, i := range wave {
+				if errs[i] != nil && records[i].Key != nil && !isRefusal(errs[i]) {
+					failedKeys[string(records[i].Key)] = true
+				}
+			}
+		}
 	}
 	return errs
 }
 
-func (p *Publisher) publishTopic(ctx context.Context, records []relay.Record, idx []int, errs []error) {
+// errHeldBack fails a record not sent because an earlier record of its key
+// failed.
+var errHeldBack = errors.New("kafkagopublisher: not sent: an earlier record of its key failed")
+
+// sizeOf is at least kafka-go's size of the record in a batch.
+func sizeOf(r *relay.Record) int64 {
+	n := int64(32 + len(r.Key) + len(r.Value))
+	for _, h := range r.Headers {
+		n += int64(10 + len(h.Key) + len(h.Value))
+	}
+	return n
+}
+
+func isRefusal(err error) bool {
+	return errors.Is(err, relay.ErrRecordTooLarge) || errors.Is(err, relay.ErrTopicForbidden) ||
+		errors.Is(err, relay.ErrUnknownTopic) || errors.Is(err, relay.ErrRecordInvalid)
+}
+
+func (p *Publisher) publishWave(ctx context.Context, records []relay.Record, idx []int, errs []error) {
 	for len(idx) > 0 {
 		msgs := make([]kafka.Message, len(idx))
 		for j, i := range idx {

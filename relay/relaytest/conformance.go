@@ -144,6 +144,47 @@ func RunPublisherConformance(t *testing.T, newPublisher NewPublisher) {
 		}
 	})
 
+	// Records of one key that do not fit one request: when the first
+	// fails (after the publisher's own retries, if it has a limit), the
+	// later one must fail too and must not reach Kafka ahead of it (G3).
+	t.Run("FailedRecordFailsItsKeysLaterRecords", func(t *testing.T) {
+		t.Parallel()
+		k, p := setup(t)
+		fake := k.RequireFake(t)
+		topic := k.Topic(t, 1)
+		h := fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topic, Err: kerr.NotEnoughReplicas, Count: 5})
+		big := func(v string) []byte { return append([]byte(v), bytes.Repeat([]byte("x"), 600<<10)...) }
+		recs := []relay.Record{
+			{Topic: topic, Key: []byte("k"), Value: big("1")},
+			{Topic: topic, Key: []byte("k"), Value: big("2")},
+		}
+		errs := p.Publish(ctx(t), recs)
+		if errs[0] != nil && errs[1] == nil {
+			t.Fatalf("record 1 failed (%v) but the key's later record 2 was acknowledged", errs[0])
+		}
+		if h.Hits() == 0 {
+			t.Fatal("the injected fault was never hit; the test proves nothing")
+		}
+		want := 0
+		for _, err := range errs {
+			if err == nil {
+				want++
+			}
+		}
+		got := k.ReadAll(t, topic, max(want, 1), 3*time.Second)
+		seen1 := false
+		for _, r := range got {
+			switch r.Value[0] {
+			case '1':
+				seen1 = true
+			case '2':
+				if !seen1 {
+					t.Fatalf("record 2 reached Kafka before record 1 (errors %v)", errs)
+				}
+			}
+		}
+	})
+
 	t.Run("CanceledContextReturns", func(t *testing.T) {
 		t.Parallel()
 		k, p := setup(t)
