@@ -32,8 +32,9 @@ type Config struct {
 	// are renewed every third of it. A killed relay's shards are taken over
 	// within about LeaseDuration plus a third. Defaults to 6s.
 	LeaseDuration time.Duration
-	// UnknownTopicGrace is how long an event's unknown topic is retried
-	// before the event is dead-lettered. Defaults to 1m.
+	// UnknownTopicGrace is how long an event's topic may stay unknown
+	// (answers "unknown topic" without a break: any other answer starts
+	// the count again) before the event is dead-lettered. Defaults to 1m.
 	UnknownTopicGrace time.Duration
 	// PublishTimeout bounds how long a round waits for Kafka's
 	// acknowledgements. A record not acknowledged by then (a partition that
@@ -42,6 +43,11 @@ type Config struct {
 	// back, it is retried beside the rounds with backoff and never
 	// dead-lettered for it, and every other key goes on. Defaults to 30s.
 	PublishTimeout time.Duration
+	// TopicForbiddenGrace is how long an event's topic may keep answering
+	// "not authorized" (without a break) before the event is dead-lettered:
+	// an ACL being granted or an authorizer restart is routine.
+	// Defaults to 1m.
+	TopicForbiddenGrace time.Duration
 	// MaxRetryBackoff caps the wait before a key whose event failed is tried
 	// again. Defaults to 10s.
 	MaxRetryBackoff time.Duration
@@ -95,6 +101,12 @@ func (c *Config) withDefaults() (Config, error) {
 	}
 	if out.UnknownTopicGrace < 0 {
 		return out, fmt.Errorf("relay: Config.UnknownTopicGrace must not be negative, got %s", out.UnknownTopicGrace)
+	}
+	if out.TopicForbiddenGrace == 0 {
+		out.TopicForbiddenGrace = time.Minute
+	}
+	if out.TopicForbiddenGrace < 0 {
+		return out, fmt.Errorf("relay: Config.TopicForbiddenGrace must not be negative, got %s", out.TopicForbiddenGrace)
 	}
 	if out.PublishTimeout == 0 {
 		out.PublishTimeout = 30 * time.Second

@@ -32,9 +32,12 @@
 // # Refusals
 //
 // A Publisher classifies refusals by wrapping ErrRecordTooLarge,
-// ErrTopicForbidden, ErrRecordInvalid or ErrUnknownTopic. Too large and
-// invalid records are published alone first (a broker fails whole batches),
-// an unknown topic is retried for Config.UnknownTopicGrace, and then the
+// ErrTopicInvalid, ErrTopicForbidden, ErrRecordInvalid or ErrUnknownTopic.
+// Too large and invalid records are published alone first (a broker fails
+// whole batches); an unknown topic is retried for Config.UnknownTopicGrace
+// and a forbidden (not authorized) one for Config.TopicForbiddenGrace, each
+// counting an unbroken run of that answer (any other answer, an outage
+// included, starts the count again); then the
 // event moves to outbox_dead with the error (ListDead, ReplayDead, DiscardDead). Every
 // other error is passing: it is retried with backoff, forever.
 //

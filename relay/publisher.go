@@ -25,7 +25,7 @@ type Header struct {
 // Publish returns one error per record, in the records' order: nil means
 // the record was acknowledged. Records with the same key must be sent in
 // slice order and land in one partition (murmur2, as the Java client does).
-// A publisher marks refusals that will not heal by wrapping ErrRecordTooLarge,
+// A publisher marks refusals by wrapping ErrRecordTooLarge, ErrTopicInvalid,
 // ErrTopicForbidden, ErrRecordInvalid or ErrUnknownTopic; any other error is taken as passing
 // (a broker outage) and the record is retried. Publish must return when ctx
 // is done, failing what was not acknowledged: the relay bounds each call
@@ -45,12 +45,18 @@ var (
 	// The relay publishes the record alone to be sure it is the offender,
 	// then dead-letters it.
 	ErrRecordTooLarge = errors.New("record too large")
-	// ErrTopicForbidden: not authorized for the topic, or its name is
-	// invalid. Dead-lettered at once.
+	// ErrTopicForbidden: not authorized for the topic. An ACL being
+	// granted or an authorizer restarting is routine: the relay retries it
+	// for Config.TopicForbiddenGrace of unbroken refusals, then
+	// dead-letters the event.
 	ErrTopicForbidden = errors.New("topic forbidden")
+	// ErrTopicInvalid: the topic's name is not a valid Kafka topic name.
+	// Dead-lettered at once.
+	ErrTopicInvalid = errors.New("invalid topic name")
 	// ErrUnknownTopic: the topic does not exist. Kafka calls this retriable,
 	// since auto-creation may be under way: the relay retries it for
-	// Config.UnknownTopicGrace, then dead-letters the event.
+	// Config.UnknownTopicGrace of unbroken unknown-topic answers, then
+	// dead-letters the event.
 	ErrUnknownTopic = errors.New("unknown topic")
 	// ErrRecordInvalid: the broker refused the record itself (e.g. a keyless
 	// record on a compacted topic). Published alone to find the offender
@@ -67,12 +73,15 @@ const (
 	forbidden
 	unknownTopic
 	invalid
+	topicInvalid
 )
 
 func classify(err error) refusal {
 	switch {
 	case errors.Is(err, ErrRecordTooLarge):
 		return tooLarge
+	case errors.Is(err, ErrTopicInvalid):
+		return topicInvalid
 	case errors.Is(err, ErrTopicForbidden):
 		return forbidden
 	case errors.Is(err, ErrRecordInvalid):

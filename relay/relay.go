@@ -575,12 +575,16 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 			if o.oldest.IsZero() || e.createdAt.Before(o.oldest) {
 				o.oldest = e.createdAt
 			}
-		case kind == tooLarge || kind == forbidden || kind == invalid:
+		case kind == tooLarge || kind == topicInvalid || kind == invalid:
 			o.dead = append(o.dead, deadEvent{id: e.id, err: err.Error()})
 			r.log.Warn("relay: Kafka refused an event for good; dead-lettered", "event_id", string(e.eventID), "topic", e.topic, "error", err)
-		case kind == unknownTopic && e.refusedFor != nil && *e.refusedFor >= r.cfg.UnknownTopicGrace.Seconds():
-			o.dead = append(o.dead, deadEvent{id: e.id, err: fmt.Sprintf("%v (still unknown after %s)", err, r.cfg.UnknownTopicGrace)})
-			r.log.Warn("relay: topic still unknown after grace; dead-lettered", "event_id", string(e.eventID), "topic", e.topic)
+		case (kind == unknownTopic || kind == forbidden) && r.graceOver(e, kind):
+			what, grace := "unknown", r.cfg.UnknownTopicGrace
+			if kind == forbidden {
+				what, grace = "forbidden", r.cfg.TopicForbiddenGrace
+			}
+			o.dead = append(o.dead, deadEvent{id: e.id, err: fmt.Sprintf("%v (still %s after %s)", err, what, grace)})
+			r.log.Warn("relay: topic still "+what+" after its grace; dead-lettered", "event_id", string(e.eventID), "topic", e.topic, "grace", grace)
 		default:
 			if ctx.Err() != nil {
 				// Shutting down: the event stays pending as it was, and
@@ -599,7 +603,16 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 			} else if o.firstErr == "" {
 				o.firstErr = msg
 			}
-			o.failed = append(o.failed, failedEvent{id: e.id, err: msg, refused: kind == unknownTopic})
+			run := runReset
+			switch {
+			case errors.Is(err, errHeldBack):
+				run = runKeep
+			case kind == unknownTopic:
+				run = runUnknownTopic
+			case kind == forbidden:
+				run = runForbidden
+			}
+			o.failed = append(o.failed, failedEvent{id: e.id, err: msg, run: run})
 			if !o.failedKeys[bk] {
 				o.failedKeys[bk] = true
 				r.block(bk, e, timedOut)
@@ -607,6 +620,18 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 		}
 	}
 	return o
+}
+
+// graceOver reports whether event e's topic has given the refusal kind
+// (unknown or forbidden) without a break for longer than its grace: the run
+// the outbox row records must be of the same kind.
+func (r *Relay) graceOver(e *pendingEvent, kind refusal) bool {
+	run, grace := runUnknownTopic, r.cfg.UnknownTopicGrace
+	if kind == forbidden {
+		run, grace = runForbidden, r.cfg.TopicForbiddenGrace
+	}
+	return e.refusedFor != nil && e.refusedKind != nil && refusalRun(*e.refusedKind) == run &&
+		*e.refusedFor >= grace.Seconds()
 }
 
 // forgetRound drops the in-flight record of a round read but not sent.

@@ -260,7 +260,7 @@ func TestRefusedEventsAreDeadLettered(t *testing.T) {
 		outbox.Message{Topic: forbidden, Key: []byte("f"), Value: []byte("nope")},
 		outbox.Message{Topic: "never-created", Key: []byte("u"), Value: []byte("lost?")},
 	)
-	b.startRelay(t, relay.Config{UnknownTopicGrace: 2 * time.Second})
+	b.startRelay(t, relay.Config{UnknownTopicGrace: 2 * time.Second, TopicForbiddenGrace: 2 * time.Second})
 	got := b.kafka.ReadAll(t, topic, 2, 30*time.Second)
 	if len(got) != 2 || string(got[0].Value) != "first" || string(got[1].Value) != "third" {
 		t.Fatalf("published %d records around the oversized one", len(got))
@@ -470,7 +470,7 @@ func TestCrashedRoundChargesAnAttempt(t *testing.T) {
 	b := setup(t)
 	fake := b.kafka.RequireFake(t)
 	forbidden := b.kafka.Topic(t, 1)
-	fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: forbidden, Err: kerr.TopicAuthorizationFailed, Count: -1})
+	fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: forbidden, Err: kerr.InvalidTopicException, Count: -1})
 	b.write(t, outbox.Message{Topic: forbidden, Key: []byte("k"), Value: []byte("poison")})
 	var id int64
 	ctx := context.Background()

@@ -37,7 +37,7 @@ type sideResult struct {
 // relay owns.
 func sideSQL(schema string) string {
 	return `SELECT o.id, o.event_id, o.topic, o.key, o.value, o.headers, o.created_at,
-       extract(epoch FROM now() - o.first_refused_at)::float8 AS refused_for
+       extract(epoch FROM now() - o.first_refused_at)::float8 AS refused_for, o.refused_kind
 FROM ` + pgx.Identifier{schema, "outbox"}.Sanitize() + ` o
 WHERE o.id = ANY($1::bigint[]) AND o.shard = ANY($2::smallint[])
 ORDER BY o.id`
@@ -177,7 +177,7 @@ func (r *Relay) readSide(ctx context.Context, ids []int64, shards []int16) ([]pe
 		var e pendingEvent
 		var headers []byte
 		var eventID [16]byte
-		if err := rows.Scan(&e.id, &eventID, &e.topic, &e.key, &e.value, &headers, &e.createdAt, &e.refusedFor); err != nil {
+		if err := rows.Scan(&e.id, &eventID, &e.topic, &e.key, &e.value, &headers, &e.createdAt, &e.refusedFor, &e.refusedKind); err != nil {
 			return nil, err
 		}
 		e.eventID = formatUUID(eventID)

@@ -23,8 +23,10 @@ type pendingEvent struct {
 	headers   map[string]string
 	createdAt time.Time
 	// refusedFor is how long, in seconds on the database clock, the event's
-	// topic has been unknown; nil if it never was.
-	refusedFor *float64
+	// topic has been refused without a break (refusedKind says how); nil if
+	// the last attempt was not such a refusal.
+	refusedFor  *float64
+	refusedKind *int16
 }
 
 // store holds the relay's SQL for one schema. Every statement is short and
@@ -99,9 +101,15 @@ ON CONFLICT (instance, lo) DO UPDATE SET hi = excluded.hi, shards = excluded.sha
     RETURNING o.id, o.event_id, o.topic, o.key, o.value, o.headers, o.created_at, o.attempts, x.error)
 INSERT INTO ` + dead + ` (outbox_id, event_id, topic, key, value, headers, created_at, attempts, error)
 SELECT id, event_id, topic, key, value, headers, created_at, attempts + 1, error FROM moved`,
+		// A run of one refusal (x.run > 0) goes on while the same answer
+		// comes back and starts again on another; any other outcome
+		// (x.run = 0) ends it; x.run = -1 (not sent: an earlier event of
+		// its key failed) leaves it as it is.
 		failSQL: `UPDATE ` + outbox + ` o SET last_error = x.error, attempts = o.attempts + 1,
-    first_refused_at = CASE WHEN x.refused THEN coalesce(o.first_refused_at, now()) ELSE o.first_refused_at END
-FROM unnest($1::bigint[], $2::text[], $3::bool[]) AS x(id, error, refused)
+    first_refused_at = CASE WHEN x.run < 0 THEN o.first_refused_at WHEN x.run = 0 THEN NULL
+        WHEN o.refused_kind = x.run THEN coalesce(o.first_refused_at, now()) ELSE now() END,
+    refused_kind = CASE WHEN x.run < 0 THEN o.refused_kind WHEN x.run = 0 THEN NULL ELSE x.run END
+FROM unnest($1::bigint[], $2::text[], $3::smallint[]) AS x(id, error, run)
 WHERE o.id = x.id`,
 		heartbeatSQL: `INSERT INTO ` + instances + ` AS i (id, hostname, pid, lease_until)
 VALUES ($1, $2, $3, now() + $4::interval)
@@ -168,7 +176,7 @@ func claimQuery(outbox string, run, blockedKeys bool) string {
 	}
 	read := func(where string) string {
 		return `SELECT o.id, o.event_id, o.topic, o.key, o.value, o.headers, o.created_at,
-       extract(epoch FROM now() - o.first_refused_at)::float8 AS refused_for
+       extract(epoch FROM now() - o.first_refused_at)::float8 AS refused_for, o.refused_kind
 FROM ` + outbox + ` o
 WHERE ` + where + `
 ORDER BY o.id
@@ -249,7 +257,7 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 		var e pendingEvent
 		var headers []byte
 		var eventID [16]byte
-		if err := rows.Scan(&e.id, &eventID, &e.topic, &e.key, &e.value, &headers, &e.createdAt, &e.refusedFor); err != nil {
+		if err := rows.Scan(&e.id, &eventID, &e.topic, &e.key, &e.value, &headers, &e.createdAt, &e.refusedFor, &e.refusedKind); err != nil {
 			rows.Close()
 			return nil, err
 		}
@@ -331,11 +339,11 @@ func (s *store) finish(ctx context.Context, owner string, shards []int16, acked 
 	if len(failed) > 0 {
 		ids := make([]int64, len(failed))
 		errs := make([]string, len(failed))
-		refused := make([]bool, len(failed))
+		runs := make([]int16, len(failed))
 		for i, f := range failed {
-			ids[i], errs[i], refused[i] = f.id, f.err, f.refused
+			ids[i], errs[i], runs[i] = f.id, f.err, int16(f.run)
 		}
-		b.Queue(s.failSQL, ids, errs, refused)
+		b.Queue(s.failSQL, ids, errs, runs)
 	}
 	b.Queue(s.landedSQL, owner, round.lo, round.hi)
 	if err := s.pool.SendBatch(ctx, b).Close(); err != nil {
@@ -359,7 +367,18 @@ type deadEvent struct {
 }
 
 type failedEvent struct {
-	id      int64
-	err     string
-	refused bool // a refusal within its grace period (unknown topic)
+	id  int64
+	err string
+	run refusalRun
 }
+
+// refusalRun is what a failed attempt does to the event's run of refusals
+// (first_refused_at, refused_kind).
+type refusalRun int16
+
+const (
+	runKeep         refusalRun = -1 // not sent: the run stays as it is
+	runReset        refusalRun = 0  // any other answer ends the run
+	runUnknownTopic refusalRun = 1
+	runForbidden    refusalRun = 2
+)

@@ -44,6 +44,7 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	grace := fs.Duration("unknown-topic-grace", envDuration("ONCEFLOW_UNKNOWN_TOPIC_GRACE", time.Minute), "retry an unknown topic this long before dead-lettering (env ONCEFLOW_UNKNOWN_TOPIC_GRACE)")
 	waitDB := fs.Bool("wait-for-database", kafkaEnvBoolDefault("ONCEFLOW_WAIT_FOR_DATABASE", true), "at start, wait (with backoff, saying so) for a database that does not answer instead of exiting 1; bad credentials or a missing database still exit 1 (env ONCEFLOW_WAIT_FOR_DATABASE)")
 	checkEvery := fs.Duration("kafka-check-interval", envDuration("ONCEFLOW_KAFKA_CHECK_INTERVAL", 5*time.Second), "how often to check a broker answers (logged at Warn and exported as onceflow_relay_kafka_up) (env ONCEFLOW_KAFKA_CHECK_INTERVAL)")
+	forbiddenGrace := fs.Duration("topic-forbidden-grace", envDuration("ONCEFLOW_TOPIC_FORBIDDEN_GRACE", time.Minute), "retry a topic that answers \"not authorized\" this long before dead-lettering (env ONCEFLOW_TOPIC_FORBIDDEN_GRACE)")
 	var kf kafkaFlags
 	kf.register(fs)
 	publishTimeout := fs.Duration("publish-timeout", envDuration("ONCEFLOW_PUBLISH_TIMEOUT", 30*time.Second), "wait this long for Kafka's acknowledgements; a record not acknowledged by then is retried beside the other keys, never dead-lettered (env ONCEFLOW_PUBLISH_TIMEOUT)")
@@ -88,15 +89,16 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	reg.MustRegister(buildInfoGauge())
 	watch := newBrokerWatch(pub, log, reg, *checkEvery)
 	r, err := relay.New(pool, watch, &relay.Config{
-		Schema:            c.schema,
-		InstanceID:        *instanceID,
-		BatchSize:         *batchSize,
-		PollInterval:      *poll,
-		LeaseDuration:     *lease,
-		UnknownTopicGrace: *grace,
-		PublishTimeout:    *publishTimeout,
-		Logger:            log,
-		Observer:          relayprom.NewObserver(reg),
+		Schema:              c.schema,
+		InstanceID:          *instanceID,
+		BatchSize:           *batchSize,
+		PollInterval:        *poll,
+		LeaseDuration:       *lease,
+		UnknownTopicGrace:   *grace,
+		PublishTimeout:      *publishTimeout,
+		TopicForbiddenGrace: *forbiddenGrace,
+		Logger:              log,
+		Observer:            relayprom.NewObserver(reg),
 	})
 	if err != nil {
 		return fmt.Errorf("%w: %v", errUsage, err)

@@ -193,7 +193,7 @@ func sizeOf(r *relay.Record) int64 {
 }
 
 func isRefusal(err error) bool {
-	return errors.Is(err, relay.ErrRecordTooLarge) || errors.Is(err, relay.ErrTopicForbidden) ||
+	return errors.Is(err, relay.ErrRecordTooLarge) || errors.Is(err, relay.ErrTopicForbidden) || errors.Is(err, relay.ErrTopicInvalid) ||
 		errors.Is(err, relay.ErrUnknownTopic) || errors.Is(err, relay.ErrRecordInvalid)
 }
 
@@ -291,8 +291,10 @@ func classify(err error) error {
 		return nil
 	case errors.Is(err, kafka.MessageSizeTooLarge), errors.Is(err, kafka.RecordListTooLarge):
 		return fmt.Errorf("%w: %w", relay.ErrRecordTooLarge, err)
-	case errors.Is(err, kafka.TopicAuthorizationFailed), errors.Is(err, kafka.InvalidTopic):
+	case errors.Is(err, kafka.TopicAuthorizationFailed):
 		return fmt.Errorf("%w: %w", relay.ErrTopicForbidden, err)
+	case errors.Is(err, kafka.InvalidTopic):
+		return fmt.Errorf("%w: %w", relay.ErrTopicInvalid, err)
 	case errors.Is(err, kafka.UnknownTopicOrPartition), errors.Is(err, kafka.UnknownTopicID):
 		return fmt.Errorf("%w: %w", relay.ErrUnknownTopic, err)
 	case errors.Is(err, kafka.InvalidRecord): // not InvalidMessage (CORRUPT_MESSAGE): Kafka retries that

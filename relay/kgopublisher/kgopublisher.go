@@ -217,8 +217,10 @@ func classify(err error) error {
 		return nil
 	case errors.Is(err, kerr.MessageTooLarge), errors.Is(err, kerr.RecordListTooLarge):
 		return fmt.Errorf("%w: %w", relay.ErrRecordTooLarge, err)
-	case errors.Is(err, kerr.TopicAuthorizationFailed), errors.Is(err, kerr.InvalidTopicException):
+	case errors.Is(err, kerr.TopicAuthorizationFailed):
 		return fmt.Errorf("%w: %w", relay.ErrTopicForbidden, err)
+	case errors.Is(err, kerr.InvalidTopicException):
+		return fmt.Errorf("%w: %w", relay.ErrTopicInvalid, err)
 	case errors.Is(err, kerr.UnknownTopicOrPartition), errors.Is(err, kerr.UnknownTopicID):
 		return fmt.Errorf("%w: %w", relay.ErrUnknownTopic, err)
 	case errors.Is(err, kerr.InvalidRecord):

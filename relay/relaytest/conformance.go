@@ -208,7 +208,7 @@ func RunPublisherConformance(t *testing.T, newPublisher NewPublisher) {
 }
 
 func isRefusal(err error) bool {
-	return errors.Is(err, relay.ErrRecordTooLarge) || errors.Is(err, relay.ErrTopicForbidden) ||
+	return errors.Is(err, relay.ErrRecordTooLarge) || errors.Is(err, relay.ErrTopicForbidden) || errors.Is(err, relay.ErrTopicInvalid) ||
 		errors.Is(err, relay.ErrUnknownTopic) || errors.Is(err, relay.ErrRecordInvalid)
 }
 
