@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -25,14 +26,15 @@ func TestMigrateDownRefusesPendingEventsWithoutForce(t *testing.T) {
 	if _, err := pgtest.Pool(t).Exec(context.Background(), `INSERT INTO `+pgx.Identifier{schema, "outbox"}.Sanitize()+` (topic, value) VALUES ('t', 'pending')`); err != nil {
 		t.Fatal(err)
 	}
-	out, err := runCLI(t, append([]string{"migrate", "down", "--steps", "2"}, flags...)...)
+	all := strconv.Itoa(migrations.Latest()) // down to 0001, which drops the outbox
+	out, err := runCLI(t, append([]string{"migrate", "down", "--steps", all}, flags...)...)
 	if err == nil || !strings.Contains(err.Error(), "outbox") || !strings.Contains(err.Error(), "--force") {
-		t.Fatalf("down --steps 2: %v\n%s", err, out)
+		t.Fatalf("down --steps %s: %v\n%s", all, err, out)
 	}
 	if count(t, schema, "outbox") != 1 {
 		t.Fatal("the pending event is gone")
 	}
-	if out, err = runCLI(t, append([]string{"migrate", "down", "--steps", "2", "--force"}, flags...)...); err != nil || !strings.Contains(out, "reverted 0001") {
+	if out, err = runCLI(t, append([]string{"migrate", "down", "--steps", all, "--force"}, flags...)...); err != nil || !strings.Contains(out, "reverted 0001") {
 		t.Fatalf("down --force: %v\n%s", err, out)
 	}
 }
