@@ -20,7 +20,10 @@ type Config struct {
 	// Schema holds onceflow's tables. Defaults to "onceflow".
 	Schema string
 	// InstanceID names this relay in relay_instances and shard leases; it
-	// must be unique among live relays. Defaults to host-pid-random.
+	// must be unique among live relays. Run waits up to LeaseDuration for a
+	// live relay holding the same id to lapse (a killed predecessor's
+	// does), then refuses to start with an *InstanceInUseError.
+	// Defaults to host-pid-random.
 	InstanceID string
 	// BatchSize is the most events read and published per round.
 	// Defaults to 1000.

@@ -2,13 +2,33 @@ package relay
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
 	"slices"
 	"sync"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 )
+
+// InstanceInUseError is returned by Run when another live relay holds the
+// same Config.InstanceID: two relays under one id would both own every
+// shard and publish every event twice.
+type InstanceInUseError struct {
+	InstanceID string
+	Hostname   string // of the relay holding it
+	PID        int
+	Heartbeat  time.Time
+}
+
+func (e *InstanceInUseError) Error() string {
+	return fmt.Sprintf("relay: instance id %q is in use by a live relay (host %q, pid %d, last heartbeat %s): give each relay its own instance id (--instance-id, ONCEFLOW_INSTANCE_ID, Config.InstanceID), or leave it empty for a unique default",
+		e.InstanceID, e.Hostname, e.PID, e.Heartbeat.Format(time.RFC3339))
+}
 
 // leases keeps this relay's share of the shards: it heartbeats the instance
 // row, renews its shard leases, takes free or expired shards up to its fair
@@ -22,6 +42,7 @@ import (
 type leases struct {
 	st       *store
 	id       string
+	token    string // this process's, in the instance row
 	host     string
 	duration time.Duration
 	obs      Observer
@@ -33,12 +54,15 @@ type leases struct {
 	excess     int       // shards to hand back at the next chance
 	releasing  []int16   // shards being handed back now
 	lapsed     bool      // the leases lapsed before a renewal: reported as 0 owned
+	claimed    bool      // the instance row is this process's (charged its crashed round)
 	changed    chan struct{}
 }
 
 func newLeases(st *store, id string, duration time.Duration, obs Observer, log *slog.Logger) *leases {
 	host, _ := os.Hostname()
-	return &leases{st: st, id: id, host: host, duration: duration, obs: obs, log: log, changed: make(chan struct{}, 1)}
+	b := make([]byte, 16)
+	_, _ = rand.Read(b)
+	return &leases{st: st, id: id, token: hex.EncodeToString(b), host: host, duration: duration, obs: obs, log: log, changed: make(chan struct{}, 1)}
 }
 
 // snapshot returns the shards this relay may publish now.
@@ -57,8 +81,22 @@ func (l *leases) interval() time.Duration { return l.duration / 3 }
 func (l *leases) tick(ctx context.Context) error {
 	start := time.Now()
 	dur := l.duration.String()
-	if _, err := l.st.pool.Exec(ctx, l.st.heartbeatSQL, l.id, l.host, os.Getpid(), dur); err != nil {
-		return fmt.Errorf("heartbeat: %w", err)
+	var held bool
+	if err := l.st.pool.QueryRow(ctx, l.st.heartbeatSQL, l.id, l.host, os.Getpid(), dur, l.token).Scan(&held); err != nil {
+		if !errors.Is(err, pgx.ErrNoRows) {
+			return fmt.Errorf("heartbeat: %w", err)
+		}
+		inUse := &InstanceInUseError{InstanceID: l.id}
+		_ = l.st.pool.QueryRow(ctx, l.st.holderSQL, l.id).Scan(&inUse.Hostname, &inUse.PID, &inUse.Heartbeat)
+		return inUse
+	}
+	if !l.claimed {
+		// A relay restarted under the same id may find its own crashed
+		// round: charge it before taking any shard.
+		if _, err := l.st.pool.Exec(ctx, l.st.chargeOwnSQL, l.id); err != nil {
+			return fmt.Errorf("charge a crashed round: %w", err)
+		}
+		l.claimed = true
 	}
 	// Charge an attempt to the events a dead relay had in flight.
 	if _, err := l.st.pool.Exec(ctx, l.st.chargeCrashedSQL); err != nil {

@@ -47,6 +47,7 @@ type Relay struct {
 	// reads must leave out until then.
 	finishing    chan struct{}
 	finishingIDs []int64
+	stopRun      func(error) // ends Run (its context) with a cause
 	// sideDone delivers the side retry in flight, nil if none (sideretry.go).
 	sideDone chan sideResult
 	sideSQL  string
@@ -118,8 +119,11 @@ func (r *Relay) LastLoop() time.Time {
 // Run publishes until ctx is done, then lets the in-flight round finish or
 // fail (what was not acknowledged stays pending), hands its shards back and
 // returns nil. It returns an error at once if the outbox cannot be read at
-// start (database unreachable, schema not migrated). Later database and
-// broker failures are logged and retried: events are never lost or
+// start (database unreachable, schema not migrated), and an
+// *InstanceInUseError if a live relay holds the same InstanceID (at start,
+// or later if this relay's lease lapsed and another process took the id:
+// then it stops publishing at once and hands nothing back). Later database
+// and broker failures are logged and retried: events are never lost or
 // dead-lettered because of them.
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.ran.CompareAndSwap(false, true) {
@@ -128,15 +132,14 @@ func (r *Relay) Run(ctx context.Context) error {
 	if err := r.checkSchema(ctx); err != nil {
 		return err
 	}
-	// A relay restarted under the same InstanceID may find its own
-	// crashed round: charge it before anything else.
-	if _, err := r.pool.Exec(ctx, r.st.chargeOwnSQL, r.cfg.InstanceID); err != nil {
-		return fmt.Errorf("relay: charge a crashed round: %w", err)
-	}
-	if err := r.leases.tick(ctx); err != nil {
-		return fmt.Errorf("relay: first lease round: %w", err)
+	if err := r.start(ctx); err != nil {
+		return err
 	}
 	r.log.Info("relay started", "schema", r.cfg.Schema)
+	// The lease loop ends the run if another process takes this
+	// relay's instance id.
+	ctx, r.stopRun = context.WithCancelCause(ctx)
+	defer r.stopRun(nil)
 
 	var wg sync.WaitGroup
 	bg, stopBackground := context.WithCancel(context.Background())
@@ -150,6 +153,11 @@ func (r *Relay) Run(ctx context.Context) error {
 
 	stopBackground()
 	wg.Wait()
+	var inUse *InstanceInUseError
+	if errors.As(context.Cause(ctx), &inUse) {
+		// The shards and the instance row are the other process's now.
+		return inUse
+	}
 	release, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	if err := r.leases.releaseAll(release); err != nil {
@@ -158,6 +166,38 @@ func (r *Relay) Run(ctx context.Context) error {
 	}
 	r.log.Info("relay stopped")
 	return nil
+}
+
+// start takes the instance id and the first shards. The database answered
+// the schema check, so other failures are passing and retried. A live relay
+// under the same id is waited for as long as a killed one's lease could
+// last (a restart under a fixed id), then refused.
+func (r *Relay) start(ctx context.Context) error {
+	bo := newBackoff(time.Second)
+	var inUseSince time.Time
+	for {
+		err := r.leases.tick(ctx)
+		var inUse *InstanceInUseError
+		switch {
+		case err == nil:
+			return nil
+		case errors.As(err, &inUse):
+			if inUseSince.IsZero() {
+				inUseSince = time.Now()
+				r.log.Warn("relay: instance id held by another relay; waiting for its lease to lapse (a killed relay's does)",
+					"host", inUse.Hostname, "pid", inUse.PID, "lease", r.cfg.LeaseDuration)
+			}
+			if time.Since(inUseSince) > r.cfg.LeaseDuration+r.leases.interval() {
+				r.log.Error("relay: refusing to start: instance id in use by a live relay", "err", err)
+				return err
+			}
+		case ctx.Err() != nil:
+			return fmt.Errorf("relay: first lease round: %w", err)
+		default:
+			r.log.Warn("relay: first lease round failed; retrying", "err", err)
+		}
+		sleep(ctx, min(bo.NextBackOff(), r.leases.interval()))
+	}
 }
 
 func (r *Relay) checkSchema(ctx context.Context) error {
@@ -185,6 +225,13 @@ func (r *Relay) leaseLoop(ctx context.Context) {
 		cancel()
 		switch {
 		case ctx.Err() != nil:
+			return
+		case errors.As(err, new(*InstanceInUseError)):
+			// Our lease lapsed and another process took the id: it owns
+			// our shards now. Stop at once.
+			r.leases.lapse()
+			r.log.Error("relay: stopping: another relay took this instance id", "err", err)
+			r.stopRun(err)
 			return
 		case err != nil:
 			failing = true

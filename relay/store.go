@@ -41,6 +41,7 @@ type store struct {
 	deadSQL          string
 	failSQL          string
 	heartbeatSQL     string
+	holderSQL        string
 	renewSQL         string
 	takeSQL          string
 	releaseSQL       string
@@ -111,9 +112,17 @@ SELECT id, event_id, topic, key, value, headers, created_at, attempts + 1, error
     refused_kind = CASE WHEN x.run < 0 THEN o.refused_kind WHEN x.run = 0 THEN NULL ELSE x.run END
 FROM unnest($1::bigint[], $2::text[], $3::smallint[]) AS x(id, error, run)
 WHERE o.id = x.id`,
-		heartbeatSQL: `INSERT INTO ` + instances + ` AS i (id, hostname, pid, lease_until)
-VALUES ($1, $2, $3, now() + $4::interval)
-ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), lease_until = excluded.lease_until`,
+		// The instance row carries the token of the process that holds
+		// it: a process with another token gets it only once its lease
+		// has lapsed (no row comes back otherwise: the id is in use).
+		heartbeatSQL: `INSERT INTO ` + instances + ` AS i (id, hostname, pid, lease_until, token)
+VALUES ($1, $2, $3, now() + $4::interval, $5)
+ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), lease_until = excluded.lease_until,
+    hostname = excluded.hostname, pid = excluded.pid, token = excluded.token,
+    started_at = CASE WHEN i.token IS NOT DISTINCT FROM excluded.token THEN i.started_at ELSE now() END
+WHERE i.token IS NOT DISTINCT FROM excluded.token OR i.lease_until <= now()
+RETURNING true`,
+		holderSQL:        `SELECT hostname, pid, heartbeat_at FROM ` + instances + ` WHERE id = $1`,
 		liveInstancesSQL: `SELECT count(*) FROM ` + instances + ` WHERE lease_until > now()`,
 		renewSQL: `UPDATE ` + shards + ` SET lease_until = now() + $2::interval
 WHERE owner = $1 AND lease_until > now() RETURNING shard`,
