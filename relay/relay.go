@@ -188,13 +188,13 @@ func (r *Relay) start(ctx context.Context) error {
 					"host", inUse.Hostname, "pid", inUse.PID, "lease", r.cfg.LeaseDuration)
 			}
 			if time.Since(inUseSince) > r.cfg.LeaseDuration+r.leases.interval() {
-				r.log.Error("relay: refusing to start: instance id in use by a live relay", "err", err)
+				r.log.Error("relay: refusing to start: instance id in use by a live relay", "error", err)
 				return err
 			}
 		case ctx.Err() != nil:
 			return fmt.Errorf("relay: first lease round: %w", err)
 		default:
-			r.log.Warn("relay: first lease round failed; retrying", "err", err)
+			r.log.Warn("relay: first lease round failed; retrying", "error", err)
 		}
 		sleep(ctx, min(bo.NextBackOff(), r.leases.interval()))
 	}
@@ -230,7 +230,7 @@ func (r *Relay) leaseLoop(ctx context.Context) {
 			// Our lease lapsed and another process took the id: it owns
 			// our shards now. Stop at once.
 			r.leases.lapse()
-			r.log.Error("relay: stopping: another relay took this instance id", "err", err)
+			r.log.Error("relay: stopping: another relay took this instance id", "error", err)
 			r.stopRun(err)
 			return
 		case err != nil:

@@ -79,7 +79,7 @@ func (r *Relay) startSideRetry(ctx context.Context) {
 	events, err := r.readSide(ctx, ids, shards)
 	if err != nil {
 		if ctx.Err() == nil {
-			r.log.Warn("relay: read events to retry", "err", err)
+			r.log.Warn("relay: read events to retry", "error", err)
 		}
 		return // tried again next time round
 	}
@@ -100,7 +100,7 @@ func (r *Relay) startSideRetry(ctx context.Context) {
 	round := keyOf(events)
 	if _, err := r.pool.Exec(ctx, r.st.markSQL, r.cfg.InstanceID, round.lo, round.hi, shards); err != nil {
 		if ctx.Err() == nil {
-			r.log.Warn("relay: record a retry in flight", "err", err)
+			r.log.Warn("relay: record a retry in flight", "error", err)
 		}
 		return
 	}
