@@ -29,14 +29,16 @@ bench:
 demo:
 	$(GO) run ./cmd/onceflow demo
 
-# PostgreSQL (installed and started if needed) and a real Apache Kafka broker
-# (scripts/kafka.sh: Maven-resolved jars, PLAINTEXT/SSL/SASL_SSL listeners).
+# PostgreSQL (installed and started if needed), a real Apache Kafka broker
+# (scripts/kafka.sh: Maven-resolved jars, PLAINTEXT/SSL/SASL_SSL listeners)
+# and PgBouncer in front of PostgreSQL (scripts/pgbouncer.sh).
 services:
 	scripts/postgres.sh
 	scripts/kafka.sh start >/dev/null
-	@echo "services: PostgreSQL on 127.0.0.1:5432; Kafka env: eval \"\$$(scripts/kafka.sh env)\""
+	scripts/pgbouncer.sh start >/dev/null
+	@echo "services: PostgreSQL on 127.0.0.1:5432; Kafka env: eval \"\$$(scripts/kafka.sh env)\"; PgBouncer env: eval \"\$$(scripts/pgbouncer.sh env)\""
 
-services-stop: kafka-stop
+services-stop: kafka-stop pgbouncer-stop
 
 kafka-start:
 	scripts/kafka.sh start
