@@ -44,7 +44,13 @@ func (p *Processor) runBatch(ctx context.Context, stop <-chan struct{}, msgs []M
 		}
 	}
 	for i, m := range bad {
-		if err := p.deadLetter(ctx, stop, m, 0, badErr[i], t); err != nil {
+		var err error
+		if len(p.hooks.trace) > 0 {
+			err = p.traced(ctx, m, func(ctx context.Context) error { return p.deadLetter(ctx, stop, m, 0, badErr[i], t) })
+		} else {
+			err = p.deadLetter(ctx, stop, m, 0, badErr[i], t)
+		}
+		if err != nil {
 			return err
 		}
 	}
@@ -107,7 +113,16 @@ func (p *Processor) attemptBatch(ctx context.Context, msgs []Message) error {
 		if isNew[i] {
 			o, n = Processed, 1
 		}
-		p.finished(m, o, n, dur, len(msgs))
+		if len(p.hooks.trace) > 0 {
+			// The batch ran under ctx; each message's span only records
+			// how it finished.
+			_ = p.traced(ctx, m, func(ctx context.Context) error {
+				p.finished(ctx, m, o, n, dur, len(msgs))
+				return nil
+			})
+			continue
+		}
+		p.finished(ctx, m, o, n, dur, len(msgs))
 	}
 	return nil
 }

@@ -110,6 +110,9 @@ func (p *Processor) deadLetter(ctx context.Context, stop <-chan struct{}, msg Me
 	for _, h := range p.hooks.dead {
 		h.OnDeadLetter(DeadLetterEvent{Consumer: p.name, Message: msg, Topic: rec.Topic, Attempts: attempts, Err: cause})
 	}
-	p.finished(msg, DeadLettered, attempts, 0, 1)
+	if len(p.hooks.trace) > 0 {
+		p.traceDeadLetter(ctx, cause, rec.Topic)
+	}
+	p.finished(ctx, msg, DeadLettered, attempts, 0, 1)
 	return nil
 }

@@ -125,6 +125,7 @@ type hooks struct {
 	dead  []HookDeadLetter
 	dlqF  []HookDeadLetterFailed
 	batch []HookBatch
+	trace []HookTrace
 }
 
 func newHooks(hs []Hook) hooks {
@@ -144,6 +145,9 @@ func newHooks(hs []Hook) hooks {
 		}
 		if b, ok := x.(HookBatch); ok {
 			h.batch = append(h.batch, b)
+		}
+		if t, ok := x.(HookTrace); ok {
+			h.trace = append(h.trace, t)
 		}
 	}
 	return h

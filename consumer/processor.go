@@ -137,6 +137,14 @@ func (p *Processor) runOne(ctx context.Context, stop <-chan struct{}, msg Messag
 	if msg.skip {
 		return nil
 	}
+	if len(p.hooks.trace) > 0 {
+		return p.traced(ctx, msg, func(ctx context.Context) error { return p.run(ctx, stop, msg, t, batchMode, la) })
+	}
+	return p.run(ctx, stop, msg, t, batchMode, la)
+}
+
+// run is runOne for a message that is not a skip.
+func (p *Processor) run(ctx context.Context, stop <-chan struct{}, msg Message, t Transport, batchMode bool, la *lookahead) error {
 	id, err := p.messageID(msg)
 	if err != nil {
 		return p.deadLetter(ctx, stop, msg, 0, err, t)
@@ -159,7 +167,7 @@ func (p *Processor) runOne(ctx context.Context, stop <-chan struct{}, msg Messag
 		var lostConn *lostError
 		switch {
 		case err == nil:
-			p.finished(msg, outcome, runs, dur, 1)
+			p.finished(ctx, msg, outcome, runs, dur, 1)
 			return nil
 		case errors.Is(err, errNotCommitted):
 			return p.deadLetter(ctx, stop, msg, runs, lastErr, t)
@@ -205,6 +213,9 @@ func (p *Processor) retryAfter(ctx context.Context, stop <-chan struct{}, msg Me
 		slog.String("message_id", msg.ID), slog.Duration("backoff", wait), slog.Any("error", err)}, attrs...)...)
 	for _, h := range p.hooks.retry {
 		h.OnRetry(RetryEvent{Consumer: p.name, Message: msg, Attempt: runs, Err: err, Backoff: wait})
+	}
+	if len(p.hooks.trace) > 0 {
+		p.traceRetry(ctx, RetryEvent{Consumer: p.name, Message: msg, Attempt: runs, Err: err, Backoff: wait})
 	}
 	return sleep(ctx, stop, wait)
 }
@@ -353,7 +364,10 @@ func (p *Processor) call(ctx context.Context, fn func() error) (err error) {
 	return fn()
 }
 
-func (p *Processor) finished(msg Message, o Outcome, attempts int, dur time.Duration, batch int) {
+func (p *Processor) finished(ctx context.Context, msg Message, o Outcome, attempts int, dur time.Duration, batch int) {
+	if len(p.hooks.trace) > 0 {
+		p.traceFinished(ctx, msg, o, attempts, batch)
+	}
 	if len(p.hooks.done) == 0 {
 		return
 	}

@@ -45,12 +45,27 @@ type DB interface {
 type Config struct {
 	// Schema holds onceflow's tables. Defaults to "onceflow".
 	Schema string
+	// Inject adds headers taken from Write's context to every message, such
+	// as the W3C trace context (traceparent, tracestate, baggage) that
+	// otelonceflow.Inject records, so the consumer's span joins the
+	// producer's trace. A header the message sets itself wins over an
+	// injected one, and an injected "message-id" is ignored. Defaults to
+	// nil: no header is added.
+	Inject Injector
+}
+
+// Injector adds headers derived from ctx (a trace context, say) to h, which
+// it may only add to. It is called once per Write call that has messages,
+// so it must be safe for concurrent use.
+type Injector interface {
+	InjectHeaders(ctx context.Context, h map[string]string)
 }
 
 // Writer writes events into one schema's outbox. It is safe for concurrent
 // use and holds no connection.
 type Writer struct {
 	insertSQL string
+	inject    Injector
 }
 
 // NewWriter returns a Writer; cfg may be nil.
@@ -68,7 +83,7 @@ func NewWriter(cfg *Config) (*Writer, error) {
 	table := pgx.Identifier{c.Schema, "outbox"}.Sanitize()
 	// unnest keeps the argument order, and WITH ORDINALITY … ORDER BY makes
 	// that explicit, so ids follow the order of msgs.
-	return &Writer{insertSQL: `INSERT INTO ` + table + ` (event_id, topic, key, value, headers)
+	return &Writer{inject: c.Inject, insertSQL: `INSERT INTO ` + table + ` (event_id, topic, key, value, headers)
 SELECT coalesce(m.event_id, gen_random_uuid()), m.topic, m.key, m.value, m.headers::jsonb
 FROM unnest($1::uuid[], $2::text[], $3::bytea[], $4::bytea[], $5::text[]) WITH ORDINALITY
      AS m(event_id, topic, key, value, headers, n)
@@ -97,10 +112,17 @@ func (w *Writer) Write(ctx context.Context, db DB, msgs ...Message) error {
 	keys := make([][]byte, len(msgs))
 	values := make([][]byte, len(msgs))
 	headers := make([]*string, len(msgs))
+	var injected map[string]string
+	if w.inject != nil {
+		injected = make(map[string]string, 3)
+		w.inject.InjectHeaders(ctx, injected)
+		delete(injected, MessageIDHeader)
+	}
 	for i, m := range msgs {
 		if err := validate(m); err != nil {
 			return fmt.Errorf("outbox: message %d: %w", i, err)
 		}
+		m.Headers = withInjected(m.Headers, injected)
 		if m.ID != "" {
 			id := m.ID
 			ids[i] = &id
@@ -121,6 +143,22 @@ func (w *Writer) Write(ctx context.Context, db DB, msgs ...Message) error {
 		return fmt.Errorf("outbox: write %d messages: %w", len(msgs), err)
 	}
 	return nil
+}
+
+// withInjected returns h with the injected headers it does not set itself,
+// leaving h as it was.
+func withInjected(h, injected map[string]string) map[string]string {
+	if len(injected) == 0 {
+		return h
+	}
+	out := make(map[string]string, len(h)+len(injected))
+	for k, v := range injected {
+		out[k] = v
+	}
+	for k, v := range h {
+		out[k] = v
+	}
+	return out
 }
 
 // NewID returns a random (version 4) UUID for Message.ID.

@@ -243,3 +243,58 @@ func TestWriteRejectsBadMessages(t *testing.T) {
 		t.Error("NewWriter accepted a 64-byte schema name")
 	}
 }
+
+// ctxHeaders is an Injector copying the headers stored in ctx.
+type ctxHeaders struct{}
+
+type headersKey struct{}
+
+func (ctxHeaders) InjectHeaders(ctx context.Context, h map[string]string) {
+	for k, v := range ctx.Value(headersKey{}).(map[string]string) {
+		h[k] = v
+	}
+}
+
+func TestInjectorAddsContextHeadersWithoutOverridingTheMessages(t *testing.T) {
+	t.Parallel()
+	schema := pgtest.Schema(t)
+	db := pgtest.Pool(t)
+	w, err := outbox.NewWriter(&outbox.Config{Schema: schema, Inject: ctxHeaders{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.WithValue(context.Background(), headersKey{}, map[string]string{
+		"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+		"tracestate":  "vendor=1",
+		"message-id":  "not-an-id", // reserved: ignored
+	})
+	own := map[string]string{"tracestate": "mine", "type": "created"}
+	if err := w.Write(ctx, db,
+		outbox.Message{Topic: "orders", Value: []byte("v1"), Headers: own},
+		outbox.Message{Topic: "orders", Value: []byte("v2")},
+	); err != nil {
+		t.Fatal(err)
+	}
+	if len(own) != 2 {
+		t.Errorf("the message's own headers were changed: %v", own)
+	}
+	got := readOutbox(t, db, schema)
+	if len(got) != 2 {
+		t.Fatalf("got %d rows, want 2", len(got))
+	}
+	want := []map[string]string{
+		{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "tracestate": "mine", "type": "created"},
+		{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "tracestate": "vendor=1"},
+	}
+	for i, r := range got {
+		if len(r.headers) != len(want[i]) {
+			t.Errorf("row %d headers = %v, want %v", i, r.headers, want[i])
+			continue
+		}
+		for k, v := range want[i] {
+			if r.headers[k] != v {
+				t.Errorf("row %d header %q = %q, want %q", i, k, r.headers[k], v)
+			}
+		}
+	}
+}

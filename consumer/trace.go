@@ -1,0 +1,104 @@
+package consumer
+
+import "context"
+
+// HookTrace wraps the processing of each message, for tracing (pgx's tracer
+// style): an adapter such as otelonceflow.Consumer starts a span in
+// TraceStart, joined to the producer's trace through the message's headers,
+// and ends it in TraceEnd. Like every Hook it is called synchronously on the
+// processing path and must be cheap and safe for concurrent use. With no
+// HookTrace in Config.Hooks, the Processor does no tracing work at all.
+type HookTrace interface {
+	// TraceStart is called when the Processor takes a message, before its
+	// id is derived. The context it returns is the one the message is
+	// processed under: the handler's and the database's, the dead-letter
+	// publish's, and the one given to TraceRetry and TraceEnd.
+	TraceStart(ctx context.Context, e TraceStartEvent) context.Context
+	// TraceRetry is called after every failed attempt that will be
+	// retried, with TraceStart's context.
+	TraceRetry(ctx context.Context, e RetryEvent)
+	// TraceEnd is called once per TraceStart, when the message is finished
+	// (committed, duplicate or dead-lettered) or abandoned (shutdown, lost
+	// partition: Outcome is zero and the message is processed again
+	// later).
+	TraceEnd(ctx context.Context, e TraceEndEvent)
+}
+
+// TraceStartEvent reports a message the Processor takes. Message.ID is not
+// yet set.
+type TraceStartEvent struct {
+	Consumer string
+	Message  Message
+}
+
+// TraceEndEvent reports how a traced message left the Processor.
+type TraceEndEvent struct {
+	Consumer string
+	// Message has its ID set, unless it had no usable id.
+	Message Message
+	// Outcome is zero when the message was abandoned.
+	Outcome Outcome
+	// Attempts is how many times the handler ran for it.
+	Attempts int
+	// BatchSize is the size of the batch transaction that finished it; 1
+	// in per-message mode.
+	BatchSize int
+	// Err is why the message was dead-lettered or abandoned; nil
+	// otherwise.
+	Err error
+	// DeadLetterTopic is where a dead-lettered message went.
+	DeadLetterTopic string
+}
+
+// traceState collects, under a traced message's context, how it finished.
+type traceState struct {
+	msg       Message
+	outcome   Outcome
+	attempts  int
+	batch     int
+	cause     error
+	deadTopic string
+}
+
+type traceKey struct{}
+
+// traced runs fn for msg between the trace hooks' TraceStart and TraceEnd.
+// Callers check len(p.hooks.trace) first, so untraced processing allocates
+// nothing here.
+func (p *Processor) traced(ctx context.Context, msg Message, fn func(context.Context) error) error {
+	for _, h := range p.hooks.trace {
+		ctx = h.TraceStart(ctx, TraceStartEvent{Consumer: p.name, Message: msg})
+	}
+	st := &traceState{msg: msg, batch: 1}
+	err := fn(context.WithValue(ctx, traceKey{}, st))
+	ev := TraceEndEvent{Consumer: p.name, Message: st.msg, Outcome: st.outcome, Attempts: st.attempts,
+		BatchSize: st.batch, Err: st.cause, DeadLetterTopic: st.deadTopic}
+	if err != nil {
+		ev.Outcome, ev.Err, ev.DeadLetterTopic = 0, err, ""
+	}
+	for _, h := range p.hooks.trace {
+		h.TraceEnd(ctx, ev)
+	}
+	return err
+}
+
+// traceFinished records in a traced message's state how it finished.
+func (p *Processor) traceFinished(ctx context.Context, msg Message, o Outcome, attempts, batch int) {
+	if st, ok := ctx.Value(traceKey{}).(*traceState); ok {
+		st.msg, st.outcome, st.attempts, st.batch = msg, o, attempts, batch
+	}
+}
+
+// traceDeadLetter records in a traced message's state why and where it was
+// dead-lettered.
+func (p *Processor) traceDeadLetter(ctx context.Context, cause error, topic string) {
+	if st, ok := ctx.Value(traceKey{}).(*traceState); ok {
+		st.cause, st.deadTopic = cause, topic
+	}
+}
+
+func (p *Processor) traceRetry(ctx context.Context, e RetryEvent) {
+	for _, h := range p.hooks.trace {
+		h.TraceRetry(ctx, e)
+	}
+}
