@@ -31,8 +31,14 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"go.opentelemetry.io/contrib/instrumentation/net/http/otelhttp"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/onceflow/onceflow/idempotency"
+	"github.com/onceflow/onceflow/internal/otelenv"
 	"github.com/onceflow/onceflow/migrations"
+	"github.com/onceflow/onceflow/otelonceflow"
 	"github.com/onceflow/onceflow/outbox"
 )
 
@@ -54,6 +60,7 @@ func run(ctx context.Context, args []string, log *slog.Logger) error {
 	dbURL := fs.String("database-url", os.Getenv("ONCEFLOW_DATABASE_URL"), "PostgreSQL URL (env ONCEFLOW_DATABASE_URL)")
 	schema := fs.String("schema", envOr("ONCEFLOW_SCHEMA", migrations.DefaultSchema), "schema holding onceflow's tables (env ONCEFLOW_SCHEMA)")
 	addr := fs.String("addr", "127.0.0.1:8080", "address to listen on")
+	tracing := fs.Bool("trace", false, "trace requests with OpenTelemetry: each order's event carries the request's trace context to its consumers; spans are exported as the standard OTEL_* environment variables say (OTEL_EXPORTER_OTLP_ENDPOINT, ...)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -73,22 +80,19 @@ func run(ctx context.Context, args []string, log *slog.Logger) error {
 		return err
 	}
 
-	// Transactional mode (the default): the key's claim, the order, its event
-	// and the stored response commit together or not at all.
-	mw, err := idempotency.New(pool, &idempotency.Config{
-		Schema: *schema,
-		Scope:  user,
-		Logger: log,
-	})
+	var tp trace.TracerProvider
+	if *tracing {
+		provider, shutdown, err := otelenv.Setup(ctx, "orders")
+		if err != nil {
+			return err
+		}
+		defer shutdown()
+		tp = provider
+	}
+	mux, err := newMux(pool, *schema, log, tp)
 	if err != nil {
 		return err
 	}
-	events, err := outbox.NewWriter(&outbox.Config{Schema: *schema})
-	if err != nil {
-		return err
-	}
-	mux := http.NewServeMux()
-	mux.Handle("POST /orders", mw.Handler(createOrder(events)))
 
 	// Expired keys (older than a day) are deleted in the background.
 	purger, err := idempotency.NewPurger(pool, &idempotency.PurgeConfig{Schema: *schema, Logger: log})
@@ -120,6 +124,35 @@ func run(ctx context.Context, args []string, log *slog.Logger) error {
 	}
 	log.Info("orders: stopped")
 	return nil
+}
+
+// newMux returns the service's routes. With tp, each request gets a server
+// span, the idempotency outcome is recorded on it, and the trace context is
+// written into the order's event (the three otelonceflow lines).
+func newMux(pool *pgxpool.Pool, schema string, log *slog.Logger, tp trace.TracerProvider) (http.Handler, error) {
+	// Transactional mode (the default): the key's claim, the order, its event
+	// and the stored response commit together or not at all.
+	mwCfg := &idempotency.Config{Schema: schema, Scope: user, Logger: log}
+	outCfg := &outbox.Config{Schema: schema}
+	if tp != nil {
+		mwCfg.Hook = otelonceflow.NewHTTPHook()
+		outCfg.Inject = otelonceflow.NewInjector()
+	}
+	mw, err := idempotency.New(pool, mwCfg)
+	if err != nil {
+		return nil, err
+	}
+	events, err := outbox.NewWriter(outCfg)
+	if err != nil {
+		return nil, err
+	}
+	mux := http.NewServeMux()
+	mux.Handle("POST /orders", mw.Handler(createOrder(events)))
+	if tp == nil {
+		return mux, nil
+	}
+	return otelhttp.NewHandler(mux, "orders", otelhttp.WithTracerProvider(tp),
+		otelhttp.WithPropagators(propagation.TraceContext{})), nil
 }
 
 // user is the idempotency scope (Config.Scope, required): whose key a

@@ -1,0 +1,86 @@
+// Package otelenv sets up trace export from the standard OTEL_* environment
+// variables, for the onceflow binary and the examples. With none of them
+// set it does nothing: the returned provider is a no-op and no connection
+// is made.
+package otelenv
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"strings"
+	"time"
+
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/sdk/resource"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	semconv "go.opentelemetry.io/otel/semconv/v1.40.0"
+	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
+)
+
+// Enabled reports whether the environment asks for trace export:
+// OTEL_TRACES_EXPORTER=otlp, or an OTLP endpoint
+// (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) with
+// OTEL_TRACES_EXPORTER unset. OTEL_SDK_DISABLED=true and
+// OTEL_TRACES_EXPORTER=none turn it off.
+func Enabled(getenv func(string) string) (bool, error) {
+	if strings.EqualFold(getenv("OTEL_SDK_DISABLED"), "true") {
+		return false, nil
+	}
+	switch exp := strings.TrimSpace(getenv("OTEL_TRACES_EXPORTER")); exp {
+	case "none":
+		return false, nil
+	case "otlp":
+		return true, nil
+	case "":
+		return getenv("OTEL_EXPORTER_OTLP_ENDPOINT") != "" || getenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") != "", nil
+	default:
+		return false, fmt.Errorf("OTEL_TRACES_EXPORTER=%q: only otlp and none are supported", exp)
+	}
+}
+
+// Setup returns the tracer provider the environment asks for and a
+// function that flushes and stops it (waiting at most 5 s). When tracing is
+// enabled it also becomes the global provider, with the W3C trace-context
+// and baggage propagators. The exporter speaks OTLP over HTTP
+// (http/protobuf) and reads the other OTEL_EXPORTER_OTLP_* variables itself
+// (headers, timeout, TLS); OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES
+// name the service (service defaults to service).
+func Setup(ctx context.Context, service string) (trace.TracerProvider, func(), error) {
+	on, err := Enabled(os.Getenv)
+	if err != nil || !on {
+		return noop.NewTracerProvider(), func() {}, err
+	}
+	proto := os.Getenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+	if proto == "" {
+		proto = os.Getenv("OTEL_EXPORTER_OTLP_PROTOCOL")
+	}
+	if proto != "" && proto != "http/protobuf" {
+		return nil, nil, fmt.Errorf("OTEL_EXPORTER_OTLP_PROTOCOL=%q: only http/protobuf is supported", proto)
+	}
+	exp, err := otlptracehttp.New(ctx)
+	if err != nil {
+		return nil, nil, fmt.Errorf("otlp trace exporter: %w", err)
+	}
+	res, err := resource.Merge(resource.Default(), resource.NewSchemaless(semconv.ServiceName(service)))
+	if err != nil {
+		return nil, nil, fmt.Errorf("trace resource: %w", err)
+	}
+	// The environment's service name and attributes win over the default.
+	if env, err := resource.New(ctx, resource.WithFromEnv()); err == nil {
+		if merged, err := resource.Merge(res, env); err == nil {
+			res = merged
+		}
+	}
+	tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exp), sdktrace.WithResource(res))
+	otel.SetTracerProvider(tp)
+	otel.SetTextMapPropagator(propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{}))
+	return tp, func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = tp.Shutdown(ctx)
+	}, nil
+}

@@ -1,0 +1,142 @@
+package otelonceflow
+
+import (
+	"context"
+	"strconv"
+	"unicode/utf8"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
+	semconv "go.opentelemetry.io/otel/semconv/v1.40.0"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/onceflow/onceflow/consumer"
+)
+
+// Attributes this package sets beside OpenTelemetry's semantic conventions.
+const (
+	// AttrConsumer is the consumer name deduplication is scoped to.
+	AttrConsumer = attribute.Key("onceflow.consumer")
+	// AttrOutcome is how the message left the Processor: processed,
+	// duplicate, dead-lettered, or abandoned (shutdown or lost partition;
+	// it is processed again later).
+	AttrOutcome = attribute.Key("onceflow.outcome")
+	// AttrDuplicate is true when the message was already processed and its
+	// handler did not run.
+	AttrDuplicate = attribute.Key("onceflow.duplicate")
+	// AttrAttempts is how many times the handler ran for the message.
+	AttrAttempts = attribute.Key("onceflow.attempts")
+	// AttrRetried is true when an attempt failed and was retried.
+	AttrRetried = attribute.Key("onceflow.retried")
+	// AttrDeadLetterTopic is the topic a dead-lettered message went to.
+	AttrDeadLetterTopic = attribute.Key("onceflow.dead_letter.topic")
+	// AttrBatchSize is the size of the batch transaction that finished
+	// the message, when above 1.
+	AttrBatchSize = attribute.Key("onceflow.batch.size")
+)
+
+// Consumer is a consumer.HookTrace: put it in consumer.Config.Hooks. For
+// each message it starts a consumer span "process <topic>" whose parent is
+// the producer's span carried in the record's headers, runs the handler's
+// transaction inside it (the handler's ctx holds the span), and ends it
+// with the outcome. It follows OpenTelemetry's messaging conventions:
+// messaging.system=kafka, messaging.operation.type=process,
+// messaging.destination.name, messaging.destination.partition.id,
+// messaging.kafka.message.key, messaging.kafka.offset,
+// messaging.consumer.group.name, messaging.message.id; and adds the
+// onceflow.* attributes above. A retry adds a "retry" event; a dead letter
+// sets the span's status to Error. Safe for concurrent use.
+type Consumer struct {
+	tracer     trace.Tracer
+	propagator propagation.TextMapPropagator
+	group      string
+	recordKeys bool
+}
+
+var _ consumer.HookTrace = (*Consumer)(nil)
+
+// NewConsumer returns a Consumer hook.
+func NewConsumer(opts ...Option) *Consumer {
+	c := newConfig(opts)
+	return &Consumer{
+		tracer:     c.provider.Tracer(instrumentationName),
+		propagator: c.propagator,
+		group:      c.group,
+		recordKeys: c.recordKeys,
+	}
+}
+
+// TraceStart implements consumer.HookTrace.
+func (c *Consumer) TraceStart(ctx context.Context, e consumer.TraceStartEvent) context.Context {
+	ctx = c.propagator.Extract(ctx, headerCarrier(e.Message.Headers))
+	group := c.group
+	if group == "" {
+		group = e.Consumer
+	}
+	attrs := make([]attribute.KeyValue, 0, 10)
+	attrs = append(attrs,
+		semconv.MessagingSystemKafka,
+		semconv.MessagingOperationTypeProcess,
+		semconv.MessagingOperationName("process"),
+		semconv.MessagingDestinationName(e.Message.Topic),
+		semconv.MessagingDestinationPartitionID(strconv.Itoa(int(e.Message.Partition))),
+		semconv.MessagingKafkaOffset(int(e.Message.Offset)),
+		semconv.MessagingConsumerGroupName(group),
+		AttrConsumer.String(e.Consumer),
+	)
+	if c.recordKeys && e.Message.Key != nil && utf8.Valid(e.Message.Key) {
+		attrs = append(attrs, semconv.MessagingKafkaMessageKey(string(e.Message.Key)))
+	}
+	ctx, _ = c.tracer.Start(ctx, "process "+e.Message.Topic,
+		trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(attrs...))
+	return ctx
+}
+
+// TraceRetry implements consumer.HookTrace.
+func (c *Consumer) TraceRetry(ctx context.Context, e consumer.RetryEvent) {
+	span := trace.SpanFromContext(ctx)
+	span.AddEvent("retry", trace.WithAttributes(
+		AttrAttempts.Int(e.Attempt),
+		attribute.String("error.message", e.Err.Error()),
+		attribute.Float64("onceflow.backoff_seconds", e.Backoff.Seconds()),
+	))
+}
+
+// TraceEnd implements consumer.HookTrace.
+func (c *Consumer) TraceEnd(ctx context.Context, e consumer.TraceEndEvent) {
+	span := trace.SpanFromContext(ctx)
+	outcome := "abandoned"
+	if e.Outcome != 0 {
+		outcome = e.Outcome.String()
+	}
+	attrs := make([]attribute.KeyValue, 0, 7)
+	attrs = append(attrs,
+		AttrOutcome.String(outcome),
+		AttrDuplicate.Bool(e.Outcome == consumer.Duplicate),
+		AttrAttempts.Int(e.Attempts),
+		AttrRetried.Bool(e.Attempts > 1),
+	)
+	if e.Message.ID != "" {
+		attrs = append(attrs, semconv.MessagingMessageID(e.Message.ID))
+	}
+	if e.BatchSize > 1 {
+		attrs = append(attrs, AttrBatchSize.Int(e.BatchSize))
+	}
+	if e.Outcome == consumer.DeadLettered {
+		attrs = append(attrs, AttrDeadLetterTopic.String(e.DeadLetterTopic))
+	}
+	span.SetAttributes(attrs...)
+	switch {
+	case e.Outcome == consumer.DeadLettered:
+		if e.Err != nil {
+			span.RecordError(e.Err)
+			span.SetStatus(codes.Error, "dead-lettered: "+e.Err.Error())
+		} else {
+			span.SetStatus(codes.Error, "dead-lettered")
+		}
+	case e.Outcome == 0 && e.Err != nil:
+		span.SetStatus(codes.Error, "abandoned: "+e.Err.Error())
+	}
+	span.End()
+}
