@@ -28,7 +28,9 @@ import (
 
 	"github.com/onceflow/onceflow/consumer"
 	"github.com/onceflow/onceflow/consumer/kgoconsumer"
+	"github.com/onceflow/onceflow/internal/otelenv"
 	"github.com/onceflow/onceflow/migrations"
+	"github.com/onceflow/onceflow/otelonceflow"
 )
 
 func main() {
@@ -54,6 +56,7 @@ func run(ctx context.Context, args []string, log *slog.Logger) error {
 	window := fs.Duration("dedup-window", 7*24*time.Hour, "keep dedup records this long; must exceed the topic's retention")
 	session := fs.Duration("session-timeout", 0, "group session timeout: how soon a worker that died gives up its partitions (0: franz-go's 45s)")
 	rebalance := fs.Duration("rebalance-timeout", 0, "group rebalance timeout (0: franz-go's 60s)")
+	tracing := fs.Bool("trace", false, "trace each payment in a consumer span joined to its producer's trace (the record's traceparent header); spans are exported as the standard OTEL_* environment variables say (OTEL_EXPORTER_OTLP_ENDPOINT, ...)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -73,7 +76,16 @@ func run(ctx context.Context, args []string, log *slog.Logger) error {
 		return err
 	}
 
-	p, err := consumer.New(pool, *group, addPayment, &consumer.Config{Schema: *schema, Logger: log})
+	cfg := &consumer.Config{Schema: *schema, Logger: log}
+	if *tracing {
+		tp, shutdown, err := otelenv.Setup(ctx, "ledger")
+		if err != nil {
+			return err
+		}
+		defer shutdown()
+		cfg.Hooks = append(cfg.Hooks, otelonceflow.NewConsumer(otelonceflow.WithTracerProvider(tp), otelonceflow.WithConsumerGroup(*group)))
+	}
+	p, err := consumer.New(pool, *group, addPayment, cfg)
 	if err != nil {
 		return err
 	}
