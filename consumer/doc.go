@@ -104,5 +104,7 @@
 // A Processor is safe for concurrent use; handlers run concurrently for
 // different partitions (and keys, in key-parallel mode), so a Handler must
 // be too. Hooks (Config.Hooks) are called synchronously and must be cheap;
-// package consumerprom turns them into Prometheus metrics.
+// package consumerprom turns them into Prometheus metrics. A HookTrace
+// (otelonceflow.NewConsumer) wraps each message in a span joined to its
+// producer's trace; the handler's ctx holds it.
 package consumer

@@ -16,6 +16,10 @@
 // trip however many messages it is given. Writing through a pool or a bare
 // connection commits the events on their own and so gives up G1.
 //
+// Config.Inject adds headers taken from Write's ctx to every event:
+// otelonceflow.NewInjector records the W3C trace context there, so the
+// consumer's span joins the request's trace.
+//
 // Producers in other languages write the same rows with plain SQL:
 //
 //	INSERT INTO onceflow.outbox (topic, key, value, headers) VALUES ('orders', 'k1', '{}', '{"h":"v"}');
