@@ -8,11 +8,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/onceflow/onceflow/internal/kgoconn"
 	"github.com/onceflow/onceflow/kafkaconn"
@@ -57,6 +59,12 @@ type Publisher struct {
 	cl    *kgo.Client
 	owned bool
 	once  sync.Once
+	// known holds the topics seen to exist. A record for any other topic
+	// is produced only once a metadata request says the topic exists:
+	// franz-go retries an unknown topic on its metadata refreshes (at most
+	// every MetadataMinAge, 5 s by default), and the round would wait for
+	// that while the other keys wait for the round.
+	known sync.Map // topic → struct{}
 }
 
 var _ relay.Publisher = (*Publisher)(nil)
@@ -122,6 +130,16 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 	finished := make([]bool, len(records))
 	var mu sync.Mutex
 	pending := len(records)
+	unknown := p.unknownTopics(ctx, records)
+	for i := range records {
+		if err, ok := unknown[records[i].Topic]; ok {
+			errs[i], finished[i] = classify(err), true
+			pending--
+		}
+	}
+	if pending == 0 {
+		return errs
+	}
 	done := make(chan struct{})
 	// One allocation for all records and one for all headers, not two
 	// per record.
@@ -133,6 +151,9 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 	headers := make([]kgo.RecordHeader, 0, nHeaders)
 	for i, rec := range records {
 		kr := &krs[i]
+		if finished[i] {
+			continue // its topic does not exist
+		}
 		kr.Topic, kr.Key, kr.Value = rec.Topic, rec.Key, rec.Value
 		if len(rec.Headers) > 0 {
 			start := len(headers)
@@ -148,6 +169,9 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 				return // Publish already returned on ctx
 			}
 			errs[i] = classify(err)
+			if errors.Is(err, kerr.UnknownTopicOrPartition) {
+				p.known.Delete(records[i].Topic) // deleted since: ask again
+			}
 			finished[i] = true
 			pending--
 			if pending == 0 {
@@ -169,6 +193,49 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 	for i := range out {
 		if !finished[i] {
 			out[i] = fmt.Errorf("kgopublisher: not acknowledged before shutdown: %w", ctx.Err())
+		}
+	}
+	return out
+}
+
+// unknownTopics asks the cluster, in one metadata request, about the topics
+// of records not known to exist yet, and returns those it says do not. If
+// the request fails, it returns none: the produce finds out itself.
+func (p *Publisher) unknownTopics(ctx context.Context, records []relay.Record) map[string]error {
+	var ask []string
+	for i := range records {
+		t := records[i].Topic
+		if _, ok := p.known.Load(t); !ok && !slices.Contains(ask, t) {
+			ask = append(ask, t)
+		}
+	}
+	if len(ask) == 0 {
+		return nil
+	}
+	req := kmsg.NewPtrMetadataRequest()
+	for _, t := range ask {
+		rt := kmsg.NewMetadataRequestTopic()
+		rt.Topic = kmsg.StringPtr(t)
+		req.Topics = append(req.Topics, rt)
+	}
+	req.AllowAutoTopicCreation, _ = p.cl.OptValue(kgo.AllowAutoTopicCreation).(bool)
+	resp, err := req.RequestWith(ctx, p.cl)
+	if err != nil {
+		return nil
+	}
+	var out map[string]error
+	for _, t := range resp.Topics {
+		if t.Topic == nil {
+			continue
+		}
+		switch err := kerr.ErrorForCode(t.ErrorCode); {
+		case err == nil:
+			p.known.Store(*t.Topic, struct{}{})
+		case errors.Is(err, kerr.UnknownTopicOrPartition):
+			if out == nil {
+				out = map[string]error{}
+			}
+			out[*t.Topic] = err
 		}
 	}
 	return out
