@@ -28,6 +28,7 @@ const notifyChannel = "onceflow_outbox"
 // Relay publishes committed outbox events to Kafka. Create it with New and
 // call Run; a Relay runs once.
 type Relay struct {
+	events EventObserver // Config.Observer's, or nil
 	cfg    Config
 	pool   *pgxpool.Pool
 	pub    Publisher
@@ -87,7 +88,9 @@ func New(pool *pgxpool.Pool, pub Publisher, cfg *Config) (*Relay, error) {
 		return nil, err
 	}
 	st := newStore(pool, c.Schema)
+	events, _ := c.Observer.(EventObserver)
 	return &Relay{
+		events:       events,
 		cfg:          c,
 		pool:         pool,
 		pub:          pub,
@@ -475,6 +478,9 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 	}
 
 	o := r.judge(ctx, pubCtx, events, records, errs)
+	if r.events != nil {
+		r.observeAcked(events, o.acked, start)
+	}
 	acked, dead, failedKeys := o.acked, o.dead, o.failedKeys
 	if next != nil && len(failedKeys) > 0 {
 		// The round read ahead must not carry a failed key past its

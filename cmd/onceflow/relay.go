@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/onceflow/onceflow/internal/otelenv"
 	"github.com/onceflow/onceflow/relay"
 	"github.com/onceflow/onceflow/relay/kafkagopublisher"
 	"github.com/onceflow/onceflow/relay/kgopublisher"
@@ -84,6 +85,12 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	defer pub.Close()
 
 	reg := prometheus.NewRegistry()
+	// Traces go out over OTLP when the OTEL_* variables ask for it.
+	tp, stopTracing, err := otelenv.Setup(ctx, "onceflow-relay")
+	if err != nil {
+		return err
+	}
+	defer stopTracing()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	reg.MustRegister(relayprom.NewBacklogCollector(pool, c.schema))
 	reg.MustRegister(buildInfoGauge())
@@ -98,7 +105,7 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 		PublishTimeout:      *publishTimeout,
 		TopicForbiddenGrace: *forbiddenGrace,
 		Logger:              log,
-		Observer:            relayprom.NewObserver(reg),
+		Observer:            withTracing(relayprom.NewObserver(reg), tp),
 	})
 	if err != nil {
 		return fmt.Errorf("%w: %v", errUsage, err)

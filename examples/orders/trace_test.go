@@ -14,6 +14,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/twmb/franz-go/pkg/kgo"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
@@ -27,6 +29,7 @@ import (
 	"github.com/onceflow/onceflow/otelonceflow"
 	"github.com/onceflow/onceflow/relay"
 	"github.com/onceflow/onceflow/relay/kgopublisher"
+	"github.com/onceflow/onceflow/relay/relayprom"
 )
 
 // One trace from the HTTP request to the consumer's commit: POST /orders
@@ -72,7 +75,9 @@ func TestTraceFromRequestToConsumerCommit(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pub.Close()
-	r, err := relay.New(pool, pub, &relay.Config{Schema: schema, PollInterval: 50 * time.Millisecond})
+	reg := prometheus.NewRegistry()
+	r, err := relay.New(pool, pub, &relay.Config{Schema: schema, PollInterval: 50 * time.Millisecond,
+		Observer: otelonceflow.NewRelayObserver(relayprom.NewObserver(reg), otelonceflow.WithTracerProvider(tp))})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -131,14 +136,25 @@ func TestTraceFromRequestToConsumerCommit(t *testing.T) {
 	}
 	waitFor(t, 60*time.Second, "the consumer's span of the order", func() bool { return consumerSpan("processed") != nil })
 
-	var server, ship sdktrace.ReadOnlySpan
+	var server, ship, send sdktrace.ReadOnlySpan
 	for _, s := range rec.Ended() {
 		switch {
 		case s.SpanKind() == trace.SpanKindServer:
 			server = s
 		case s.Name() == "ship order":
 			ship = s
+		case s.Name() == "send orders":
+			send = s
 		}
+	}
+	// The relay's span is linked to the request's, with the dwell time;
+	// the binary's histogram counted the event.
+	if send == nil || len(send.Links()) != 1 || send.Links()[0].SpanContext.SpanID() != server.SpanContext().SpanID() ||
+		attr(send, "onceflow.outbox.dwell_seconds") == "" || send.SpanKind() != trace.SpanKindProducer {
+		t.Errorf("relay span %v: want a producer span linked to the request's span with onceflow.outbox.dwell_seconds", send)
+	}
+	if n := testutil.CollectAndCount(reg, "onceflow_outbox_dwell_seconds"); n != 1 {
+		t.Errorf("onceflow_outbox_dwell_seconds: %d series, want 1", n)
 	}
 	processed := consumerSpan("processed")
 	if server == nil || ship == nil {

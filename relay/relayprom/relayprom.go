@@ -23,9 +23,13 @@ type Observer struct {
 	ownedShards  prometheus.Gauge
 	roundSeconds prometheus.Histogram
 	lagSeconds   prometheus.Histogram
+	dwellSeconds prometheus.Histogram
 }
 
-var _ relay.Observer = (*Observer)(nil)
+var (
+	_ relay.Observer      = (*Observer)(nil)
+	_ relay.EventObserver = (*Observer)(nil)
+)
 
 // NewObserver registers the relay's metrics with reg.
 func NewObserver(reg prometheus.Registerer) *Observer {
@@ -38,8 +42,9 @@ func NewObserver(reg prometheus.Registerer) *Observer {
 		ownedShards:  prometheus.NewGauge(prometheus.GaugeOpts{Name: "onceflow_relay_owned_shards", Help: "Shards this relay owns."}),
 		roundSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "onceflow_relay_round_seconds", Help: "Duration of a publish round (read, publish, record).", Buckets: prometheus.ExponentialBuckets(0.001, 2, 14)}),
 		lagSeconds:   prometheus.NewHistogram(prometheus.HistogramOpts{Name: "onceflow_relay_oldest_published_age_seconds", Help: "Age of the oldest event in each round at publish time.", Buckets: prometheus.ExponentialBuckets(0.001, 2, 18)}),
+		dwellSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "onceflow_outbox_dwell_seconds", Help: "Time each event published by a round spent in the outbox, from its write to Kafka's acknowledgement.", Buckets: prometheus.ExponentialBuckets(0.001, 2, 18)}),
 	}
-	reg.MustRegister(o.published, o.failed, o.timedOut, o.deadLettered, o.notDeleted, o.ownedShards, o.roundSeconds, o.lagSeconds)
+	reg.MustRegister(o.published, o.failed, o.timedOut, o.deadLettered, o.notDeleted, o.ownedShards, o.roundSeconds, o.lagSeconds, o.dwellSeconds)
 	return o
 }
 
@@ -54,6 +59,12 @@ func (o *Observer) ObserveBatch(s relay.BatchStats) {
 	if !s.OldestCreatedAt.IsZero() {
 		o.lagSeconds.Observe(time.Since(s.OldestCreatedAt).Seconds())
 	}
+}
+
+// ObservePublished implements relay.EventObserver: one observation of
+// onceflow_outbox_dwell_seconds per acknowledged event.
+func (o *Observer) ObservePublished(e relay.PublishedEvent) {
+	o.dwellSeconds.Observe(max(e.Acked.Sub(e.CreatedAt), 0).Seconds())
 }
 
 // ObserveShards implements relay.Observer.

@@ -1,0 +1,58 @@
+package main
+
+import (
+	"context"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/internal/kafkatest"
+	"github.com/onceflow/onceflow/internal/pgtest"
+	"github.com/onceflow/onceflow/outbox"
+)
+
+// With OTEL_EXPORTER_OTLP_ENDPOINT set, the relay exports a span per
+// published event that carries a trace context, over OTLP/HTTP.
+func TestRelayExportsTracesOverOTLPWhenConfigured(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the binary; skipped with -short")
+	}
+	t.Parallel()
+	var exports atomic.Int64
+	collector := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		if r.URL.Path == "/v1/traces" && len(b) > 0 {
+			exports.Add(1)
+		}
+		w.Header().Set("Content-Type", "application/x-protobuf")
+		w.WriteHeader(http.StatusOK)
+	}))
+	defer collector.Close()
+
+	bin := buildBinary(t)
+	schema := pgtest.Schema(t)
+	k := kafkatest.New(t)
+	topic := k.Topic(t, 1)
+	env := append(relayEnv(t, schema, k), "OTEL_EXPORTER_OTLP_ENDPOINT="+collector.URL, "OTEL_BSP_SCHEDULE_DELAY=100")
+	p := startRelayProc(t, bin, env, "--log-level", "info")
+	waitUntil(t, "the relay to start", 30*time.Second, relayStarted(p))
+
+	w, _ := outbox.NewWriter(&outbox.Config{Schema: schema})
+	ctx := context.Background()
+	msg := outbox.Message{Topic: topic, Value: []byte("v"),
+		Headers: map[string]string{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}}
+	if err := pgx.BeginFunc(ctx, pgtest.Pool(t), func(tx pgx.Tx) error { return w.Write(ctx, tx, msg) }); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, "an OTLP trace export", 60*time.Second, func() bool { return exports.Load() > 0 })
+	_ = p.Signal(syscall.SIGTERM)
+	if err, exited := p.Wait(30 * time.Second); !exited || err != nil {
+		t.Fatalf("after SIGTERM: exited %v, err %v", exited, err)
+	}
+}

@@ -1,0 +1,83 @@
+package otelonceflow
+
+import (
+	"context"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/propagation"
+	semconv "go.opentelemetry.io/otel/semconv/v1.40.0"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/onceflow/onceflow/relay"
+)
+
+// AttrOutboxDwell is the time, in seconds, a published event spent in the
+// outbox: from its write to Kafka's acknowledgement.
+const AttrOutboxDwell = attribute.Key("onceflow.outbox.dwell_seconds")
+
+// RelayObserver is a relay.Observer that adds, for each published event
+// whose headers carry a trace context, a producer span "send <topic>"
+// linked to the producer's span (a link, not a child: the relay publishes
+// long after the request ended, in rounds of many traces), from its round's
+// start to Kafka's acknowledgement, with onceflow.outbox.dwell_seconds.
+// Events without a trace context get no span. It passes every call on to
+// the Observer it wraps (relayprom's, say). Set it as relay.Config.Observer.
+// Safe for concurrent use.
+type RelayObserver struct {
+	next       relay.Observer
+	nextEvents relay.EventObserver
+	tracer     trace.Tracer
+	propagator propagation.TextMapPropagator
+}
+
+var (
+	_ relay.Observer      = (*RelayObserver)(nil)
+	_ relay.EventObserver = (*RelayObserver)(nil)
+)
+
+// NewRelayObserver wraps next, which may be nil.
+func NewRelayObserver(next relay.Observer, opts ...Option) *RelayObserver {
+	c := newConfig(opts)
+	o := &RelayObserver{next: next, tracer: c.provider.Tracer(instrumentationName), propagator: c.propagator}
+	o.nextEvents, _ = next.(relay.EventObserver)
+	return o
+}
+
+// ObserveBatch implements relay.Observer.
+func (o *RelayObserver) ObserveBatch(s relay.BatchStats) {
+	if o.next != nil {
+		o.next.ObserveBatch(s)
+	}
+}
+
+// ObserveShards implements relay.Observer.
+func (o *RelayObserver) ObserveShards(owned int) {
+	if o.next != nil {
+		o.next.ObserveShards(owned)
+	}
+}
+
+// ObservePublished implements relay.EventObserver.
+func (o *RelayObserver) ObservePublished(e relay.PublishedEvent) {
+	if o.nextEvents != nil {
+		o.nextEvents.ObservePublished(e)
+	}
+	producer := trace.SpanContextFromContext(o.propagator.Extract(context.Background(), propagation.MapCarrier(e.Headers)))
+	if !producer.IsValid() {
+		return
+	}
+	_, span := o.tracer.Start(context.Background(), "send "+e.Topic,
+		trace.WithNewRoot(),
+		trace.WithSpanKind(trace.SpanKindProducer),
+		trace.WithTimestamp(e.PublishStart),
+		trace.WithLinks(trace.Link{SpanContext: producer}),
+		trace.WithAttributes(
+			semconv.MessagingSystemKafka,
+			semconv.MessagingOperationTypeSend,
+			semconv.MessagingOperationName("send"),
+			semconv.MessagingDestinationName(e.Topic),
+			semconv.MessagingMessageID(e.EventID),
+			AttrOutboxDwell.Float64(max(e.Acked.Sub(e.CreatedAt), 0).Seconds()),
+		))
+	span.End(trace.WithTimestamp(e.Acked))
+}

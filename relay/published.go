@@ -1,0 +1,48 @@
+package relay
+
+import "time"
+
+// PublishedEvent describes one event Kafka acknowledged.
+type PublishedEvent struct {
+	// EventID is the event's id (the message-id header).
+	EventID string
+	Topic   string
+	// Headers are the event's headers as published, message-id aside
+	// (a trace context among them, when the producer recorded one). They
+	// must not be modified or kept.
+	Headers map[string]string
+	// CreatedAt is when the event was written into the outbox, by the
+	// database's clock; Acked when this relay saw Kafka's acknowledgement.
+	// Acked minus CreatedAt is the event's outbox dwell time.
+	CreatedAt, Acked time.Time
+	// PublishStart is when the event's round began to publish.
+	PublishStart time.Time
+}
+
+// EventObserver is an optional interface of an Observer: when Config.Observer
+// implements it, ObservePublished is called for every event Kafka
+// acknowledged, from the publish loop, once the round's acknowledgements are
+// in. It must be cheap, safe for concurrent use and must not block. Without
+// it the relay does no per-event observer work.
+type EventObserver interface {
+	ObservePublished(PublishedEvent)
+}
+
+// observeAcked reports the acknowledged events of a round; acked holds their
+// ids in the order of events.
+func (r *Relay) observeAcked(events []pendingEvent, acked []int64, start time.Time) {
+	now := time.Now()
+	j := 0
+	for i := range events {
+		if j == len(acked) {
+			return
+		}
+		if e := &events[i]; e.id == acked[j] {
+			j++
+			r.events.ObservePublished(PublishedEvent{
+				EventID: string(e.eventID), Topic: e.topic, Headers: e.headers,
+				CreatedAt: e.createdAt, Acked: now, PublishStart: start,
+			})
+		}
+	}
+}
