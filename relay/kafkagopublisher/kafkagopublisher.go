@@ -6,13 +6,15 @@
 // on message-id either way). It is configured as the relay needs, not with
 // kafka-go's defaults (acks=none, 1 s batch timeout): acks=all, a 1 ms batch
 // timeout, murmur2 key partitioning as the Java client does, and batches
-// large enough that one relay round is one request per partition.
+// large enough that one Publish call is one request per partition.
 package kafkagopublisher
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
+	"sync"
 	"time"
 
 	"github.com/segmentio/kafka-go"
@@ -46,14 +48,28 @@ type Config struct {
 	Transport kafka.RoundTripper
 }
 
-// Publisher publishes through a kafka.Writer. Publish is safe for
+// Publisher publishes through kafka.Writers. Publish is safe for
 // concurrent use; Close is idempotent.
+//
+// A kafka.Writer appends a call's messages to the batch already open for a
+// partition, so two concurrent calls on one Writer can split a key's wave
+// across two requests, the later landing after the earlier failed (G3). So
+// each Publish call checks a Writer out of a free list for its whole run
+// (creating one when none is free) and puts it back after: no two calls
+// share a Writer. All Writers share one transport (its connections).
 type Publisher struct {
-	w *kafka.Writer
+	addr      net.Addr
+	transport kafka.RoundTripper
+	newWriter func() *kafka.Writer // a Writer configured as New says
 	// own is the transport New built from Config.Conn, closed by Close;
 	// nil when the caller supplied Config.Transport.
 	own        *kafka.Transport
 	batchBytes int64
+
+	mu     sync.Mutex
+	free   []*kafka.Writer
+	all    []*kafka.Writer
+	closed bool
 }
 
 var _ relay.Publisher = (*Publisher)(nil)
@@ -112,18 +128,51 @@ func New(brokers []string, cfg *Config) (*Publisher, error) {
 	case c.MaxAttempts < 1:
 		return nil, fmt.Errorf("kafkagopublisher: Config.MaxAttempts must be at least 1, got %d", c.MaxAttempts)
 	}
-	return &Publisher{own: own, batchBytes: c.BatchBytes, w: &kafka.Writer{
-		Addr:                   kafka.TCP(brokers...),
-		Balancer:               &kafka.Murmur2Balancer{},
-		RequiredAcks:           kafka.RequireAll,
-		BatchTimeout:           c.BatchTimeout,
-		BatchSize:              100_000,
-		BatchBytes:             c.BatchBytes,
-		MaxAttempts:            c.MaxAttempts,
-		AllowAutoTopicCreation: false,
-		Compression:            codec,
-		Transport:              c.Transport,
-	}}, nil
+	addr := kafka.TCP(brokers...)
+	newWriter := func() *kafka.Writer {
+		return &kafka.Writer{
+			Addr:                   addr,
+			Balancer:               &kafka.Murmur2Balancer{},
+			RequiredAcks:           kafka.RequireAll,
+			BatchTimeout:           c.BatchTimeout,
+			BatchSize:              100_000,
+			BatchBytes:             c.BatchBytes,
+			MaxAttempts:            c.MaxAttempts,
+			AllowAutoTopicCreation: false,
+			Compression:            codec,
+			Transport:              c.Transport,
+		}
+	}
+	return &Publisher{own: own, batchBytes: c.BatchBytes, addr: addr, transport: c.Transport, newWriter: newWriter}, nil
+}
+
+// errClosed fails the records of a Publish call after Close.
+var errClosed = errors.New("kafkagopublisher: publisher is closed")
+
+// writer checks a Writer out for one Publish call; nil after Close.
+func (p *Publisher) writer() *kafka.Writer {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return nil
+	}
+	if n := len(p.free); n > 0 {
+		w := p.free[n-1]
+		p.free = p.free[:n-1]
+		return w
+	}
+	w := p.newWriter()
+	p.all = append(p.all, w)
+	return w
+}
+
+// release puts back a Writer the call is done with.
+func (p *Publisher) release(w *kafka.Writer) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if !p.closed {
+		p.free = append(p.free, w)
+	}
 }
 
 // Publish writes records topic by topic and reports each record's outcome.
@@ -134,10 +183,19 @@ func New(brokers []string, cfg *Config) (*Publisher, error) {
 // kafka-go writes a partition's records that do not fit one request as
 // several requests, and a later one can succeed after an earlier one failed.
 // So records go out in waves of at most BatchBytes in all (one request per
-// partition), and a record whose key failed with a passing error in an
-// earlier wave (or topic) is not sent: it fails too (G3).
+// partition, as the call has its Writer to itself), and a record whose key
+// failed with a passing error in an earlier wave (or topic) is not sent: it
+// fails too (G3).
 func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error {
 	errs := make([]error, len(records))
+	w := p.writer()
+	if w == nil {
+		for i := range errs {
+			errs[i] = errClosed
+		}
+		return errs
+	}
+	defer p.release(w)
 	byTopic := map[string][]int{}
 	var topics []string
 	for i, r := range records {
@@ -168,7 +226,7 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 				wave = append(wave, i)
 			}
 			idx = idx[n:]
-			p.publishWave(ctx, records, wave, errs)
+			publishWave(ctx, w, records, wave, errs)
 			for _, i := range wave {
 				if errs[i] != nil && records[i].Key != nil && !isRefusal(errs[i]) {
 					failedKeys[string(records[i].Key)] = true
@@ -197,13 +255,13 @@ func isRefusal(err error) bool {
 		errors.Is(err, relay.ErrUnknownTopic) || errors.Is(err, relay.ErrRecordInvalid)
 }
 
-func (p *Publisher) publishWave(ctx context.Context, records []relay.Record, idx []int, errs []error) {
+func publishWave(ctx context.Context, w *kafka.Writer, records []relay.Record, idx []int, errs []error) {
 	for len(idx) > 0 {
 		msgs := make([]kafka.Message, len(idx))
 		for j, i := range idx {
 			msgs[j] = toMessage(records[i])
 		}
-		err := p.w.WriteMessages(ctx, msgs...)
+		err := w.WriteMessages(ctx, msgs...)
 		var tooLarge kafka.MessageTooLargeError
 		var perMessage kafka.WriteErrors
 		switch {
@@ -264,8 +322,8 @@ func toMessage(r relay.Record) kafka.Message {
 // SASL settings). Publish retries an unreachable broker until ctx is done:
 // Ping is how to tell sooner. Safe for concurrent use.
 func (p *Publisher) Ping(ctx context.Context) error {
-	cl := &kafka.Client{Addr: p.w.Addr, Transport: p.w.Transport}
-	resp, err := cl.ApiVersions(ctx, &kafka.ApiVersionsRequest{Addr: p.w.Addr})
+	cl := &kafka.Client{Addr: p.addr, Transport: p.transport}
+	resp, err := cl.ApiVersions(ctx, &kafka.ApiVersionsRequest{Addr: p.addr})
 	if err == nil && resp.Error != nil {
 		err = resp.Error
 	}
@@ -275,14 +333,21 @@ func (p *Publisher) Ping(ctx context.Context) error {
 	return nil
 }
 
-// Close flushes and closes the writer, and the connections of the
-// transport New built.
+// Close flushes and closes the writers, and the connections of the
+// transport New built. A Publish call after Close fails every record.
 func (p *Publisher) Close() error {
-	err := p.w.Close()
+	p.mu.Lock()
+	all := p.all
+	p.all, p.free, p.closed = nil, nil, true
+	p.mu.Unlock()
+	var errs []error
+	for _, w := range all {
+		errs = append(errs, w.Close())
+	}
 	if p.own != nil {
 		p.own.CloseIdleConnections()
 	}
-	return err
+	return errors.Join(errs...)
 }
 
 func classify(err error) error {

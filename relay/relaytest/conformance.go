@@ -185,6 +185,52 @@ func RunPublisherConformance(t *testing.T, newPublisher NewPublisher) {
 		}
 	})
 
+	// The relay calls Publish concurrently (a round and a side retry). A
+	// call's records of one key must not be split across requests by
+	// another call's records to the same partition: when the first fails
+	// the later must not reach Kafka ahead of it (G3).
+	t.Run("ConcurrentCallsKeepKeyOrder", func(t *testing.T) {
+		t.Parallel()
+		k, p := setup(t)
+		fake := k.RequireFake(t)
+		topic := k.Topic(t, 1)
+		requireAllAcked(t, p.Publish(ctx(t), []relay.Record{{Topic: topic, Key: []byte("warm"), Value: []byte("w")}}))
+		h := fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topic, Err: kerr.NotEnoughReplicas, Count: 5})
+		val := func(c byte, n int) []byte { return append([]byte{c}, bytes.Repeat([]byte("x"), n)...) }
+		other := make(chan []error, 1)
+		go func() {
+			other <- p.Publish(ctx(t), []relay.Record{{Topic: topic, Key: []byte("j"), Value: val('j', 500<<10)}})
+		}()
+		errs := p.Publish(ctx(t), []relay.Record{
+			{Topic: topic, Key: []byte("k"), Value: val('1', 400<<10)},
+			{Topic: topic, Key: []byte("k"), Value: val('2', 200<<10)},
+		})
+		otherErrs := <-other
+		if errs[0] != nil && errs[1] == nil {
+			t.Fatalf("record 1 failed (%v) but the key's later record 2 was acknowledged", errs[0])
+		}
+		if h.Hits() == 0 {
+			t.Fatal("the injected fault was never hit; the test proves nothing")
+		}
+		want := 1 // warm
+		for _, err := range append(errs, otherErrs...) {
+			if err == nil {
+				want++
+			}
+		}
+		seen1 := false
+		for _, r := range k.ReadAll(t, topic, want, 3*time.Second) {
+			switch r.Value[0] {
+			case '1':
+				seen1 = true
+			case '2':
+				if !seen1 {
+					t.Fatalf("record 2 reached Kafka before record 1 (errors %v)", errs)
+				}
+			}
+		}
+	})
+
 	t.Run("CanceledContextReturns", func(t *testing.T) {
 		t.Parallel()
 		k, p := setup(t)
