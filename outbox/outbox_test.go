@@ -5,7 +5,6 @@ import (
 	"errors"
 	"sync/atomic"
 	"testing"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -170,30 +169,22 @@ func TestWriteManyIsOneStatement(t *testing.T) {
 	}
 }
 
-func TestCommitNotifiesRelay(t *testing.T) {
+// The outbox write takes no cluster-wide lock: a commit that issued NOTIFY
+// holds PostgreSQL's notify lock through its WAL flush, so every notifying
+// commit in the cluster queues behind the others (business transactions at
+// 16 writers ran at 0.43x a plain table). No trigger runs on the outbox; the
+// relay finds new events by probing (see relay.Config.ProbeInterval).
+func TestOutboxWriteFiresNoTrigger(t *testing.T) {
 	t.Parallel()
 	schema := pgtest.Schema(t)
-	listener := pgtest.Conn(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if _, err := listener.Exec(ctx, "LISTEN onceflow_outbox"); err != nil {
+	rows, _ := pgtest.Pool(t).Query(context.Background(), `SELECT tgname FROM pg_trigger
+WHERE tgrelid = $1::regclass AND NOT tgisinternal`, pgx.Identifier{schema, "outbox"}.Sanitize())
+	triggers, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
 		t.Fatal(err)
 	}
-	w, _ := outbox.NewWriter(&outbox.Config{Schema: schema})
-	if err := pgx.BeginFunc(ctx, pgtest.Pool(t), func(tx pgx.Tx) error {
-		return w.Write(ctx, tx, outbox.Message{Topic: "t"})
-	}); err != nil {
-		t.Fatal(err)
-	}
-	// Other tests' schemas notify on the same channel; wait for ours.
-	for {
-		n, err := listener.WaitForNotification(ctx)
-		if err != nil {
-			t.Fatalf("no notification for schema %s: %v", schema, err)
-		}
-		if n.Payload == schema {
-			return
-		}
+	if len(triggers) != 0 {
+		t.Fatalf("outbox has triggers %v: the write path must not NOTIFY", triggers)
 	}
 }
 

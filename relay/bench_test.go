@@ -3,6 +3,7 @@ package relay_test
 import (
 	"context"
 	"fmt"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -236,7 +237,7 @@ func BenchmarkRelayLatency(b *testing.B) {
 		bu.schema = pgtest.Schema(b)
 		w, _ := outbox.NewWriter(&outbox.Config{Schema: bu.schema})
 		topic := bu.kafka.Topic(b, 8)
-		bu.startRelay(b, relay.Config{PollInterval: time.Second})
+		bu.startRelay(b, relay.Config{PollInterval: time.Second, ProbeInterval: benchProbe})
 		cl := bu.kafka.Client(b, kgo.ConsumeTopics(topic), kgo.FetchMaxWait(time.Second))
 		const total = 10_000
 		committed := make(map[string]time.Time, total)
@@ -282,3 +283,8 @@ func BenchmarkRelayLatency(b *testing.B) {
 		fmt.Printf("\ncommit → consumer latency at 1,000 events/s: p50 %s, p99 %s, max %s\n", p50, p99, max)
 	}
 }
+
+var benchProbe = func() time.Duration {
+	d, _ := time.ParseDuration(os.Getenv("BENCH_PROBE"))
+	return d
+}()

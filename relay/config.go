@@ -28,8 +28,23 @@ type Config struct {
 	// BatchSize is the most events read and published per round.
 	// Defaults to 1000.
 	BatchSize int
-	// PollInterval is how often the relay looks for events when no
-	// notification arrives; notifications wake it at once. Defaults to 500ms.
+	// BatchBytes bounds a round by size as well: the most bytes of keys,
+	// values and headers read and published per round. An event larger
+	// than BatchBytes is published alone. A relay holds about two rounds
+	// (the read-ahead), so this bounds its memory for events. Defaults to
+	// 16 MiB.
+	BatchBytes int
+	// ProbeInterval is how often an idle relay probes for new events: one
+	// read of the outbox's id sequence (no trigger or NOTIFY on the write
+	// path, so writers pay nothing). When the probe sees new ids, or after
+	// a round that found events, the relay reads its shards at once, and it
+	// keeps reading every ProbeInterval for 20 intervals after new ids
+	// appear, since the transactions that took them may commit a little
+	// later. Defaults to 5ms.
+	ProbeInterval time.Duration
+	// PollInterval is how often an idle relay reads its shards whatever the
+	// probe says: the backstop for an event whose transaction committed
+	// long after it was inserted. Defaults to 250ms.
 	PollInterval time.Duration
 	// LeaseDuration is how long a shard lease lasts without renewal; leases
 	// are renewed every third of it. A killed relay's shards are taken over
@@ -87,8 +102,20 @@ func (c *Config) withDefaults() (Config, error) {
 	if out.BatchSize < 1 || out.BatchSize > 100_000 {
 		return out, fmt.Errorf("relay: Config.BatchSize must be between 1 and 100000, got %d", out.BatchSize)
 	}
+	if out.BatchBytes == 0 {
+		out.BatchBytes = 16 << 20
+	}
+	if out.BatchBytes < 1 {
+		return out, fmt.Errorf("relay: Config.BatchBytes must be positive, got %d", out.BatchBytes)
+	}
+	if out.ProbeInterval == 0 {
+		out.ProbeInterval = 5 * time.Millisecond
+	}
+	if out.ProbeInterval < 100*time.Microsecond {
+		return out, fmt.Errorf("relay: Config.ProbeInterval must be at least 100µs, got %s", out.ProbeInterval)
+	}
 	if out.PollInterval == 0 {
-		out.PollInterval = 500 * time.Millisecond
+		out.PollInterval = 250 * time.Millisecond
 	}
 	if out.PollInterval < time.Millisecond {
 		return out, fmt.Errorf("relay: Config.PollInterval must be at least 1ms, got %s", out.PollInterval)

@@ -20,8 +20,19 @@
 // open while Kafka answers. A failed event holds back its key's later events
 // until it is retried, whatever their topics: a round carries a key's events
 // on one topic only, and a later event of a key whose earlier event failed
-// is not taken as published even if the publisher acknowledged it. Commits wake the relay through NOTIFY; polling is the
-// backstop.
+// is not taken as published even if the publisher acknowledged it.
+//
+// # Waking up
+//
+// Nothing runs on the write path: no trigger, no NOTIFY (a notifying commit
+// holds a database-wide lock through its WAL flush, so notifying writers
+// queue behind one another). A relay whose round was full reads again at once;
+// an idle relay probes every Config.ProbeInterval (5 ms) with one read of
+// the outbox's id sequence, reads its shards when new ids appeared (and on
+// every probe for the next 20, while the transactions that took them
+// commit), and reads them every Config.PollInterval (250 ms) whatever the
+// probe says. Needing no LISTEN, the relay can run behind a transaction-mode
+// pooler.
 //
 // A round waits at most Config.PublishTimeout for its acknowledgements. A
 // record not acknowledged by then (a partition that cannot take writes) is a

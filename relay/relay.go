@@ -21,9 +21,10 @@ import (
 // MessageIDHeader is the record header holding the event id (G4).
 const MessageIDHeader = "message-id"
 
-// notifyChannel is the channel the outbox trigger notifies, with the schema
-// name as payload.
-const notifyChannel = "onceflow_outbox"
+// hotProbes is how many probe intervals a relay keeps reading its shards
+// after the probe saw new ids handed out: the transactions that took them
+// may commit a little later.
+const hotProbes = 20
 
 // Relay publishes committed outbox events to Kafka. Create it with New and
 // call Run; a Relay runs once.
@@ -35,9 +36,15 @@ type Relay struct {
 	st     *store
 	leases *leases
 	log    *slog.Logger
-	wake   chan struct{}
 	ran    atomic.Bool
 	beat   atomic.Int64 // unix nanoseconds of the publish loop's last pass
+
+	// The wake-up (publish loop only): the last value the probe read from
+	// the outbox's id sequence, until when the relay keeps reading after
+	// seeing it move, and the highest id it has read.
+	lastSeq  int64
+	hotUntil time.Time
+	seenID   int64
 
 	// Owned by the publish loop.
 	blocked      map[string]*keyState
@@ -89,6 +96,7 @@ func New(pool *pgxpool.Pool, pub Publisher, cfg *Config) (*Relay, error) {
 	}
 	st := newStore(pool, c.Schema)
 	events, _ := c.Observer.(EventObserver)
+	st.maxBytes = int64(c.BatchBytes)
 	return &Relay{
 		events:       events,
 		cfg:          c,
@@ -97,7 +105,6 @@ func New(pool *pgxpool.Pool, pub Publisher, cfg *Config) (*Relay, error) {
 		st:           st,
 		leases:       newLeases(st, c.InstanceID, c.LeaseDuration, c.Observer, c.Logger.With("instance", c.InstanceID)),
 		log:          c.Logger.With("instance", c.InstanceID),
-		wake:         make(chan struct{}, 1),
 		blocked:      map[string]*keyState{},
 		roundBackoff: newBackoff(c.MaxRetryBackoff),
 		sideSQL:      sideSQL(c.Schema),
@@ -146,9 +153,8 @@ func (r *Relay) Run(ctx context.Context) error {
 
 	var wg sync.WaitGroup
 	bg, stopBackground := context.WithCancel(context.Background())
-	wg.Add(2)
+	wg.Add(1)
 	go func() { defer wg.Done(); r.leaseLoop(bg) }()
-	go func() { defer wg.Done(); r.listenLoop(bg) }()
 
 	r.publishLoop(ctx)
 	r.waitFinish()
@@ -207,6 +213,17 @@ func (r *Relay) checkSchema(ctx context.Context) error {
 	if err := migrations.Check(ctx, r.pool, r.cfg.Schema); err != nil {
 		return fmt.Errorf("relay: %w", err)
 	}
+	// The probe reads the sequence behind outbox.id (quoted by the server).
+	table := pgx.Identifier{r.cfg.Schema, "outbox"}.Sanitize()
+	var seq *string
+	if err := r.pool.QueryRow(ctx, `SELECT pg_get_serial_sequence($1, 'id')`, table).Scan(&seq); err != nil {
+		return fmt.Errorf("relay: find the id sequence of %s: %w", table, err)
+	}
+	if seq == nil {
+		return fmt.Errorf("relay: %s.id has no sequence; is the schema migrated? run `onceflow migrate up`", table)
+	}
+	r.st.probeSQL = `SELECT s.v, EXISTS (SELECT 1 FROM ` + table + ` o WHERE o.id = s.v)
+FROM (SELECT CASE WHEN is_called THEN last_value ELSE 0 END AS v FROM ` + *seq + `) s`
 	return nil
 }
 
@@ -249,50 +266,6 @@ func (r *Relay) leaseLoop(ctx context.Context) {
 		if n%100 == 0 {
 			_, _ = r.pool.Exec(ctx, r.st.forgetOldSQL)
 		}
-	}
-}
-
-// listenLoop keeps a dedicated connection LISTENing, reconnecting after loss.
-// Polling covers the gaps.
-func (r *Relay) listenLoop(ctx context.Context) {
-	bo := newBackoff(5 * time.Second)
-	for ctx.Err() == nil {
-		err := r.listen(ctx, bo)
-		if ctx.Err() != nil {
-			return
-		}
-		wait := bo.NextBackOff()
-		r.log.Warn("relay: notification listener lost; reconnecting", "error", err, "backoff", wait)
-		sleep(ctx, wait)
-	}
-}
-
-func (r *Relay) listen(ctx context.Context, bo backoff.BackOff) error {
-	conn, err := pgx.ConnectConfig(ctx, r.pool.Config().ConnConfig.Copy())
-	if err != nil {
-		return err
-	}
-	defer conn.Close(context.Background())
-	if _, err := conn.Exec(ctx, "LISTEN "+notifyChannel); err != nil {
-		return err
-	}
-	bo.Reset()
-	r.signal() // anything committed while we were not listening
-	for {
-		n, err := conn.WaitForNotification(ctx)
-		if err != nil {
-			return err
-		}
-		if n.Payload == r.cfg.Schema {
-			r.signal()
-		}
-	}
-}
-
-func (r *Relay) signal() {
-	select {
-	case r.wake <- struct{}{}:
-	default:
 	}
 }
 
@@ -347,38 +320,93 @@ func (r *Relay) publishLoop(ctx context.Context) {
 	}
 }
 
-// idle waits for a notification, a change of shards, the poll interval or
-// the next key retry, whichever comes first.
+// idle waits until there may be events to read: the probe saw new ids
+// handed out (or saw them recently and the relay has not read that far
+// yet), the shards changed, a blocked key's retry is due, or PollInterval
+// passed, whichever comes first. Between looks it probes every
+// ProbeInterval: one read of the outbox's id sequence, which costs writers
+// nothing (no trigger, no NOTIFY) and does not grow with the backlog or the
+// dead rows a drain leaves behind.
 func (r *Relay) idle(ctx context.Context) {
-	wait := r.cfg.PollInterval
 	now := time.Now()
+	deadline := now.Add(r.cfg.PollInterval)
 	for _, k := range r.blocked {
-		if d := k.retryAt.Sub(now); d > 0 && d < wait {
-			wait = d
+		if k.retryAt.After(now) && k.retryAt.Before(deadline) {
+			deadline = k.retryAt
 		}
 	}
-	if _, next := r.sideDue(now); !next.IsZero() && next.Sub(now) < wait {
-		wait = max(next.Sub(now), 0)
+	if _, next := r.sideDue(now); !next.IsZero() && next.Before(deadline) {
+		deadline = next
 	}
-	t := time.NewTimer(wait)
-	defer t.Stop()
 	woken := "poll"
-	if wait < r.cfg.PollInterval {
+	if deadline.Before(now.Add(r.cfg.PollInterval)) {
 		woken = "key_retry"
 	}
-	select {
-	case <-ctx.Done():
-		return
-	case <-r.wake:
-		woken = "notification"
-	case <-r.leases.changed:
-		woken = "shards"
-	case <-t.C:
-	case res := <-r.sideDone: // nil (never ready) when none is in flight
-		r.sideDone <- res // finishSideRetry takes it
+	defer func() {
+		if r.log.Enabled(ctx, slog.LevelDebug) {
+			r.log.LogAttrs(ctx, slog.LevelDebug, "relay: idle", slog.String("woken_by", woken), slog.Duration("waited", time.Since(now)))
+		}
+	}()
+	t := time.NewTimer(0)
+	defer t.Stop()
+	<-t.C
+	for {
+		wait := min(r.cfg.ProbeInterval, time.Until(deadline))
+		if wait > 0 {
+			t.Reset(wait)
+			select {
+			case <-ctx.Done():
+				return
+			case <-r.leases.changed:
+				woken = "shards"
+				return
+			case res := <-r.sideDone: // nil (never ready) when none is in flight
+				r.sideDone <- res // finishSideRetry takes it
+				woken = "side_retry"
+				return
+			case <-t.C:
+			}
+		}
+		now := time.Now()
+		if !now.Before(deadline) {
+			return
+		}
+		if now.Before(r.hotUntil) {
+			woken = "recent_ids"
+			return
+		}
+		if r.probe(ctx) {
+			woken = "probe"
+			return
+		}
 	}
-	if r.log.Enabled(ctx, slog.LevelDebug) {
-		r.log.LogAttrs(ctx, slog.LevelDebug, "relay: idle", slog.String("woken_by", woken), slog.Duration("waited", time.Since(now)))
+}
+
+// probe reports whether there may be new events: the newest id handed out
+// is visible (committed) and above every id read so far. New ids also make
+// the relay read on every probe for the next hotProbes intervals, whether or
+// not the newest is visible yet: an older id may commit after it, or the
+// newest may have been rolled back. An error reports false: it used up a
+// broken pool connection (which the round's statements would otherwise
+// meet and back off for), and if the database stays unreachable the poll
+// at PollInterval surfaces it.
+func (r *Relay) probe(ctx context.Context) bool {
+	var v int64
+	var visible bool
+	if err := r.pool.QueryRow(ctx, r.st.probeSQL).Scan(&v, &visible); err != nil {
+		return false
+	}
+	if v != r.lastSeq {
+		r.lastSeq = v
+		r.hotUntil = time.Now().Add(hotProbes * r.cfg.ProbeInterval)
+	}
+	return visible && v > r.seenID
+}
+
+// saw notes the highest id read.
+func (r *Relay) saw(events []pendingEvent) {
+	if n := len(events); n > 0 && events[n-1].id > r.seenID {
+		r.seenID = events[n-1].id
 	}
 }
 
@@ -443,6 +471,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 			round = keyOf(events)
 		}
 	}
+	r.saw(events)
 	if len(events) == 0 {
 		return roundResult{}, nil, nil
 	}

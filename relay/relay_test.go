@@ -222,7 +222,8 @@ func TestRelayPublishesInOrderWithMessageID(t *testing.T) {
 }
 
 // A commit wakes the relay at once: with a one-minute poll interval, only
-// NOTIFY can deliver within seconds.
+// the probe (a read of the outbox's id sequence every few milliseconds) can
+// deliver within seconds.
 func TestCommitWakesRelay(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -232,7 +233,7 @@ func TestCommitWakesRelay(t *testing.T) {
 		st, err := relay.ReadStatus(context.Background(), b.pool, b.schema)
 		return err == nil && st.UnownedShards == 0
 	})
-	time.Sleep(200 * time.Millisecond) // let the first poll pass, so only NOTIFY can help
+	time.Sleep(200 * time.Millisecond) // let the first poll pass, so only the probe can help
 	start := time.Now()
 	b.write(t, outbox.Message{Topic: topic, Value: []byte("wake up")})
 	got := b.kafka.ReadAll(t, topic, 1, 10*time.Second)
@@ -240,7 +241,33 @@ func TestCommitWakesRelay(t *testing.T) {
 		t.Fatal("event not published")
 	}
 	if d := time.Since(start); d > 5*time.Second {
-		t.Fatalf("event took %s: the relay waited for its poll, not the notification", d)
+		t.Fatalf("event took %s: the relay waited for its poll, not the probe", d)
+	}
+}
+
+// An event whose transaction commits long after its INSERT took an id (the
+// probe saw the id handed out, the relay read and found nothing, and its
+// reads on every probe stopped) is still read by the poll.
+func TestLateCommitIsReadByThePoll(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	topic := b.kafka.Topic(t, 1)
+	b.startRelay(t, relay.Config{PollInterval: 300 * time.Millisecond, ProbeInterval: 5 * time.Millisecond})
+	ctx := context.Background()
+	tx, err := b.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if err := b.writer.Write(ctx, tx, outbox.Message{Topic: topic, Value: []byte("late")}); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(time.Second) // the commit comes well after the id was handed out
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := b.kafka.ReadAll(t, topic, 1, 20*time.Second); len(got) != 1 {
+		t.Fatal("late-committed event not published")
 	}
 }
 
@@ -433,6 +460,8 @@ func TestNewRejectsBadConfig(t *testing.T) {
 	cases := map[string]relay.Config{
 		"BatchSize":     {BatchSize: -1},
 		"PollInterval":  {PollInterval: time.Nanosecond},
+		"ProbeInterval": {ProbeInterval: time.Nanosecond},
+		"BatchBytes":    {BatchBytes: -1},
 		"LeaseDuration": {LeaseDuration: time.Millisecond},
 		"Schema":        {Schema: strings.Repeat("s", 64)},
 	}

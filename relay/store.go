@@ -1,11 +1,17 @@
 package relay
 
 import (
+	"bytes"
+	"cmp"
 	"context"
+	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"maps"
+	"math/bits"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -27,14 +33,23 @@ type pendingEvent struct {
 	// the last attempt was not such a refusal.
 	refusedFor  *float64
 	refusedKind *int16
+	size        int64 // key, value and headers, as counted against Config.BatchBytes
 }
 
 // store holds the relay's SQL for one schema. Every statement is short and
 // autocommitted: no transaction stays open while Kafka is being talked to.
 type store struct {
-	pool *pgxpool.Pool
+	pool   *pgxpool.Pool
+	outbox string
+	// maxBytes bounds a round's keys, values and headers (an event larger
+	// than that goes alone); 0 means no bound.
+	maxBytes int64
 
-	claimSQL         [2][2]string // [excluded ids form one run][keys blocked]
+	claimAllSQL      [2]string // every shard owned, none blocked: [excluded ids form one run]
+	claimShards      []int16   // the shards claimShardsSQL reads (sorted)
+	claimShardsSQL   string    // the other shards, one index range each
+	claimInner       int       // claimShardsSQL's limits
+	claimLimit       int
 	markSQL          string
 	deleteSQL        string
 	deleteOwnedSQL   string
@@ -53,6 +68,7 @@ type store struct {
 	chargeOwnSQL     string
 	forgetOldSQL     string
 	liveInstancesSQL string
+	probeSQL         string // set by Relay.checkSchema
 }
 
 func newStore(pool *pgxpool.Pool, schema string) *store {
@@ -67,11 +83,9 @@ func newStore(pool *pgxpool.Pool, schema string) *store {
 		return `EXISTS (SELECT 1 FROM ` + shards + ` s WHERE s.shard = o.shard AND s.owner = ` + owner + ` AND s.lease_until > now())`
 	}
 	return &store{
-		pool: pool,
-		claimSQL: [2][2]string{
-			{claimQuery(outbox, false, false), claimQuery(outbox, false, true)},
-			{claimQuery(outbox, true, false), claimQuery(outbox, true, true)},
-		},
+		pool:        pool,
+		outbox:      outbox,
+		claimAllSQL: [2]string{claimAllQuery(outbox, false), claimAllQuery(outbox, true)},
 		// The span of ids (and the shards) of a round about to be
 		// published: one small row, not one write per event. If the relay
 		// dies before the round lands, a survivor charges the span's events
@@ -155,53 +169,158 @@ FROM crashed c WHERE o.id BETWEEN c.lo AND c.hi AND o.shard = ANY(c.shards)`,
 	}
 }
 
-// claimQuery returns the statement that reads a round: the oldest pending
-// events of the owned shards, in id order, leaving out excluded ids and,
-// with blockedKeys, the events of keys waiting out a retry from their failed
-// event on.
+// The claim reads a round: the oldest pending events of the shards this
+// relay owns, in id order, leaving out excluded ids (rounds in flight,
+// keyless events waiting out a retry) and, for each key waiting out a retry,
+// its failed event and every later one. It touches only what the relay may
+// publish: its cost does not grow with the number of relays, with other
+// shards' backlog, or with a blocked key's backlog. Three shapes:
 //
-// $1 lists the shards this relay does NOT own, as a NOT IN subquery:
-// PostgreSQL runs that as a hashed subplan, one hash probe per row scanned,
-// whereas "= ANY($array)" becomes a linear search per row once the prepared
-// statement goes to a generic plan (1,000 rows over 128 shards with 1,000
-// excluded ids: 6.6 ms against 1.8 ms).
+//   - The relay owns every shard and no key is blocked (one relay): the
+//     primary key in id order (claimAllQuery), no shard filter at all.
+//   - Otherwise each owned shard without a blocked key is one index range
+//     of outbox_shard_id_idx, (shard, id), and PostgreSQL merges them in id
+//     order (a Merge Append that reads each range only as far as the round
+//     needs: about one row per shard beyond the round). Built per set of
+//     shards, with the shard numbers as literals (claimShardsQuery).
+//   - A shard holding blocked keys is read through outbox_key_hash_idx, on
+//     the first 8 bytes of the same sha256 the shard comes from (its first
+//     byte is the shard): the key-hash ranges between the blocked keys' hashes,
+//     plus each blocked key's events before its failed one, so a key stuck
+//     with 300,000 events is never walked (claimBlockedQuery). Another key
+//     sharing a blocked key's 8-byte hash waits with it: held back, never
+//     reordered.
 //
-// Excluded ids are the rounds in flight (and keyless events waiting out a
-// retry). In general they are a NOT IN list ($3), which still visits every
-// excluded row in the table. When they form one run of consecutive ids
-// ($3 to $4), no other row can lie inside it, so the read is two index
-// ranges, below and above the run, merged in id order, and never touches
-// the rows in flight: the common case of one relay draining a backlog.
-func claimQuery(outbox string, run, blockedKeys bool) string {
-	filter := `o.shard NOT IN (SELECT unnest($1::smallint[]))`
-	next := 4
-	if run {
-		next = 5
-	}
-	if blockedKeys {
-		filter += fmt.Sprintf(`
-  AND NOT EXISTS (SELECT 1 FROM unnest($%d::bytea[], $%d::bigint[]) AS b(k, first_id)
-                  WHERE o.key = b.k AND o.id >= b.first_id)`, next, next+1)
-	}
+// Excluded ids are a NOT IN list ($1), which PostgreSQL runs as a hashed
+// subplan whatever the plan ("= ANY($array)" becomes a linear search per
+// row once a prepared statement goes to a generic plan). When they form one
+// run of consecutive ids ($1 to $3) and the relay owns every shard, no other
+// row can lie inside the run, so the read is two index ranges, below and
+// above it, merged in id order: the common case of one relay draining a
+// backlog.
+
+const claimColumns = `o.id, o.event_id, o.topic, o.key, o.value, o.headers, o.created_at,
+       extract(epoch FROM now() - o.first_refused_at)::float8 AS refused_for, o.refused_kind,
+       coalesce(octet_length(o.key), 0) + coalesce(octet_length(o.value), 0) + coalesce(pg_column_size(o.headers), 0) AS size`
+
+// keyHashSQL is outbox_key_hash_idx's expression.
+const keyHashSQL = `substring(sha256(coalesce(o.key, uuid_send(o.event_id))) FROM 1 FOR 8)`
+
+func claimAllQuery(outbox string, run bool) string {
 	read := func(where string) string {
-		return `SELECT o.id, o.event_id, o.topic, o.key, o.value, o.headers, o.created_at,
-       extract(epoch FROM now() - o.first_refused_at)::float8 AS refused_for, o.refused_kind
+		return `SELECT ` + claimColumns + `
 FROM ` + outbox + ` o
 WHERE ` + where + `
 ORDER BY o.id
 LIMIT $2`
 	}
 	if !run {
-		return read(filter + `
-  AND o.id NOT IN (SELECT unnest($3::bigint[]))`)
+		return read(`o.id NOT IN (SELECT unnest($1::bigint[]))`)
 	}
 	return `SELECT * FROM (
-(` + read(`o.id < $3 AND `+filter) + `)
+(` + read(`o.id < $1`) + `)
 UNION ALL
-(` + read(`o.id > $4 AND `+filter) + `)
+(` + read(`o.id > $3`) + `)
 ) AS round
 ORDER BY id
 LIMIT $2`
+}
+
+// claimShardsQuery reads shards (not empty) as one index range each, merged
+// in id order: each range is its own subquery with ORDER BY and LIMIT, the
+// shape PostgreSQL turns into a Merge Append of index scans that reads each
+// range only as far as the merge needs. The merge is fenced by its LIMIT, so
+// the NOT IN ($1) is evaluated once above it, with one hash table, not once
+// per shard; inner is the round's size plus room for the excluded ids. The
+// limits are literals: with "LIMIT $n" a generic plan assumes a tenth of the
+// table is wanted and sorts every owned row instead.
+func claimShardsQuery(outbox string, shards []int16, inner, limit int) string {
+	var b strings.Builder
+	b.WriteString(`SELECT * FROM (SELECT * FROM (`)
+	for i, sh := range shards {
+		if i > 0 {
+			b.WriteString(`
+UNION ALL `)
+		}
+		fmt.Fprintf(&b, `(SELECT `+claimColumns+` FROM %s o WHERE o.shard = %d ORDER BY o.id LIMIT %d)`, outbox, sh, inner)
+	}
+	fmt.Fprintf(&b, `
+) AS m ORDER BY m.id LIMIT %d) AS m
+WHERE m.id NOT IN (SELECT unnest($1::bigint[]))
+LIMIT %d`, inner, limit)
+	return b.String()
+}
+
+// claimBlockedQuery reads the shards holding blocked keys: the key-hash
+// ranges [lo[i], hi[i]) between blocked keys, and each blocked key hash
+// hashes[i] below its first held-back id firstIDs[i]. Ranges and ids are
+// literals (they change only when a key blocks or is retried), so the plan
+// is estimated from the index's statistics rather than a generic guess that
+// each range holds a ninth of the table. The ranges come in key-hash order:
+// the rows read are sorted, as many as the blocked shards hold besides the
+// blocked keys' held-back events.
+func claimBlockedQuery(outbox string, lo, hi, hashes [][]byte, firstIDs []int64, limit int) string {
+	var b strings.Builder
+	b.WriteString(`SELECT * FROM (`)
+	for i := range lo {
+		if i > 0 {
+			b.WriteString(`
+UNION ALL `)
+		}
+		fmt.Fprintf(&b, `SELECT `+claimColumns+` FROM %s o WHERE `+keyHashSQL+` >= '\x%x'::bytea AND `+keyHashSQL+` < '\x%x'::bytea`, outbox, lo[i], hi[i])
+	}
+	for i := range hashes {
+		fmt.Fprintf(&b, `
+UNION ALL SELECT `+claimColumns+` FROM %s o WHERE `+keyHashSQL+` = '\x%x'::bytea AND o.id < %d`, outbox, hashes[i], firstIDs[i])
+	}
+	fmt.Fprintf(&b, `
+) AS m
+WHERE m.id NOT IN (SELECT unnest($1::bigint[]))
+ORDER BY m.id
+LIMIT %d`, limit)
+	return b.String()
+}
+
+// keyHash is keyHashSQL for a key (never nil: blocked keyless events are
+// excluded by id).
+func keyHash(key []byte) []byte {
+	h := sha256.Sum256(key)
+	return h[:8]
+}
+
+// blockedRanges returns, for the shards holding blocked keys, the key-hash
+// ranges to read ([lo, hi)) and each blocked hash with the id its key is
+// held back from.
+func blockedRanges(blocked []keyBlock) (lo, hi, hashes [][]byte, firstIDs []int64, shards []int16) {
+	held := map[string]int64{} // hash -> lowest held-back id
+	for _, b := range blocked {
+		h := string(keyHash(b.key))
+		if id, ok := held[h]; !ok || b.firstID < id {
+			held[h] = b.firstID
+		}
+	}
+	sorted := slices.Sorted(maps.Keys(held))
+	for i, h := range sorted {
+		sh := h[0]
+		if i == 0 || sorted[i-1][0] != sh { // first blocked hash of its shard
+			shards = append(shards, int16(sh))
+			lo = append(lo, []byte{sh})
+		} else {
+			lo = append(lo, []byte(sorted[i-1]+"\x00"))
+		}
+		hi = append(hi, []byte(h))
+		hashes = append(hashes, []byte(h))
+		firstIDs = append(firstIDs, held[h])
+		if i == len(sorted)-1 || sorted[i+1][0] != sh { // last of its shard
+			lo = append(lo, []byte(h+"\x00"))
+			if sh == 0xff {
+				hi = append(hi, bytes.Repeat([]byte{0xff}, 9))
+			} else {
+				hi = append(hi, []byte{sh + 1})
+			}
+		}
+	}
+	return lo, hi, hashes, firstIDs, shards
 }
 
 // keyBlock keeps a key's later events back while its failed event waits.
@@ -230,45 +349,145 @@ func keyOf(events []pendingEvent) roundKey {
 // inside that range that was not in the round (its transaction committed
 // late) must still be read before any later event of its key.
 func (s *store) claim(ctx context.Context, owner string, shards []int16, limit int, blockedKeys []keyBlock, excluded []int64) ([]pendingEvent, error) {
-	notOwned := make([]int16, 0, NumShards-len(shards))
-	for sh := int16(0); sh < NumShards; sh++ {
-		if _, found := slices.BinarySearch(shards, sh); !found {
-			notOwned = append(notOwned, sh)
+	stmts := s.claimStatements(shards, limit, blockedKeys, excluded)
+	var out []pendingEvent
+	b := &pgx.Batch{}
+	for _, st := range stmts {
+		b.Queue(st.sql, st.args...).Query(func(rows pgx.Rows) error {
+			var err error
+			out, err = scanEvents(rows, out)
+			return err
+		})
+	}
+	if b.Len() > 0 {
+		if err := s.pool.SendBatch(ctx, b).Close(); err != nil {
+			return nil, err
 		}
 	}
-	args := []any{notOwned, limit}
-	run := 0
-	if lo, hi, ok := oneRun(excluded); ok {
-		run = 1
-		args = append(args, lo, hi)
-	} else {
-		if excluded == nil {
-			excluded = []int64{}
+	if len(stmts) > 1 {
+		slices.SortFunc(out, func(a, b pendingEvent) int { return cmp.Compare(a.id, b.id) })
+		if len(out) > limit {
+			out = out[:limit]
 		}
-		args = append(args, excluded)
+		if s.maxBytes > 0 {
+			var total int64
+			for i := range out {
+				if total += out[i].size; i > 0 && total > s.maxBytes {
+					out = out[:i]
+					break
+				}
+			}
+		}
 	}
-	blocked := 0
+	if len(out) > 0 {
+		k := keyOf(out)
+		if _, err := s.pool.Exec(ctx, s.markSQL, owner, k.lo, k.hi, shards); err != nil {
+			return nil, fmt.Errorf("record the round in flight: %w", err)
+		}
+	}
+	return out, nil
+}
+
+// statement is one SQL statement and its arguments.
+type statement struct {
+	sql  string
+	args []any
+}
+
+// claimStatements returns the one or two reads of a claim (see claimAllQuery).
+func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBlock, excluded []int64) []statement {
+	var lo, hi, hashes [][]byte
+	var firstIDs []int64
+	var blockedShards []int16
 	if len(blockedKeys) > 0 {
-		blocked = 1
-		keys := make([][]byte, len(blockedKeys))
-		ids := make([]int64, len(blockedKeys))
-		for i, b := range blockedKeys {
-			keys[i], ids[i] = b.key, b.firstID
+		lo, hi, hashes, firstIDs, blockedShards = blockedRanges(blockedKeys)
+	}
+	free := shards
+	if len(blockedShards) > 0 {
+		free = make([]int16, 0, len(shards))
+		for _, sh := range shards {
+			if _, found := slices.BinarySearch(blockedShards, sh); !found {
+				free = append(free, sh)
+			}
 		}
-		args = append(args, keys, ids)
 	}
-	rows, err := s.pool.Query(ctx, s.claimSQL[run][blocked], args...)
-	if err != nil {
-		return nil, err
+	if excluded == nil {
+		excluded = []int64{}
 	}
-	out := make([]pendingEvent, 0, limit)
+	var out []statement
+	switch {
+	case len(free) == NumShards:
+		if runLo, runHi, ok := oneRun(excluded); ok {
+			out = append(out, statement{s.claimAllSQL[1], []any{runLo, limit, runHi}})
+		} else {
+			out = append(out, statement{s.claimAllSQL[0], []any{excluded, limit}})
+		}
+	case len(free) > 0:
+		// Room for the excluded ids, rounded up to a power of two so
+		// that few statements are prepared.
+		inner := limit
+		if n := len(excluded); n > 0 {
+			inner += 1 << bits.Len(uint(n-1))
+		}
+		if !slices.Equal(free, s.claimShards) || inner != s.claimInner || limit != s.claimLimit {
+			s.claimShards, s.claimInner, s.claimLimit = slices.Clone(free), inner, limit
+			s.claimShardsSQL = claimShardsQuery(s.outbox, free, inner, limit)
+		}
+		out = append(out, statement{s.claimShardsSQL, []any{excluded}})
+	}
+	if len(blockedShards) > 0 {
+		// Only the owned ones.
+		var ownedLo, ownedHi [][]byte
+		for i := range lo {
+			if _, found := slices.BinarySearch(shards, int16(lo[i][0])); found {
+				ownedLo, ownedHi = append(ownedLo, lo[i]), append(ownedHi, hi[i])
+			}
+		}
+		var ownedHashes [][]byte
+		var ownedFirst []int64
+		for i := range hashes {
+			if _, found := slices.BinarySearch(shards, int16(hashes[i][0])); found {
+				ownedHashes, ownedFirst = append(ownedHashes, hashes[i]), append(ownedFirst, firstIDs[i])
+			}
+		}
+		if len(ownedLo) > 0 {
+			out = append(out, statement{claimBlockedQuery(s.outbox, ownedLo, ownedHi, ownedHashes, ownedFirst, limit), []any{excluded}})
+		}
+	}
+	if s.maxBytes > 0 {
+		for i := range out {
+			out[i] = boundBytes(out[i], s.maxBytes)
+		}
+	}
+	return out
+}
+
+// boundBytes keeps the oldest events of a claim statement's rows whose
+// sizes add up to at most maxBytes, and the first event whatever its size.
+// The running sum is taken over the rows in id order before their values
+// are sent (a large value stays a TOAST pointer until then), so events left
+// out cost neither memory nor transfer.
+func boundBytes(st statement, maxBytes int64) statement {
+	n := len(st.args) + 1
+	st.sql = fmt.Sprintf(`SELECT id, event_id, topic, key, value, headers, created_at, refused_for, refused_kind, size FROM (
+    SELECT c.*, sum(c.size) OVER (ORDER BY c.id ROWS UNBOUNDED PRECEDING) AS upto FROM (
+%s
+    ) AS c
+) AS w
+WHERE w.upto <= $%d OR w.upto = w.size`, st.sql, n)
+	st.args = append(slices.Clip(st.args), maxBytes)
+	return st
+}
+
+// scanEvents appends the claim's rows to out.
+func scanEvents(rows pgx.Rows, out []pendingEvent) ([]pendingEvent, error) {
+	defer rows.Close()
 	for rows.Next() {
 		var e pendingEvent
 		var headers []byte
 		var eventID [16]byte
-		if err := rows.Scan(&e.id, &eventID, &e.topic, &e.key, &e.value, &headers, &e.createdAt, &e.refusedFor, &e.refusedKind); err != nil {
-			rows.Close()
-			return nil, err
+		if err := rows.Scan(&e.id, &eventID, &e.topic, &e.key, &e.value, &headers, &e.createdAt, &e.refusedFor, &e.refusedKind, &e.size); err != nil {
+			return out, err
 		}
 		e.eventID = formatUUID(eventID)
 		if len(headers) > 0 {
@@ -280,16 +499,7 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 		}
 		out = append(out, e)
 	}
-	if err := rows.Err(); err != nil {
-		return nil, err
-	}
-	if len(out) > 0 {
-		k := keyOf(out)
-		if _, err := s.pool.Exec(ctx, s.markSQL, owner, k.lo, k.hi, shards); err != nil {
-			return nil, fmt.Errorf("record the round in flight: %w", err)
-		}
-	}
-	return out, nil
+	return out, rows.Err()
 }
 
 // oneRun reports whether ids, in any order, are exactly the consecutive

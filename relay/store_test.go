@@ -2,6 +2,7 @@ package relay
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"testing"
 
@@ -268,4 +269,65 @@ func TestRoundRecordsSharingALowestIDAreForgottenByTheirOwnRound(t *testing.T) {
 	if got := left(); len(got) != 0 {
 		t.Fatalf("after both rounds landed, relay_rounds holds %v", got)
 	}
+}
+
+// A round is bounded by bytes as well as by count, so a relay's memory does
+// not grow with the size of events (1,000 events of 1 MB, twice with the
+// read-ahead, were 2 GB): a claim returns the oldest events whose keys,
+// values and headers fit in the bound, and an event larger than the bound
+// alone, so that it can still be published.
+func TestClaimBoundsARoundByBytes(t *testing.T) {
+	t.Parallel()
+	ctx, st, schema, _ := claimSetup(t)
+	table := pgx.Identifier{schema, "outbox"}.Sanitize()
+	insert := func(key string, size int) int64 {
+		t.Helper()
+		var id int64
+		if err := st.pool.QueryRow(ctx, `INSERT INTO `+table+` (topic, key, value) VALUES ('t', $1::bytea, $2) RETURNING id`,
+			key, make([]byte, size)).Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		return id
+	}
+	big := insert("k0", 400_000) // larger than the bound
+	var small []int64
+	for i := range 6 {
+		small = append(small, insert(fmt.Sprint("k", i%3), 100_000))
+	}
+	st.maxBytes = 250_000
+	var sizes []int
+	for _, c := range []struct {
+		name     string
+		shards   []int16
+		blocked  []keyBlock
+		excluded []int64
+		want     []int64
+	}{
+		{"the oversized event goes alone", everyShard(), nil, nil, []int64{big}},
+		{"then as many as fit", everyShard(), nil, []int64{big}, small[:2]},
+		{"also as the read-ahead around a run", everyShard(), nil, []int64{big, small[0], small[1]}, small[2:4]},
+		{"also per shard", everyShard()[:NumShards-1], nil, []int64{big}, nil},
+		{"also with a blocked key", everyShard(), []keyBlock{{key: []byte("k1"), firstID: small[1]}}, []int64{big}, nil},
+	} {
+		events, err := st.claim(ctx, "me", c.shards, 100, c.blocked, c.excluded)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids, total := make([]int64, len(events)), 0
+		for i, e := range events {
+			ids[i] = e.id
+			total += len(e.key) + len(e.value)
+		}
+		sizes = append(sizes, total)
+		if c.want != nil && !slices.Equal(ids, c.want) {
+			t.Errorf("%s: read %v, want %v", c.name, ids, c.want)
+		}
+		if len(events) > 1 && total > int(st.maxBytes) {
+			t.Errorf("%s: read %d events of %d bytes in all, above the bound of %d", c.name, len(events), total, st.maxBytes)
+		}
+		if len(events) == 0 {
+			t.Errorf("%s: read nothing", c.name)
+		}
+	}
+	t.Logf("round sizes: %v", sizes)
 }

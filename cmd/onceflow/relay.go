@@ -40,7 +40,9 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	publisher := fs.String("publisher", env("ONCEFLOW_PUBLISHER", "franz-go"), "Kafka client: franz-go (idempotent producer) or kafka-go (env ONCEFLOW_PUBLISHER)")
 	instanceID := fs.String("instance-id", env("ONCEFLOW_INSTANCE_ID", ""), "unique name of this relay; default host-pid-random (env ONCEFLOW_INSTANCE_ID)")
 	batchSize := fs.Int("batch-size", envInt("ONCEFLOW_BATCH_SIZE", 1000), "events per publish round (env ONCEFLOW_BATCH_SIZE)")
-	poll := fs.Duration("poll-interval", envDuration("ONCEFLOW_POLL_INTERVAL", 500*time.Millisecond), "poll when no notification arrives (env ONCEFLOW_POLL_INTERVAL)")
+	batchBytes := fs.Int("batch-bytes", envInt("ONCEFLOW_BATCH_BYTES", 16<<20), "most bytes of keys, values and headers per publish round; a larger event goes alone (env ONCEFLOW_BATCH_BYTES)")
+	probe := fs.Duration("probe-interval", envDuration("ONCEFLOW_PROBE_INTERVAL", 5*time.Millisecond), "an idle relay probes the outbox id sequence this often (env ONCEFLOW_PROBE_INTERVAL)")
+	poll := fs.Duration("poll-interval", envDuration("ONCEFLOW_POLL_INTERVAL", 250*time.Millisecond), "an idle relay reads its shards at least this often, whatever the probe says (env ONCEFLOW_POLL_INTERVAL)")
 	lease := fs.Duration("lease-duration", envDuration("ONCEFLOW_LEASE_DURATION", 6*time.Second), "shard lease; a killed relay's shards move after about this (env ONCEFLOW_LEASE_DURATION)")
 	grace := fs.Duration("unknown-topic-grace", envDuration("ONCEFLOW_UNKNOWN_TOPIC_GRACE", time.Minute), "retry an unknown topic this long before dead-lettering (env ONCEFLOW_UNKNOWN_TOPIC_GRACE)")
 	waitDB := fs.Bool("wait-for-database", kafkaEnvBoolDefault("ONCEFLOW_WAIT_FOR_DATABASE", true), "at start, wait (with backoff, saying so) for a database that does not answer instead of exiting 1; bad credentials or a missing database still exit 1 (env ONCEFLOW_WAIT_FOR_DATABASE)")
@@ -99,6 +101,8 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 		Schema:              c.schema,
 		InstanceID:          *instanceID,
 		BatchSize:           *batchSize,
+		BatchBytes:          *batchBytes,
+		ProbeInterval:       *probe,
 		PollInterval:        *poll,
 		LeaseDuration:       *lease,
 		UnknownTopicGrace:   *grace,

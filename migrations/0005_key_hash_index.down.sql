@@ -1,0 +1,1 @@
+DROP INDEX IF EXISTS outbox_key_hash_idx;

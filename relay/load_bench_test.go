@@ -1,0 +1,439 @@
+package relay_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/onceflow/onceflow/internal/pgtest"
+	"github.com/onceflow/onceflow/relay"
+)
+
+// benchRounds is how many times each contender runs, alternating.
+const benchRounds = 3
+
+// benchPool opens a pool of its own (application_name app, up to n
+// connections), closed when the benchmark ends.
+func benchPool(b *testing.B, app string, n int32) *pgxpool.Pool {
+	b.Helper()
+	cfg, err := pgxpool.ParseConfig(pgtest.URL(b))
+	if err != nil {
+		b.Fatal(err)
+	}
+	cfg.MaxConns = n
+	cfg.ConnConfig.RuntimeParams["application_name"] = app
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(pool.Close)
+	return pool
+}
+
+// BenchmarkProducerOverhead measures business transactions per second at
+// 1, 8, 16 and 32 concurrent writers, each transaction one INSERT into a
+// business table plus, depending on the contender, nothing, one row into a
+// plain table of the outbox's columns (identity key, uuid default, one
+// index, no trigger), one outbox row through the contract's plain SQL, or
+// one outbox row with the NOTIFY trigger migration 0004 dropped. Contenders
+// alternate, each for 2 s, benchRounds times; medians are reported.
+//
+//	go test -run '^$' -bench ProducerOverhead -benchtime 1x ./relay/
+func BenchmarkProducerOverhead(b *testing.B) {
+	ctx := context.Background()
+	for range b.N {
+		schema := pgtest.Schema(b)
+		notify := pgtest.Schema(b) // the outbox as it was before 0004
+		pool := benchPool(b, "producer-bench", 40)
+		q := func(s, t string) string { return pgx.Identifier{s, t}.Sanitize() }
+		for _, s := range []string{
+			`CREATE TABLE ` + q(schema, "business") + ` (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, customer text NOT NULL, amount_cents bigint NOT NULL)`,
+			`CREATE TABLE ` + q(schema, "plain") + ` (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, event_id uuid NOT NULL DEFAULT gen_random_uuid(),
+    topic text NOT NULL, key bytea, value bytea, headers jsonb, created_at timestamptz NOT NULL DEFAULT now())`,
+			`CREATE FUNCTION ` + q(notify, "outbox_notify") + `() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN PERFORM pg_notify('onceflow_outbox', TG_TABLE_SCHEMA); RETURN NULL; END; $$`,
+			`CREATE TRIGGER outbox_notify AFTER INSERT ON ` + q(notify, "outbox") + ` FOR EACH STATEMENT EXECUTE FUNCTION ` + q(notify, "outbox_notify") + `()`,
+		} {
+			if _, err := pool.Exec(ctx, s); err != nil {
+				b.Fatal(err)
+			}
+		}
+		business := `INSERT INTO ` + q(schema, "business") + ` (customer, amount_cents) VALUES ($1, 500)`
+		event := func(table string) string {
+			return `INSERT INTO ` + table + ` (topic, key, value) VALUES ('orders', $1::bytea, convert_to(repeat('x', 256), 'UTF8'))`
+		}
+		contenders := []struct {
+			name  string
+			event string
+		}{
+			{"business only", ""},
+			{"+ plain row", event(q(schema, "plain"))},
+			{"+ outbox row", event(q(schema, "outbox"))},
+			{"+ outbox, NOTIFY", event(q(notify, "outbox"))},
+		}
+		run := func(writers int, eventSQL string) float64 {
+			var done atomic.Int64
+			deadline := time.Now().Add(2 * time.Second)
+			var wg sync.WaitGroup
+			for w := range writers {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					for i := 0; time.Now().Before(deadline); i++ {
+						key := "c" + strconv.Itoa(w) + "-" + strconv.Itoa(i)
+						err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+							if _, err := tx.Exec(ctx, business, key); err != nil {
+								return err
+							}
+							if eventSQL != "" {
+								_, err := tx.Exec(ctx, eventSQL, key)
+								return err
+							}
+							return nil
+						})
+						if err != nil {
+							b.Error(err)
+							return
+						}
+						done.Add(1)
+					}
+				}()
+			}
+			start := time.Now()
+			wg.Wait()
+			return perSecond(int(done.Load()), time.Since(start))
+		}
+		fmt.Printf("\nbusiness transactions/s (medians of %d alternating 2 s runs):\n", benchRounds)
+		fmt.Printf("  %-8s %14s %14s %14s %17s %15s %14s\n", "writers", "business only", "+ plain row", "+ outbox row", "+ outbox, NOTIFY", "outbox/plain", "NOTIFY/plain")
+		for _, writers := range []int{1, 8, 16, 32} {
+			rates := make([][]float64, len(contenders))
+			var ratios, notifyRatios []float64
+			for round := range benchRounds {
+				got := make([]float64, len(contenders))
+				for i := range contenders {
+					c := (i + round) % len(contenders) // rotate who goes first
+					got[c] = run(writers, contenders[c].event)
+					rates[c] = append(rates[c], got[c])
+				}
+				ratios = append(ratios, got[2]/got[1])
+				notifyRatios = append(notifyRatios, got[3]/got[1])
+			}
+			fmt.Printf("  %-8d %14.0f %14.0f %14.0f %17.0f %14.2fx %13.2fx\n", writers,
+				median(rates[0]), median(rates[1]), median(rates[2]), median(rates[3]), median(ratios), median(notifyRatios))
+			b.ReportMetric(median(ratios), fmt.Sprintf("outbox/plain@%d", writers))
+		}
+	}
+}
+
+// drainEvents lists the backlogs BenchmarkRelayDrainScale drains
+// (ONCEFLOW_BENCH_DRAIN, comma-separated; default 300000).
+func drainEvents() []int {
+	v := os.Getenv("ONCEFLOW_BENCH_DRAIN")
+	if v == "" {
+		v = "300000"
+	}
+	var out []int
+	for _, f := range strings.Split(v, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err == nil && n > 0 {
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
+// fillN inserts n events of 256 bytes over 1,000 keys and VACUUM ANALYZEs.
+func fillN(b *testing.B, schema, topic string, n int) {
+	b.Helper()
+	table := pgx.Identifier{schema, "outbox"}.Sanitize()
+	_, err := pgtest.Pool(b).Exec(context.Background(), `INSERT INTO `+table+` (topic, key, value)
+SELECT $1, ('key-' || (g % 1000))::bytea, convert_to(repeat('x', 256), 'UTF8') FROM generate_series(1, $2) g`, topic, n)
+	if err != nil {
+		b.Fatal(err)
+	}
+	if _, err := pgtest.Pool(b).Exec(context.Background(), `VACUUM ANALYZE `+table); err != nil {
+		b.Fatal(err)
+	}
+}
+
+// BenchmarkRelayDrainScale drains backlogs of 300k (and whatever
+// ONCEFLOW_BENCH_DRAIN lists, e.g. 300000,1000000) with the plain loop
+// (select 1,000 → produce → delete), one relay, and four relays whose
+// shards are spread 64/64/64/64 before they start (each with a pool and a
+// publisher of its own, as separate processes would have). Contenders
+// alternate benchRounds times on fresh, VACUUM ANALYZEd schemas; medians
+// and the median of the per-round ratios are reported.
+//
+//	ONCEFLOW_BENCH_DRAIN=300000,1000000 go test -run '^$' -bench RelayDrainScale -benchtime 1x -timeout 60m ./relay/
+func BenchmarkRelayDrainScale(b *testing.B) {
+	for range b.N {
+		bu := setupBench(b)
+		topic := bu.kafka.Topic(b, 8)
+		cl := bu.kafka.Client(b, kgo.ProducerLinger(0))
+		for _, n := range drainEvents() {
+			var loops, ones, fours, oneRatios, fourRatios []float64
+			for range benchRounds {
+				// The plain loop.
+				schema := pgtest.Schema(b)
+				fillN(b, schema, topic, n)
+				loop := plainLoop(b, cl, schema, n)
+				// Relays.
+				rates := map[int]float64{}
+				for _, relays := range []int{1, 4} {
+					bu.schema = pgtest.Schema(b)
+					fillN(b, bu.schema, topic, n)
+					rates[relays] = drainRelays(b, bu, topic, n, relays)
+					pgtest.DropSchema(b, bu.schema)
+				}
+				pgtest.DropSchema(b, schema)
+				loops, ones, fours = append(loops, loop), append(ones, rates[1]), append(fours, rates[4])
+				oneRatios, fourRatios = append(oneRatios, rates[1]/loop), append(fourRatios, rates[4]/rates[1])
+			}
+			fmt.Printf("\ndrain %d events of 256 B over 1,000 keys (medians of %d alternating rounds):\n"+
+				"  plain loop   %8.0f events/s  (runs: %s)\n"+
+				"  1 relay      %8.0f events/s  (runs: %s)  relay/loop %.2fx (per round: %s)\n"+
+				"  4 relays     %8.0f events/s  (runs: %s)  4 relays/1 relay %.2fx (per round: %s)\n",
+				n, benchRounds, median(loops), rates(loops, 1), median(ones), rates(ones, 1), median(oneRatios), rates(oneRatios, 100),
+				median(fours), rates(fours, 1), median(fourRatios), rates(fourRatios, 100))
+			b.ReportMetric(median(oneRatios), fmt.Sprintf("relay/loop@%d", n))
+			b.ReportMetric(median(fourRatios), fmt.Sprintf("4relays/1relay@%d", n))
+		}
+	}
+}
+
+// plainLoop drains schema's outbox with the plain batch loop.
+func plainLoop(b *testing.B, cl *kgo.Client, schema string, n int) float64 {
+	ctx := context.Background()
+	pool := pgtest.Pool(b)
+	table := pgx.Identifier{schema, "outbox"}.Sanitize()
+	start := time.Now()
+	for {
+		rows, _ := pool.Query(ctx, `SELECT id, event_id::text, topic, key, value FROM `+table+` ORDER BY id LIMIT 1000`)
+		var ids []int64
+		var recs []*kgo.Record
+		for rows.Next() {
+			var id int64
+			r := &kgo.Record{}
+			var ev string
+			if err := rows.Scan(&id, &ev, &r.Topic, &r.Key, &r.Value); err != nil {
+				b.Fatal(err)
+			}
+			r.Headers = []kgo.RecordHeader{{Key: "message-id", Value: []byte(ev)}}
+			ids, recs = append(ids, id), append(recs, r)
+		}
+		if err := rows.Err(); err != nil {
+			b.Fatal(err)
+		}
+		if len(ids) == 0 {
+			break
+		}
+		if err := cl.ProduceSync(ctx, recs...).FirstErr(); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := pool.Exec(ctx, `DELETE FROM `+table+` WHERE id = ANY($1)`, ids); err != nil {
+			b.Fatal(err)
+		}
+	}
+	return perSecond(n, time.Since(start))
+}
+
+// drainRelays drains bu.schema's n events with relays relays, their shards
+// assigned round-robin before they start, and returns the rate from their
+// start to the last delete.
+func drainRelays(b *testing.B, bu *bundle, topic string, n, relays int) float64 {
+	ctx := context.Background()
+	if relays > 1 {
+		// Pre-balanced: relay i holds the shards s with s % relays == i.
+		if _, err := pgtest.Pool(b).Exec(ctx, `UPDATE `+pgx.Identifier{bu.schema, "relay_shards"}.Sanitize()+`
+SET owner = 'bench-' || (shard % $1), lease_until = now() + interval '1 hour'`, relays); err != nil {
+			b.Fatal(err)
+		}
+	}
+	drained := &drainObserver{want: int64(n), done: make(chan struct{})}
+	var pubs []relay.Publisher
+	for range relays {
+		pub := bu.publisher(b)
+		if err := pub.Publish(ctx, []relay.Record{{Topic: topic, Value: []byte("warm-up")}})[0]; err != nil {
+			b.Fatal(err)
+		}
+		pubs = append(pubs, pub)
+	}
+	start := time.Now()
+	var stops []func()
+	for i, pub := range pubs {
+		pool := benchPool(b, "bench-"+strconv.Itoa(i), 8)
+		_, stop := bu.startRelayWith(b, pool, pub, relay.Config{InstanceID: "bench-" + strconv.Itoa(i), Observer: drained})
+		stops = append(stops, stop)
+	}
+	select {
+	case <-drained.done:
+	case <-time.After(30 * time.Minute):
+		b.Fatal("relays did not drain in 30 minutes")
+	}
+	rate := perSecond(n, time.Since(start))
+	for _, stop := range stops {
+		stop()
+	}
+	return rate
+}
+
+// BenchmarkRelayStuckKey: 300,000 events of one key whose topic refuses
+// every write with a retriable error, then 50,000 events of 1,000 other
+// keys. Reports how fast the other keys drain beside the same 50,000 events
+// without the stuck key (alternating, benchRounds times).
+//
+//	go test -run '^$' -bench RelayStuckKey -benchtime 1x ./relay/
+func BenchmarkRelayStuckKey(b *testing.B) {
+	const stuck, others = 300_000, 50_000
+	ctx := context.Background()
+	for range b.N {
+		bu := setupBench(b)
+		topic := bu.kafka.Topic(b, 8)
+		var with, without, ratios []float64
+		for range benchRounds {
+			rate := map[bool]float64{}
+			for _, withStuck := range []bool{true, false} {
+				bu.schema = pgtest.Schema(b)
+				table := pgx.Identifier{bu.schema, "outbox"}.Sanitize()
+				if withStuck {
+					if _, err := pgtest.Pool(b).Exec(ctx, `INSERT INTO `+table+` (topic, key, value)
+SELECT 'stuck', 'stuck'::bytea, convert_to(repeat('x', 256), 'UTF8') FROM generate_series(1, $1)`, stuck); err != nil {
+						b.Fatal(err)
+					}
+				}
+				fillN(b, bu.schema, topic, others)
+				drained := &drainObserver{want: others, done: make(chan struct{})}
+				pub := &refusingPublisher{Publisher: bu.publisher(b), topic: "stuck"}
+				start := time.Now()
+				_, stop := bu.startRelayWith(b, bu.pool, pub, relay.Config{Observer: drained})
+				select {
+				case <-drained.done:
+				case <-time.After(10 * time.Minute):
+					b.Fatal("the other keys did not drain in 10 minutes")
+				}
+				rate[withStuck] = perSecond(others, time.Since(start))
+				stop()
+				pgtest.DropSchema(b, bu.schema)
+			}
+			with, without = append(with, rate[true]), append(without, rate[false])
+			ratios = append(ratios, rate[true]/rate[false])
+		}
+		fmt.Printf("\n%d events of other keys, with and without %d events of a stuck key ahead of them (medians of %d rounds):\n"+
+			"  with the stuck key     %8.0f events/s  (runs: %s)\n"+
+			"  without                %8.0f events/s  (runs: %s)\n"+
+			"  with/without           %8.2fx         (per round: %s)\n",
+			others, stuck, benchRounds, median(with), rates(with, 1), median(without), rates(without, 1), median(ratios), rates(ratios, 100))
+		b.ReportMetric(median(ratios), "with/without-stuck")
+	}
+}
+
+// refusingPublisher fails every record of topic with a retriable error
+// (what a partition below min.insync.replicas answers), and publishes the
+// rest through Publisher.
+type refusingPublisher struct {
+	relay.Publisher
+	topic string
+}
+
+var errNotEnoughReplicas = errors.New("NOT_ENOUGH_REPLICAS (injected)")
+
+func (p *refusingPublisher) Publish(ctx context.Context, records []relay.Record) []error {
+	errs := make([]error, len(records))
+	var pass []relay.Record
+	var at []int
+	for i, r := range records {
+		if r.Topic == p.topic {
+			errs[i] = errNotEnoughReplicas
+			continue
+		}
+		pass, at = append(pass, r), append(at, i)
+	}
+	if len(pass) > 0 {
+		for j, err := range p.Publisher.Publish(ctx, pass) {
+			errs[at[j]] = err
+		}
+	}
+	return errs
+}
+
+// BenchmarkRelayIdle measures what an idle relay costs: statements per
+// second it sends and CPU its PostgreSQL backends use, over 10 s with an
+// empty outbox, in its default configuration.
+//
+//	go test -run '^$' -bench RelayIdle -benchtime 1x ./relay/
+func BenchmarkRelayIdle(b *testing.B) {
+	ctx := context.Background()
+	for range b.N {
+		bu := setupBench(b)
+		bu.schema = pgtest.Schema(b)
+		cfg, err := pgxpool.ParseConfig(pgtest.URL(b))
+		if err != nil {
+			b.Fatal(err)
+		}
+		cfg.ConnConfig.RuntimeParams["application_name"] = "idle-" + bu.schema
+		counter := &queryCounter{}
+		cfg.ConnConfig.Tracer = counter
+		pool, err := pgxpool.NewWithConfig(ctx, cfg)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer pool.Close()
+		_, stop := bu.startRelayWith(b, pool, bu.publisher(b), relay.Config{PollInterval: 250 * time.Millisecond, LeaseDuration: 6 * time.Second})
+		time.Sleep(time.Second)
+		const window = 10 * time.Second
+		cpu0, q0, t0 := backendCPU(b, "idle-"+bu.schema), counter.n.Load(), time.Now()
+		time.Sleep(window)
+		cpu1, q1, t1 := backendCPU(b, "idle-"+bu.schema), counter.n.Load(), time.Now()
+		stop()
+		secs := t1.Sub(t0).Seconds()
+		qps, cpu := float64(q1-q0)/secs, 100*(cpu1-cpu0)/secs
+		fmt.Printf("\nidle relay (probe 5 ms, poll 250 ms, lease 6 s): %.0f statements/s, PostgreSQL backends %.2f%% of one core\n", qps, cpu)
+		b.ReportMetric(qps, "statements/s")
+		b.ReportMetric(cpu, "pg-cpu-%")
+	}
+}
+
+type queryCounter struct{ n atomic.Int64 }
+
+func (c *queryCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	c.n.Add(1)
+	return ctx
+}
+
+func (c *queryCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// backendCPU returns the CPU seconds used so far by the PostgreSQL
+// backends whose application_name is app (read from /proc: the database
+// runs on this machine).
+func backendCPU(b *testing.B, app string) float64 {
+	rows, _ := pgtest.Pool(b).Query(context.Background(), `SELECT pid FROM pg_stat_activity WHERE application_name = $1`, app)
+	pids, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+	if err != nil {
+		b.Fatal(err)
+	}
+	var ticks float64
+	for _, pid := range pids {
+		stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			continue
+		}
+		// Fields after the command (which may hold spaces): utime is the
+		// 14th field, stime the 15th.
+		f := strings.Fields(string(stat[strings.LastIndexByte(string(stat), ')')+2:]))
+		u, _ := strconv.ParseFloat(f[11], 64)
+		s, _ := strconv.ParseFloat(f[12], 64)
+		ticks += u + s
+	}
+	return ticks / 100 // USER_HZ
+}
