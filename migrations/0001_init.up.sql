@@ -2,9 +2,8 @@
 --
 -- Every name below is unqualified: the migrator runs this file with
 -- search_path set to the target schema (default "onceflow"), so the same file
--- serves any schema. To apply it with your own tool, use the output of
--- `onceflow migrate print`: it sets search_path and records the version in
--- schema_migrations, which `onceflow migrate up` and the relay read.
+-- serves any schema. If you apply it with your own tool, set search_path first:
+--   CREATE SCHEMA IF NOT EXISTS onceflow; SET search_path TO onceflow;
 
 -- outbox holds pending events only: the relay deletes a row once Kafka has
 -- acknowledged it, so the row count is the backlog. Producers in any language

@@ -37,8 +37,10 @@
 // A round waits at most Config.PublishTimeout for its acknowledgements. A
 // record not acknowledged by then (a partition that cannot take writes) is a
 // failed, passing attempt for its key alone: the rounds leave the key out
-// and the relay retries that event beside them until it is acknowledged,
-// so one sick partition never holds up the other keys.
+// and the relay retries that event beside them until it is acknowledged.
+// The relay learns a partition is sick one key at a time: each round that
+// carries a key of it not yet seen failing waits PublishTimeout again, so
+// many distinct keys arriving for a sick partition slow every key.
 //
 // # Refusals
 //
