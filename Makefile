@@ -48,6 +48,7 @@ kafka-stop:
 
 # The Kafka-facing suites against the real broker: both publishers'
 # conformance, both consumer adapters' conformance, the relay crash test,
+# relay's sick-partition test (a partition below min.insync.replicas),
 # internal/e2e (and the broker-kill tests, which start their own broker with
 # scripts/kafka.sh --state DIR), the listener and TLS/SASL tests (kafkaconn).
 # Starts the broker if it
@@ -56,9 +57,13 @@ kafka-stop:
 KAFKA_PKGS ?= ./internal/kafkatest/ ./kafkaconn/ ./relay/kgopublisher/ ./relay/kafkagopublisher/ \
 	./consumer/kgoconsumer/ ./consumer/kafkagoconsumer/ ./cmd/onceflow/ ./internal/e2e/
 KAFKA_RUN ?= .
+# From ./relay/ (whose other tests run on kfake in make test) only the
+# real-broker tests.
+KAFKA_RELAY_RUN ?= OnARealBroker
 
 test-kafka:
 	GO=$(GO) KAFKA_RUN='$(KAFKA_RUN)' scripts/test-kafka.sh $(KAFKA_PKGS)
+	GO=$(GO) KAFKA_RUN='$(KAFKA_RELAY_RUN)' scripts/test-kafka.sh ./relay/
 
 # PgBouncer (Debian's package, installed if missing) in session and
 # transaction mode in front of the local PostgreSQL, for the pooler tests
