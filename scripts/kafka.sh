@@ -334,6 +334,12 @@ pid_alive() {
 		tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q "kafka.Kafka $STATE/server.properties"
 }
 
+# child_running PID: the process exists and is not a zombie.
+child_running() {
+	[ -n "$1" ] && kill -0 "$1" 2>/dev/null &&
+		[ "$(sed -E 's/^[0-9]+ \(.*\) (.).*/\1/' "/proc/$1/stat" 2>/dev/null)" != Z ]
+}
+
 # api_versions PORT: send an ApiVersions v0 request over plain TCP and check
 # the broker answers with our correlation id and error code 0.
 api_versions() {
@@ -400,8 +406,11 @@ start() {
 	say "started Apache Kafka $KAFKA_VERSION (pid $!, state $STATE); waiting until it answers"
 	local deadline=$((SECONDS + ${ONCEFLOW_KAFKA_START_TIMEOUT:-300}))
 	while :; do
-		if ! pid_alive; then
-			tail -30 "$STATE/logs/server.log" "$mark" >&2 2>/dev/null || true
+		# Not pid_alive: until the child has exec'd java its command line is
+		# still this shell's, which read as "exited" right after a restart.
+		# A child that did die stays a zombie of this shell: not running.
+		if ! child_running "$(cat "$STATE/pid")"; then
+			tail -n 30 "$STATE/logs/server.log" "$mark" >&2 2>/dev/null || true
 			die "the broker exited during start-up (logs: $STATE/logs)"
 		fi
 		if started_in_log && answers; then
