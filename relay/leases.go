@@ -203,23 +203,36 @@ func (l *leases) releaseExcess(ctx context.Context) error {
 	return nil
 }
 
-// releaseAll hands back every shard and removes the instance row.
+// releaseAll hands back every shard and removes the instance row, in one
+// transaction and only if the row still carries this process's token: a
+// successor may have taken the id (and the shards) after this relay's lease
+// lapsed, and its shards are not this relay's to hand back.
 func (l *leases) releaseAll(ctx context.Context) error {
 	l.mu.Lock()
 	l.owned = nil
 	l.mu.Unlock()
 	l.obs.ObserveShards(0)
-	if _, err := l.st.pool.Exec(ctx, l.st.releaseAllSQL, l.id); err != nil {
-		return fmt.Errorf("release shards: %w", err)
-	}
-	// A round read ahead but never sent was not cut short: forget it.
-	if _, err := l.st.pool.Exec(ctx, l.st.forgetRoundsSQL, l.id); err != nil {
-		return fmt.Errorf("clear in-flight span: %w", err)
-	}
-	if _, err := l.st.pool.Exec(ctx, l.st.goodbyeSQL, l.id); err != nil {
-		return fmt.Errorf("remove instance: %w", err)
-	}
-	return nil
+	return pgx.BeginFunc(ctx, l.st.pool, func(tx pgx.Tx) error {
+		var ours bool
+		switch err := tx.QueryRow(ctx, l.st.ownInstanceSQL, l.id, l.token).Scan(&ours); {
+		case errors.Is(err, pgx.ErrNoRows):
+			l.log.Info("relay: instance id taken by another process: its shards left alone")
+			return nil
+		case err != nil:
+			return fmt.Errorf("lock instance: %w", err)
+		}
+		if _, err := tx.Exec(ctx, l.st.releaseAllSQL, l.id, l.token); err != nil {
+			return fmt.Errorf("release shards: %w", err)
+		}
+		// A round read ahead but never sent was not cut short: forget it.
+		if _, err := tx.Exec(ctx, l.st.forgetRoundsSQL, l.id, l.token); err != nil {
+			return fmt.Errorf("clear in-flight span: %w", err)
+		}
+		if _, err := tx.Exec(ctx, l.st.goodbyeSQL, l.id, l.token); err != nil {
+			return fmt.Errorf("remove instance: %w", err)
+		}
+		return nil
+	})
 }
 
 func (l *leases) queryShards(ctx context.Context, sql string, args ...any) ([]int16, error) {

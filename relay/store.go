@@ -60,6 +60,7 @@ type store struct {
 	renewSQL         string
 	takeSQL          string
 	releaseSQL       string
+	ownInstanceSQL   string
 	releaseAllSQL    string
 	goodbyeSQL       string
 	landedSQL        string
@@ -148,11 +149,19 @@ WHERE shard IN (
     LIMIT $3
     FOR UPDATE SKIP LOCKED)
 RETURNING shard`,
-		releaseSQL:      `UPDATE ` + shards + ` SET owner = NULL, lease_until = NULL WHERE owner = $1 AND shard = ANY($2::smallint[])`,
-		releaseAllSQL:   `UPDATE ` + shards + ` SET owner = NULL, lease_until = NULL WHERE owner = $1`,
-		goodbyeSQL:      `DELETE FROM ` + instances + ` WHERE id = $1`,
-		landedSQL:       `DELETE FROM ` + rounds + ` WHERE instance = $1 AND lo = $2 AND hi = $3`,
-		forgetRoundsSQL: `DELETE FROM ` + rounds + ` WHERE instance = $1`,
+		releaseSQL: `UPDATE ` + shards + ` SET owner = NULL, lease_until = NULL WHERE owner = $1 AND shard = ANY($2::smallint[])`,
+		// The goodbye (releaseAll): one transaction, and only while the
+		// instance row still carries this process's token ($2). A
+		// successor that took the id after this relay's lease lapsed owns
+		// the shards, the rounds and the row now. ownInstanceSQL locks the
+		// row, so no successor takes it between the statements.
+		ownInstanceSQL: `SELECT true FROM ` + instances + ` WHERE id = $1 AND token = $2 FOR UPDATE`,
+		releaseAllSQL: `UPDATE ` + shards + ` SET owner = NULL, lease_until = NULL
+WHERE owner = $1 AND EXISTS (SELECT 1 FROM ` + instances + ` WHERE id = $1 AND token = $2)`,
+		goodbyeSQL: `DELETE FROM ` + instances + ` WHERE id = $1 AND token = $2`,
+		landedSQL:  `DELETE FROM ` + rounds + ` WHERE instance = $1 AND lo = $2 AND hi = $3`,
+		forgetRoundsSQL: `DELETE FROM ` + rounds + ` WHERE instance = $1
+    AND EXISTS (SELECT 1 FROM ` + instances + ` WHERE id = $1 AND token = $2)`,
 		chargeOwnSQL: `WITH crashed AS (
     DELETE FROM ` + rounds + ` WHERE instance = $1 RETURNING lo, hi, shards)
 UPDATE ` + outbox + ` o SET attempts = o.attempts + 1, last_error = coalesce(o.last_error, 'relay died while publishing')
