@@ -636,20 +636,19 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 			err = errHeldBack
 		}
 		kind := classify(err)
+		if o.failedKeys[bk] && (kind == tooLarge || kind == invalid || kind == topicInvalid ||
+			(kind == unknownTopic || kind == forbidden) && r.graceOver(e, kind)) {
+			// An earlier event of this key failed: nothing of the key
+			// may go out, or be dead-lettered, past it.
+			err, kind = errHeldBack, retriable
+		}
 		if (kind == tooLarge || kind == invalid) && len(events) > 1 {
-			if o.failedKeys[bk] {
-				// An earlier event of this key failed: nothing of the
-				// key may go out past it.
-				err, kind = errHeldBack, retriable
-			} else {
-				// The broker may have refused a whole batch for one
-				// record: publish this one alone to know whether it is
-				// the offender.
-				alone, cancel := context.WithTimeout(ctx, r.cfg.PublishTimeout)
-				err = r.pub.Publish(alone, records[i:i+1])[0]
-				cancel()
-				kind = classify(err)
-			}
+			// The broker may have refused a whole batch for one record:
+			// publish this one alone to know whether it is the offender.
+			alone, cancel := context.WithTimeout(ctx, r.cfg.PublishTimeout)
+			err = r.pub.Publish(alone, records[i:i+1])[0]
+			cancel()
+			kind = classify(err)
 		}
 		switch {
 		case err == nil:
