@@ -123,40 +123,9 @@ func BenchmarkRelayDrain(b *testing.B) {
 // batch loop, no ownership, attempt accounting or failure handling, and
 // returns its rate.
 func drainPlainLoop(b *testing.B, cl *kgo.Client, topic string) float64 {
-	ctx := context.Background()
-	pool := pgtest.Pool(b)
 	schema := pgtest.Schema(b)
 	fillOutbox(b, schema, topic)
-	table := pgx.Identifier{schema, "outbox"}.Sanitize()
-	start := time.Now()
-	for {
-		rows, _ := pool.Query(ctx, `SELECT id, event_id::text, topic, key, value FROM `+table+` ORDER BY id LIMIT 1000`)
-		var ids []int64
-		var recs []*kgo.Record
-		for rows.Next() {
-			var id int64
-			r := &kgo.Record{}
-			var ev string
-			if err := rows.Scan(&id, &ev, &r.Topic, &r.Key, &r.Value); err != nil {
-				b.Fatal(err)
-			}
-			r.Headers = []kgo.RecordHeader{{Key: "message-id", Value: []byte(ev)}}
-			ids, recs = append(ids, id), append(recs, r)
-		}
-		if err := rows.Err(); err != nil {
-			b.Fatal(err)
-		}
-		if len(ids) == 0 {
-			break
-		}
-		if err := cl.ProduceSync(ctx, recs...).FirstErr(); err != nil {
-			b.Fatal(err)
-		}
-		if _, err := pool.Exec(ctx, `DELETE FROM `+table+` WHERE id = ANY($1)`, ids); err != nil {
-			b.Fatal(err)
-		}
-	}
-	return perSecond(benchEvents, time.Since(start))
+	return plainLoop(b, cl, schema, benchEvents)
 }
 
 // drainRelay drains a fresh outbox of the benchmark's events with a relay in
