@@ -18,8 +18,10 @@ const AttrOutboxDwell = attribute.Key("onceflow.outbox.dwell_seconds")
 // RelayObserver is a relay.Observer that adds, for each published event
 // whose headers carry a trace context, a producer span "send <topic>"
 // linked to the producer's span (a link, not a child: the relay publishes
-// long after the request ended, in rounds of many traces), from its round's
-// start to Kafka's acknowledgement, with onceflow.outbox.dwell_seconds.
+// long after the request ended, in rounds of many traces), from the start of
+// the attempt that published it (its round, or the side retry of an event
+// not acknowledged within relay.Config.PublishTimeout) to Kafka's
+// acknowledgement, with onceflow.outbox.dwell_seconds.
 // Events without a trace context get no span. It passes every call on to
 // the Observer it wraps (relayprom's, say). Set it as relay.Config.Observer.
 // Safe for concurrent use.

@@ -508,7 +508,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 
 	o := r.judge(ctx, pubCtx, events, records, errs)
 	if r.events != nil {
-		r.observeAcked(events, o.acked, start)
+		r.observeAcked(events, o.acked, start, time.Now())
 	}
 	acked, dead, failedKeys := o.acked, o.dead, o.failedKeys
 	if next != nil && len(failedKeys) > 0 {

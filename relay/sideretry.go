@@ -31,6 +31,7 @@ type sideResult struct {
 	events []pendingEvent
 	errs   []error
 	ctx    context.Context // its publish context (its deadline)
+	acked  time.Time       // when Publish returned
 }
 
 // sideSQL re-reads the events to retry: still pending, on shards this
@@ -118,7 +119,7 @@ func (r *Relay) startSideRetry(ctx context.Context) {
 		pubCtx, cancel := context.WithTimeout(ctx, r.cfg.PublishTimeout)
 		defer cancel()
 		res.errs = r.pub.Publish(pubCtx, records)
-		res.ctx = pubCtx
+		res.ctx, res.acked = pubCtx, time.Now()
 		done <- res
 	}()
 }
@@ -155,6 +156,9 @@ func (r *Relay) finishSideRetry(ctx context.Context, wait bool) {
 		records[i] = toRecord(&res.events[i])
 	}
 	o := r.judge(ctx, res.ctx, res.events, records, res.errs)
+	if r.events != nil {
+		r.observeAcked(res.events, o.acked, res.start, res.acked)
+	}
 	// The outcome is recorded before the keys go back to the rounds, so
 	// that no round reads an acknowledged event again.
 	r.record(ctx, res.start, o, res.shards, res.round)

@@ -22,7 +22,7 @@ import (
 // pendingEvent is an outbox row being published.
 type pendingEvent struct {
 	id        int64
-	eventID   []byte // canonical text form, as published in message-id
+	eventID   []byte // canonical text form, as published in message-id; never modified (eventIDString)
 	topic     string
 	key       []byte
 	value     []byte

@@ -42,7 +42,7 @@ func NewObserver(reg prometheus.Registerer) *Observer {
 		ownedShards:  prometheus.NewGauge(prometheus.GaugeOpts{Name: "onceflow_relay_owned_shards", Help: "Shards this relay owns."}),
 		roundSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "onceflow_relay_round_seconds", Help: "Duration of a publish round (read, publish, record).", Buckets: prometheus.ExponentialBuckets(0.001, 2, 14)}),
 		lagSeconds:   prometheus.NewHistogram(prometheus.HistogramOpts{Name: "onceflow_relay_oldest_published_age_seconds", Help: "Age of the oldest event in each round at publish time.", Buckets: prometheus.ExponentialBuckets(0.001, 2, 18)}),
-		dwellSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "onceflow_outbox_dwell_seconds", Help: "Time each event published by a round spent in the outbox, from its write to Kafka's acknowledgement.", Buckets: prometheus.ExponentialBuckets(0.001, 2, 18)}),
+		dwellSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "onceflow_outbox_dwell_seconds", Help: "Time each published event spent in the outbox, from its write to Kafka's acknowledgement.", Buckets: prometheus.ExponentialBuckets(0.001, 2, 18)}),
 	}
 	reg.MustRegister(o.published, o.failed, o.timedOut, o.deadLettered, o.notDeleted, o.ownedShards, o.roundSeconds, o.lagSeconds, o.dwellSeconds)
 	return o
