@@ -57,8 +57,30 @@ func (p *Processor) runBatch(ctx context.Context, stop <-chan struct{}, msgs []M
 	return nil
 }
 
-// attemptBatch runs one transaction for msgs, whose IDs are set.
+// attemptBatch runs one transaction for msgs, whose IDs are set. When
+// traced, each message's trace covers the transaction: it starts before
+// BEGIN and ends after COMMIT, with the message's outcome, or abandoned with
+// the batch's error if the batch failed (its messages are then processed
+// one at a time, each in a trace of its own). The BatchHandler runs under
+// ctx: its messages belong to many traces.
 func (p *Processor) attemptBatch(ctx context.Context, msgs []Message) error {
+	if len(p.hooks.trace) == 0 {
+		return p.batchTx(ctx, msgs, nil)
+	}
+	traces := make([]context.Context, len(msgs))
+	for i, m := range msgs {
+		traces[i] = p.traceStart(ctx, m)
+	}
+	err := p.batchTx(ctx, msgs, traces)
+	for _, tctx := range traces {
+		p.traceEnd(tctx, err)
+	}
+	return err
+}
+
+// batchTx is attemptBatch's transaction. traces, when not nil, are the
+// messages' trace contexts, in which their outcomes are recorded.
+func (p *Processor) batchTx(ctx context.Context, msgs []Message, traces []context.Context) error {
 	start := time.Now()
 	ids := make([]string, len(msgs))
 	for i, m := range msgs {
@@ -113,13 +135,8 @@ func (p *Processor) attemptBatch(ctx context.Context, msgs []Message) error {
 		if isNew[i] {
 			o, n = Processed, 1
 		}
-		if len(p.hooks.trace) > 0 {
-			// The batch ran under ctx; each message's span only records
-			// how it finished.
-			_ = p.traced(ctx, m, func(ctx context.Context) error {
-				p.finished(ctx, m, o, n, dur, len(msgs))
-				return nil
-			})
+		if traces != nil {
+			p.finished(traces[i], m, o, n, dur, len(msgs))
 			continue
 		}
 		p.finished(ctx, m, o, n, dur, len(msgs))

@@ -106,5 +106,7 @@
 // be too. Hooks (Config.Hooks) are called synchronously and must be cheap;
 // package consumerprom turns them into Prometheus metrics. A HookTrace
 // (otelonceflow.NewConsumer) wraps each message in a span joined to its
-// producer's trace; the handler's ctx holds it.
+// producer's trace; the handler's ctx holds it. In batch mode each
+// message's span covers the batch's transaction, and the BatchHandler's ctx
+// holds none of them (a batch's messages belong to many traces).
 package consumer

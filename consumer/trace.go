@@ -10,22 +10,28 @@ import "context"
 // HookTrace in Config.Hooks, the Processor does no tracing work at all.
 type HookTrace interface {
 	// TraceStart is called when the Processor takes a message, before its
-	// id is derived. The context it returns is the one the message is
+	// transaction begins. The context it returns is the one the message is
 	// processed under: the handler's and the database's, the dead-letter
-	// publish's, and the one given to TraceRetry and TraceEnd.
+	// publish's, and the one given to TraceRetry and TraceEnd. In batch
+	// mode TraceStart is called for each message of a batch before the
+	// batch's transaction begins, and TraceEnd after it commits, so each
+	// message's trace covers the transaction; the BatchHandler and the
+	// database calls run under the Processor's context, since the batch's
+	// messages belong to many traces.
 	TraceStart(ctx context.Context, e TraceStartEvent) context.Context
 	// TraceRetry is called after every failed attempt that will be
 	// retried, with TraceStart's context.
 	TraceRetry(ctx context.Context, e RetryEvent)
 	// TraceEnd is called once per TraceStart, when the message is finished
 	// (committed, duplicate or dead-lettered) or abandoned (shutdown, lost
-	// partition: Outcome is zero and the message is processed again
-	// later).
+	// partition, or a failed batch whose messages are then processed one at
+	// a time, each traced again: Outcome is zero, Err says why, and the
+	// message is processed again).
 	TraceEnd(ctx context.Context, e TraceEndEvent)
 }
 
 // TraceStartEvent reports a message the Processor takes. Message.ID is not
-// yet set.
+// set.
 type TraceStartEvent struct {
 	Consumer string
 	Message  Message
@@ -66,11 +72,31 @@ type traceKey struct{}
 // Callers check len(p.hooks.trace) first, so untraced processing allocates
 // nothing here.
 func (p *Processor) traced(ctx context.Context, msg Message, fn func(context.Context) error) error {
+	ctx = p.traceStart(ctx, msg)
+	err := fn(ctx)
+	p.traceEnd(ctx, err)
+	return err
+}
+
+// traceStart calls the trace hooks' TraceStart for msg (whose ID is not
+// reported) and returns the context to process it under, which carries its
+// traceState.
+func (p *Processor) traceStart(ctx context.Context, msg Message) context.Context {
+	st := &traceState{msg: msg, batch: 1}
+	msg.ID = ""
 	for _, h := range p.hooks.trace {
 		ctx = h.TraceStart(ctx, TraceStartEvent{Consumer: p.name, Message: msg})
 	}
-	st := &traceState{msg: msg, batch: 1}
-	err := fn(context.WithValue(ctx, traceKey{}, st))
+	return context.WithValue(ctx, traceKey{}, st)
+}
+
+// traceEnd calls the trace hooks' TraceEnd for the message traced under ctx
+// (traceStart's), with how it finished; err non-nil means it was abandoned.
+func (p *Processor) traceEnd(ctx context.Context, err error) {
+	st, _ := ctx.Value(traceKey{}).(*traceState)
+	if st == nil {
+		return
+	}
 	ev := TraceEndEvent{Consumer: p.name, Message: st.msg, Outcome: st.outcome, Attempts: st.attempts,
 		BatchSize: st.batch, Err: st.cause, DeadLetterTopic: st.deadTopic}
 	if err != nil {
@@ -79,7 +105,6 @@ func (p *Processor) traced(ctx context.Context, msg Message, fn func(context.Con
 	for _, h := range p.hooks.trace {
 		h.TraceEnd(ctx, ev)
 	}
-	return err
 }
 
 // traceFinished records in a traced message's state how it finished.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 
@@ -142,5 +143,85 @@ func TestTraceHookWrapsEachMessageWithItsOutcome(t *testing.T) {
 				t.Errorf("offset 3 ended %+v, want dead-lettered to orders.dlq with its error", e)
 			}
 		})
+	}
+}
+
+// timingTracer records when each message's trace started and ended.
+type timingTracer struct {
+	mu         sync.Mutex
+	start, end map[int64]time.Time
+	outcome    map[int64]consumer.Outcome
+}
+
+func (tr *timingTracer) TraceStart(ctx context.Context, e consumer.TraceStartEvent) context.Context {
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	tr.start[e.Message.Offset] = time.Now()
+	return ctx
+}
+
+func (tr *timingTracer) TraceRetry(context.Context, consumer.RetryEvent) {}
+
+func (tr *timingTracer) TraceEnd(_ context.Context, e consumer.TraceEndEvent) {
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	tr.end[e.Message.Offset] = time.Now()
+	tr.outcome[e.Message.Offset] = e.Outcome
+}
+
+// In batch mode each message's trace covers the batch's transaction: it
+// starts before the transaction and ends after its commit, so a consumer
+// span lasts at least as long as the handler that processed the message.
+func TestBatchTraceCoversTheBatchTransaction(t *testing.T) {
+	b := setup(t)
+	tr := &timingTracer{start: map[int64]time.Time{}, end: map[int64]time.Time{}, outcome: map[int64]consumer.Outcome{}}
+	const work = 100 * time.Millisecond
+	type span struct{ from, to time.Time }
+	var mu sync.Mutex
+	handled := map[int64]span{} // offset -> its batch handler's run
+	p, err := consumer.NewBatch(b.pool, "ledger", func(ctx context.Context, tx pgx.Tx, ms []consumer.Message) error {
+		from := time.Now()
+		time.Sleep(work) // the handler's work, of known length
+		for _, m := range ms {
+			if err := b.record(ctx, tx, "ledger", m); err != nil {
+				return err
+			}
+		}
+		to := time.Now()
+		mu.Lock()
+		defer mu.Unlock()
+		for _, m := range ms {
+			handled[m.Offset] = span{from, to}
+		}
+		return nil
+	}, &consumer.Config{Schema: b.schema, Hooks: []consumer.Hook{tr}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	run(t, p, &memTransport{}, msg(0, "id-0", "k"), msg(1, "id-1", "k"), msg(2, "id-0", "k"), msg(3, "id-3", "k"))
+
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	mu.Lock()
+	defer mu.Unlock()
+	for off := range int64(4) {
+		start, end := tr.start[off], tr.end[off]
+		if start.IsZero() || end.IsZero() {
+			t.Fatalf("offset %d: trace started %v, ended %v", off, start, end)
+		}
+		if d := end.Sub(start); d < work {
+			t.Errorf("offset %d: trace lasted %s, less than its batch's handler (%s)", off, d, work)
+		}
+		h, ok := handled[off]
+		if off == 2 { // a duplicate of offset 0 in the same batch: covered by that batch
+			h, ok = handled[0]
+		}
+		if !ok || start.After(h.from) || end.Before(h.to) {
+			t.Errorf("offset %d: trace %s..%s does not cover its batch's handler %s..%s",
+				off, start.Format(time.StampMicro), end.Format(time.StampMicro), h.from.Format(time.StampMicro), h.to.Format(time.StampMicro))
+		}
+	}
+	if tr.outcome[2] != consumer.Duplicate || tr.outcome[0] != consumer.Processed {
+		t.Errorf("outcomes %v, want offset 0 processed and 2 duplicate", tr.outcome)
 	}
 }

@@ -40,7 +40,10 @@ const (
 // each message it starts a consumer span "process <topic>" whose parent is
 // the producer's span carried in the record's headers, runs the handler's
 // transaction inside it (the handler's ctx holds the span), and ends it
-// with the outcome. It follows OpenTelemetry's messaging conventions:
+// with the outcome. In batch mode (consumer.NewBatch) each message's span
+// covers the batch's transaction, from before BEGIN to after COMMIT, with
+// onceflow.batch.size; the BatchHandler's ctx holds none of them, since a
+// batch's messages belong to many traces. It follows OpenTelemetry's messaging conventions:
 // messaging.system=kafka, messaging.operation.type=process,
 // messaging.destination.name, messaging.destination.partition.id,
 // messaging.kafka.message.key, messaging.kafka.offset,

@@ -1,0 +1,116 @@
+package otelonceflow_test
+
+import (
+	"context"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/onceflow/onceflow/consumer"
+	"github.com/onceflow/onceflow/internal/pgtest"
+	"github.com/onceflow/onceflow/otelonceflow"
+)
+
+// In batch mode each message's consumer span covers the batch's
+// transaction: it lasts at least as long as the handler's work and is a
+// child of its own producer's span; a duplicate within the batch is marked
+// as one.
+func TestBatchConsumerSpansCoverTheBatchTransaction(t *testing.T) {
+	t.Parallel()
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	defer func() { _ = tp.Shutdown(context.Background()) }()
+	schema := pgtest.Schema(t)
+
+	const work = 100 * time.Millisecond
+	p, err := consumer.NewBatch(pgtest.Pool(t), "shipping", func(ctx context.Context, tx pgx.Tx, ms []consumer.Message) error {
+		time.Sleep(work) // the handler's work, of known length
+		_, err := tx.Exec(ctx, `SELECT 1`)
+		return err
+	}, &consumer.Config{Schema: schema, Hooks: []consumer.Hook{otelonceflow.NewConsumer(otelonceflow.WithTracerProvider(tp))}})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// Three messages from three requests; the third repeats the first's id.
+	var producers []trace.SpanContext
+	var msgs []consumer.Message
+	for i := range 3 {
+		ctx, span := tp.Tracer("t").Start(context.Background(), "request")
+		span.End()
+		h := map[string]string{}
+		otelonceflow.NewInjector().InjectHeaders(ctx, h)
+		id := "id-" + strconv.Itoa(i%2)
+		m := consumer.Message{Topic: "orders", Offset: int64(i), Key: []byte("k"), Value: []byte("v"),
+			Headers: []consumer.Header{{Key: "message-id", Value: []byte(id)}, {Key: "traceparent", Value: []byte(h["traceparent"])}}}
+		producers, msgs = append(producers, span.SpanContext()), append(msgs, m)
+	}
+	tr := &marks{}
+	ctx := context.Background()
+	w := p.StartPartition(ctx, tr)
+	defer w.Stop(ctx)
+	if err := w.Add(ctx, msgs...); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, 30*time.Second, "the batch to be processed", func() bool { return tr.last() == 2 })
+
+	spans := map[trace.SpanID]sdktrace.ReadOnlySpan{}
+	for _, s := range rec.Ended() {
+		if s.Name() == "process orders" {
+			spans[s.Parent().SpanID()] = s
+		}
+	}
+	if len(spans) != 3 {
+		t.Fatalf("%d consumer spans, want 3", len(spans))
+	}
+	for i, producer := range producers {
+		s := spans[producer.SpanID()]
+		if s == nil || s.SpanContext().TraceID() != producer.TraceID() {
+			t.Errorf("message %d: no consumer span child of its producer's span", i)
+			continue
+		}
+		if d := s.EndTime().Sub(s.StartTime()); d < work {
+			t.Errorf("message %d: consumer span lasted %s, less than the batch handler's %s", i, d, work)
+		}
+		want := "false"
+		if i == 2 {
+			want = "true"
+		}
+		if got := attrOf(s, "onceflow.duplicate"); got != want {
+			t.Errorf("message %d: onceflow.duplicate = %s, want %s", i, got, want)
+		}
+		if got := attrOf(s, "onceflow.batch.size"); got != "3" {
+			t.Errorf("message %d: onceflow.batch.size = %q, want 3", i, got)
+		}
+	}
+}
+
+// marks is a consumer.Transport that records the last offset marked done.
+type marks struct {
+	mu     sync.Mutex
+	offset int64
+	any    bool
+}
+
+func (m *marks) MarkDone(msg consumer.Message) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.offset, m.any = msg.Offset, true
+}
+
+func (m *marks) PublishDeadLetter(context.Context, consumer.DeadLetter) error { return nil }
+
+func (m *marks) last() int64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if !m.any {
+		return -1
+	}
+	return m.offset
+}
