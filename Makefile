@@ -24,7 +24,7 @@ race:
 	$(GO) test -race -count=1 -timeout 14m ./...
 
 bench:
-	$(GO) test -run '^$$' -bench . -benchtime 1x ./relay/ ./consumer/ ./idempotency/
+	$(GO) test -run '^$$' -bench . -benchtime 1x ./relay/ ./consumer/ ./idempotency/ ./otelonceflow/
 
 demo:
 	$(GO) run ./cmd/onceflow demo

@@ -17,22 +17,32 @@ import (
 // partition fed from memory. "untraced" has no HookTrace: tracing must add
 // nothing there; compare its allocs/op with the same benchmark before
 // HookTrace existed. "traced-nop" adds a HookTrace that does nothing, the
-// floor of what tracing costs.
+// floor of what tracing costs. The batch- variants are the same in batch
+// mode (consumer.NewBatch).
 //
 //	go test -run '^$' -bench ProcessorAllocs -benchmem ./consumer/
 func BenchmarkProcessorAllocs(b *testing.B) {
 	for _, tc := range []struct {
 		name  string
+		batch bool
 		hooks []consumer.Hook
 	}{
-		{"untraced", nil},
-		{"traced-nop", []consumer.Hook{nopTracer{}}},
+		{"untraced", false, nil},
+		{"traced-nop", false, []consumer.Hook{nopTracer{}}},
+		{"batch-untraced", true, nil},
+		{"batch-traced-nop", true, []consumer.Hook{nopTracer{}}},
 	} {
 		b.Run(tc.name, func(b *testing.B) {
 			schema := pgtest.Schema(b)
 			pool := pgtest.Pool(b)
-			p, err := consumer.New(pool, "bench", func(context.Context, pgx.Tx, consumer.Message) error { return nil },
-				&consumer.Config{Schema: schema, Hooks: tc.hooks})
+			cfg := &consumer.Config{Schema: schema, Hooks: tc.hooks}
+			var p *consumer.Processor
+			var err error
+			if tc.batch {
+				p, err = consumer.NewBatch(pool, "bench", func(context.Context, pgx.Tx, []consumer.Message) error { return nil }, cfg)
+			} else {
+				p, err = consumer.New(pool, "bench", func(context.Context, pgx.Tx, consumer.Message) error { return nil }, cfg)
+			}
 			if err != nil {
 				b.Fatal(err)
 			}

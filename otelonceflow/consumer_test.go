@@ -2,6 +2,7 @@ package otelonceflow_test
 
 import (
 	"context"
+	"errors"
 	"strconv"
 	"sync"
 	"testing"
@@ -88,6 +89,47 @@ func TestBatchConsumerSpansCoverTheBatchTransaction(t *testing.T) {
 		if got := attrOf(s, "onceflow.batch.size"); got != "3" {
 			t.Errorf("message %d: onceflow.batch.size = %q, want 3", i, got)
 		}
+	}
+}
+
+// A message whose handler failed once and then committed shows as retried
+// on its consumer span, with a "retry" event for the failed attempt.
+func TestConsumerSpanRecordsARetry(t *testing.T) {
+	t.Parallel()
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	defer func() { _ = tp.Shutdown(context.Background()) }()
+	failed := false
+	p, err := consumer.New(pgtest.Pool(t), "shipping", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		if !failed {
+			failed = true
+			return errors.New("transient")
+		}
+		return nil
+	}, &consumer.Config{Schema: pgtest.Schema(t), MinBackoff: time.Millisecond, MaxBackoff: time.Millisecond,
+		Hooks: []consumer.Hook{otelonceflow.NewConsumer(otelonceflow.WithTracerProvider(tp))}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := &marks{}
+	ctx := context.Background()
+	w := p.StartPartition(ctx, tr)
+	defer w.Stop(ctx)
+	if err := w.Add(ctx, consumer.Message{Topic: "orders", Value: []byte("v"),
+		Headers: []consumer.Header{{Key: "message-id", Value: []byte("id-0")}}}); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, 30*time.Second, "the message to be processed", func() bool { return tr.last() == 0 })
+	spans := rec.Ended()
+	if len(spans) != 1 {
+		t.Fatalf("%d spans, want 1", len(spans))
+	}
+	s := spans[0]
+	if attrOf(s, "onceflow.retried") != "true" || attrOf(s, "onceflow.attempts") != "2" || attrOf(s, "onceflow.outcome") != "processed" {
+		t.Errorf("span attributes %v: want processed, retried, 2 attempts", s.Attributes())
+	}
+	if len(s.Events()) != 1 || s.Events()[0].Name != "retry" {
+		t.Errorf("span events %v: want one retry", s.Events())
 	}
 }
 

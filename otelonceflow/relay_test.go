@@ -153,7 +153,7 @@ func dwellCount(t *testing.T, reg *prometheus.Registry) uint64 {
 func attrOf(s sdktrace.ReadOnlySpan, key string) string {
 	for _, kv := range s.Attributes() {
 		if string(kv.Key) == key {
-			return kv.Value.Emit()
+			return kv.Value.String()
 		}
 	}
 	return ""
