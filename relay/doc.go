@@ -56,7 +56,9 @@
 //
 // # Concurrency
 //
-// A Relay runs once (Run); New and InstanceID are safe for concurrent use.
-// ReadStatus, ListDead, ReplayDead and DiscardDead take any Querier and may be called
-// from anywhere.
+// A Relay runs once (Run); New, InstanceID and OwnedShards are safe for
+// concurrent use. ReadStatus (exact: a scan of the outbox), ReadBacklog
+// (per shard, from index probes whose cost does not grow with the backlog;
+// what the relay's /metrics report), ListDead, ReplayDead and DiscardDead
+// take any Querier and may be called from anywhere.
 package relay

@@ -114,6 +114,11 @@ func New(pool *pgxpool.Pool, pub Publisher, cfg *Config) (*Relay, error) {
 // InstanceID returns the name this relay uses in relay_instances.
 func (r *Relay) InstanceID() string { return r.cfg.InstanceID }
 
+// OwnedShards returns the shards this relay holds a lease on now, sorted
+// (none before Run took any, or once the leases may have lapsed). Safe for
+// concurrent use.
+func (r *Relay) OwnedShards() []int16 { return r.leases.snapshot() }
+
 // LastLoop is when the publish loop last began a pass: a round, or an idle
 // wait of at most PollInterval. It is zero before Run gets past its start
 // checks. A pass waits as long as Kafka takes to acknowledge a round, so a

@@ -94,7 +94,6 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	}
 	defer stopTracing()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	reg.MustRegister(relayprom.NewBacklogCollector(pool, c.schema))
 	reg.MustRegister(buildInfoGauge())
 	watch := newBrokerWatch(pub, log, reg, *checkEvery)
 	r, err := relay.New(pool, watch, &relay.Config{
@@ -114,6 +113,9 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("%w: %v", errUsage, err)
 	}
+	// Each relay reports the backlog of the shards it owns: a sum across
+	// relays is the whole.
+	reg.MustRegister(relayprom.NewBacklogCollector(pool, c.schema, &relayprom.CollectorConfig{Owned: r.OwnedShards}))
 
 	pr := &probes{pool: pool, watch: watch, stallAt: 2*time.Minute + 4**poll}
 	if *httpAddr != "" {

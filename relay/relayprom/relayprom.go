@@ -5,7 +5,9 @@ package relayprom
 
 import (
 	"context"
+	"fmt"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -70,61 +72,132 @@ func (o *Observer) ObservePublished(e relay.PublishedEvent) {
 // ObserveShards implements relay.Observer.
 func (o *Observer) ObserveShards(owned int) { o.ownedShards.Set(float64(owned)) }
 
-// BacklogCollector reads from the database at each scrape (with a timeout)
-// the backlog per shard and in all, its age, the highest attempt count of a
-// pending event, the dead-letter count and the shards without an owner.
-// Every relay reports the same figures: aggregate them with max, not sum.
+// BacklogCollector reads the outbox's figures from the database, at most
+// once per CollectorConfig.MinInterval (a faster scrape gets the last
+// reading again), with a timeout, at a cost that does not grow with the
+// backlog (relay.ReadBacklog: a few index descents per shard).
+//
+// Each relay reports the shards it owns: onceflow_outbox_backlog{shard},
+// onceflow_outbox_oldest_pending_age_seconds{shard} and their total
+// onceflow_outbox_backlog_events, so a sum across relays is the outbox's
+// backlog (shards no relay owns are counted by nobody, and
+// onceflow_outbox_unowned_shards says how many there are). A shard's count
+// is exact while it holds few events and an estimate beyond that;
+// onceflow_outbox_backlog_estimated_shards says how many of the figures are
+// estimates. onceflow_outbox_max_attempts is the highest over the first
+// events of each owned shard (aggregate with max);
+// onceflow_outbox_dead_events and onceflow_outbox_unowned_shards are
+// database-wide, the same in every relay (aggregate with max).
+//
+// Safe for concurrent use.
 type BacklogCollector struct {
-	db      relay.Querier
-	schema  string
-	timeout time.Duration
+	db     relay.Querier
+	schema string
+	cfg    CollectorConfig
 
-	backlog, oldest, dead, total, attempts, unowned, up *prometheus.Desc
+	mu   sync.Mutex // held while reading, so concurrent scrapes read once
+	last *relay.Backlog
+	at   time.Time // when last was read
+	ok   bool      // whether the last read succeeded
+
+	backlog, oldest, dead, total, estimated, attempts, unowned, up *prometheus.Desc
+}
+
+// CollectorConfig configures a BacklogCollector.
+type CollectorConfig struct {
+	// Owned returns the shards this process reports (a relay's
+	// relay.Relay.OwnedShards). Nil reports every shard: for one collector
+	// per deployment outside the relays, never beside relays that report
+	// theirs. Defaults to nil.
+	Owned func() []int16
+	// MinInterval is the shortest time between two database reads: a
+	// scrape sooner than that after the last read reports that read again.
+	// Defaults to 5 s.
+	MinInterval time.Duration
+	// Timeout bounds one database read. Defaults to 5 s.
+	Timeout time.Duration
 }
 
 // NewBacklogCollector returns a collector for schema; register it yourself.
-func NewBacklogCollector(db relay.Querier, schema string) *BacklogCollector {
-	return &BacklogCollector{
-		db: db, schema: schema, timeout: 5 * time.Second,
-		backlog:  prometheus.NewDesc("onceflow_outbox_backlog", "Pending events per shard.", []string{"shard"}, nil),
-		oldest:   prometheus.NewDesc("onceflow_outbox_oldest_pending_age_seconds", "Age of the oldest pending event per shard.", []string{"shard"}, nil),
-		total:    prometheus.NewDesc("onceflow_outbox_backlog_events", "Pending events in all shards.", nil, nil),
-		dead:     prometheus.NewDesc("onceflow_outbox_dead_events", "Events in outbox_dead.", nil, nil),
-		attempts: prometheus.NewDesc("onceflow_outbox_max_attempts", "Highest publish attempt count of a pending event: an event stuck on a failure keeps raising it.", nil, nil),
-		unowned:  prometheus.NewDesc("onceflow_outbox_unowned_shards", "Shards no live relay holds a lease on.", nil, nil),
-		up:       prometheus.NewDesc("onceflow_outbox_scrape_ok", "1 if the backlog could be read from the database.", nil, nil),
+// cfg may be nil.
+func NewBacklogCollector(db relay.Querier, schema string, cfg *CollectorConfig) *BacklogCollector {
+	c := &BacklogCollector{db: db, schema: schema}
+	if cfg != nil {
+		c.cfg = *cfg
 	}
+	if c.cfg.MinInterval <= 0 {
+		c.cfg.MinInterval = 5 * time.Second
+	}
+	if c.cfg.Timeout <= 0 {
+		c.cfg.Timeout = 5 * time.Second
+	}
+	estimate := fmt.Sprintf(" Exact while the shard holds fewer than %d events between two of %d evenly spaced ids, estimated beyond.", relay.BacklogProbeRows, relay.BacklogProbes)
+	c.backlog = prometheus.NewDesc("onceflow_outbox_backlog", "Pending events per shard this relay owns (sum across relays)."+estimate, []string{"shard"}, nil)
+	c.oldest = prometheus.NewDesc("onceflow_outbox_oldest_pending_age_seconds", "Age of the oldest of the first pending events per shard this relay owns.", []string{"shard"}, nil)
+	c.total = prometheus.NewDesc("onceflow_outbox_backlog_events", "Pending events in the shards this relay owns (sum across relays); estimated in part when onceflow_outbox_backlog_estimated_shards > 0.", nil, nil)
+	c.estimated = prometheus.NewDesc("onceflow_outbox_backlog_estimated_shards", "Shards this relay owns whose onceflow_outbox_backlog is an estimate.", nil, nil)
+	c.dead = prometheus.NewDesc("onceflow_outbox_dead_events", fmt.Sprintf("Events in outbox_dead (every relay reports it); PostgreSQL's estimate from %d on.", relay.DeadExactLimit), nil, nil)
+	c.attempts = prometheus.NewDesc("onceflow_outbox_max_attempts", "Highest publish attempt count among the first pending events of the shards this relay owns: an event stuck on a failure keeps raising it.", nil, nil)
+	c.unowned = prometheus.NewDesc("onceflow_outbox_unowned_shards", "Shards no live relay holds a lease on (every relay reports it).", nil, nil)
+	c.up = prometheus.NewDesc("onceflow_outbox_scrape_ok", "1 if the backlog could be read from the database.", nil, nil)
+	return c
 }
 
 // Describe implements prometheus.Collector.
 func (c *BacklogCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.backlog, c.oldest, c.total, c.dead, c.attempts, c.unowned, c.up} {
+	for _, d := range []*prometheus.Desc{c.backlog, c.oldest, c.total, c.estimated, c.dead, c.attempts, c.unowned, c.up} {
 		ch <- d
 	}
 }
 
+// read returns the last reading, reading again if it is older than
+// MinInterval.
+func (c *BacklogCollector) read() (*relay.Backlog, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.at.IsZero() && time.Since(c.at) < c.cfg.MinInterval {
+		return c.last, c.ok
+	}
+	shards := relay.EveryShard()
+	if c.cfg.Owned != nil {
+		shards = c.cfg.Owned()
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.Timeout)
+	defer cancel()
+	b, err := relay.ReadBacklog(ctx, c.db, c.schema, shards)
+	c.at, c.ok = time.Now(), err == nil
+	if err == nil {
+		c.last = b
+	}
+	return b, c.ok
+}
+
 // Collect implements prometheus.Collector.
 func (c *BacklogCollector) Collect(ch chan<- prometheus.Metric) {
-	ctx, cancel := context.WithTimeout(context.Background(), c.timeout)
-	defer cancel()
-	shards, err := relay.ReadShardBacklog(ctx, c.db, c.schema)
-	var st *relay.Status
-	if err == nil {
-		st, err = relay.ReadStatus(ctx, c.db, c.schema)
-	}
-	if err != nil {
+	b, ok := c.read()
+	if !ok {
 		ch <- prometheus.MustNewConstMetric(c.up, prometheus.GaugeValue, 0)
 		return
 	}
 	ch <- prometheus.MustNewConstMetric(c.up, prometheus.GaugeValue, 1)
 	now := time.Now()
-	for _, s := range shards {
+	var total int64
+	var estimated, attempts int
+	for _, s := range b.Shards {
 		label := strconv.Itoa(int(s.Shard))
+		total += s.Pending
+		if !s.Exact {
+			estimated++
+		}
+		attempts = max(attempts, s.MaxAttempts)
 		ch <- prometheus.MustNewConstMetric(c.backlog, prometheus.GaugeValue, float64(s.Pending), label)
-		ch <- prometheus.MustNewConstMetric(c.oldest, prometheus.GaugeValue, now.Sub(s.OldestPending).Seconds(), label)
+		if !s.OldestPending.IsZero() {
+			ch <- prometheus.MustNewConstMetric(c.oldest, prometheus.GaugeValue, max(now.Sub(s.OldestPending), 0).Seconds(), label)
+		}
 	}
-	ch <- prometheus.MustNewConstMetric(c.total, prometheus.GaugeValue, float64(st.Backlog))
-	ch <- prometheus.MustNewConstMetric(c.dead, prometheus.GaugeValue, float64(st.DeadLetters))
-	ch <- prometheus.MustNewConstMetric(c.attempts, prometheus.GaugeValue, float64(st.MaxAttempts))
-	ch <- prometheus.MustNewConstMetric(c.unowned, prometheus.GaugeValue, float64(st.UnownedShards))
+	ch <- prometheus.MustNewConstMetric(c.total, prometheus.GaugeValue, float64(total))
+	ch <- prometheus.MustNewConstMetric(c.estimated, prometheus.GaugeValue, float64(estimated))
+	ch <- prometheus.MustNewConstMetric(c.dead, prometheus.GaugeValue, float64(b.DeadLetters))
+	ch <- prometheus.MustNewConstMetric(c.attempts, prometheus.GaugeValue, float64(attempts))
+	ch <- prometheus.MustNewConstMetric(c.unowned, prometheus.GaugeValue, float64(b.UnownedShards))
 }
