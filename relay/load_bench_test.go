@@ -136,23 +136,6 @@ BEGIN PERFORM pg_notify('onceflow_outbox', TG_TABLE_SCHEMA); RETURN NULL; END; $
 	}
 }
 
-// drainEvents lists the backlogs BenchmarkRelayDrainScale drains
-// (ONCEFLOW_BENCH_DRAIN, comma-separated; default 300000).
-func drainEvents() []int {
-	v := os.Getenv("ONCEFLOW_BENCH_DRAIN")
-	if v == "" {
-		v = "300000"
-	}
-	var out []int
-	for _, f := range strings.Split(v, ",") {
-		n, err := strconv.Atoi(strings.TrimSpace(f))
-		if err == nil && n > 0 {
-			out = append(out, n)
-		}
-	}
-	return out
-}
-
 // fillN inserts n events of 256 bytes over 1,000 keys and VACUUM ANALYZEs.
 func fillN(b *testing.B, schema, topic string, n int) {
 	b.Helper()
@@ -164,51 +147,6 @@ SELECT $1, ('key-' || (g % 1000))::bytea, convert_to(repeat('x', 256), 'UTF8') F
 	}
 	if _, err := pgtest.Pool(b).Exec(context.Background(), `VACUUM ANALYZE `+table); err != nil {
 		b.Fatal(err)
-	}
-}
-
-// BenchmarkRelayDrainScale drains backlogs of 300k (and whatever
-// ONCEFLOW_BENCH_DRAIN lists, e.g. 300000,1000000) with the plain loop
-// (select 1,000 → produce → delete), one relay, and four relays whose
-// shards are spread 64/64/64/64 before they start (each with a pool and a
-// publisher of its own, as separate processes would have). Contenders
-// alternate benchRounds times on fresh, VACUUM ANALYZEd schemas; medians
-// and the median of the per-round ratios are reported.
-//
-//	ONCEFLOW_BENCH_DRAIN=300000,1000000 go test -run '^$' -bench RelayDrainScale -benchtime 1x -timeout 60m ./relay/
-func BenchmarkRelayDrainScale(b *testing.B) {
-	for range b.N {
-		bu := setupBench(b)
-		topic := bu.kafka.Topic(b, 8)
-		cl := bu.kafka.Client(b, kgo.ProducerLinger(0))
-		for _, n := range drainEvents() {
-			var loops, ones, fours, oneRatios, fourRatios []float64
-			for range benchRounds {
-				// The plain loop.
-				schema := pgtest.Schema(b)
-				fillN(b, schema, topic, n)
-				loop := plainLoop(b, cl, schema, n)
-				// Relays.
-				rates := map[int]float64{}
-				for _, relays := range []int{1, 4} {
-					bu.schema = pgtest.Schema(b)
-					fillN(b, bu.schema, topic, n)
-					rates[relays] = drainRelays(b, bu, topic, n, relays)
-					pgtest.DropSchema(b, bu.schema)
-				}
-				pgtest.DropSchema(b, schema)
-				loops, ones, fours = append(loops, loop), append(ones, rates[1]), append(fours, rates[4])
-				oneRatios, fourRatios = append(oneRatios, rates[1]/loop), append(fourRatios, rates[4]/rates[1])
-			}
-			fmt.Printf("\ndrain %d events of 256 B over 1,000 keys (medians of %d alternating rounds):\n"+
-				"  plain loop   %8.0f events/s  (runs: %s)\n"+
-				"  1 relay      %8.0f events/s  (runs: %s)  relay/loop %.2fx (per round: %s)\n"+
-				"  4 relays     %8.0f events/s  (runs: %s)  4 relays/1 relay %.2fx (per round: %s)\n",
-				n, benchRounds, median(loops), rates(loops, 1), median(ones), rates(ones, 1), median(oneRatios), rates(oneRatios, 100),
-				median(fours), rates(fours, 1), median(fourRatios), rates(fourRatios, 100))
-			b.ReportMetric(median(oneRatios), fmt.Sprintf("relay/loop@%d", n))
-			b.ReportMetric(median(fourRatios), fmt.Sprintf("4relays/1relay@%d", n))
-		}
 	}
 }
 
@@ -247,46 +185,6 @@ func plainLoop(b *testing.B, cl *kgo.Client, schema string, n int) float64 {
 		}
 	}
 	return perSecond(n, time.Since(start))
-}
-
-// drainRelays drains bu.schema's n events with relays relays, their shards
-// assigned round-robin before they start, and returns the rate from their
-// start to the last delete.
-func drainRelays(b *testing.B, bu *bundle, topic string, n, relays int) float64 {
-	ctx := context.Background()
-	if relays > 1 {
-		// Pre-balanced: relay i holds the shards s with s % relays == i.
-		if _, err := pgtest.Pool(b).Exec(ctx, `UPDATE `+pgx.Identifier{bu.schema, "relay_shards"}.Sanitize()+`
-SET owner = 'bench-' || (shard % $1), lease_until = now() + interval '1 hour'`, relays); err != nil {
-			b.Fatal(err)
-		}
-	}
-	drained := &drainObserver{want: int64(n), done: make(chan struct{})}
-	var pubs []relay.Publisher
-	for range relays {
-		pub := bu.publisher(b)
-		if err := pub.Publish(ctx, []relay.Record{{Topic: topic, Value: []byte("warm-up")}})[0]; err != nil {
-			b.Fatal(err)
-		}
-		pubs = append(pubs, pub)
-	}
-	start := time.Now()
-	var stops []func()
-	for i, pub := range pubs {
-		pool := benchPool(b, "bench-"+strconv.Itoa(i), 8)
-		_, stop := bu.startRelayWith(b, pool, pub, relay.Config{InstanceID: "bench-" + strconv.Itoa(i), Observer: drained})
-		stops = append(stops, stop)
-	}
-	select {
-	case <-drained.done:
-	case <-time.After(30 * time.Minute):
-		b.Fatal("relays did not drain in 30 minutes")
-	}
-	rate := perSecond(n, time.Since(start))
-	for _, stop := range stops {
-		stop()
-	}
-	return rate
 }
 
 // BenchmarkRelayStuckKey: 300,000 events of one key whose topic refuses

@@ -432,12 +432,14 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 			out = append(out, statement{s.claimAllSQL[0], []any{excluded, limit}})
 		}
 	case len(free) > 0:
-		// Room for the excluded ids, rounded up to a power of two so
-		// that few statements are prepared.
-		inner := limit
-		if n := len(excluded); n > 0 {
-			inner += 1 << bits.Len(uint(n-1))
-		}
+		// Room for the excluded ids: at least two rounds' worth (a
+		// read-ahead leaves out the round in flight and the one being
+		// recorded), more rounded up to a power of two. One text for a
+		// fresh read and a read-ahead alike: each text is prepared, and
+		// planned five times before its generic plan, on every pool
+		// connection (a 64-shard plan costs 10-15 ms); the LIMITs cost
+		// nothing when not reached.
+		inner := limit + 1<<bits.Len(uint(max(len(excluded), 2*limit)-1))
 		if !slices.Equal(free, s.claimShards) || inner != s.claimInner || limit != s.claimLimit {
 			s.claimShards, s.claimInner, s.claimLimit = slices.Clone(free), inner, limit
 			s.claimShardsSQL = claimShardsQuery(s.outbox, free, inner, limit)
