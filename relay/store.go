@@ -241,6 +241,8 @@ LIMIT $2`
 // range only as far as the merge needs. The merge is fenced by its LIMIT, so
 // the NOT IN ($1) is evaluated once above it, with one hash table, not once
 // per shard; inner is the round's size plus room for the excluded ids. The
+// final ORDER BY keeps the merge's order (no sort) and makes it what the
+// byte bound's running sum reads without sorting the round again. The
 // limits are literals: with "LIMIT $n" a generic plan assumes a tenth of the
 // table is wanted and sorts every owned row instead.
 func claimShardsQuery(outbox string, shards []int16, inner, limit int) string {
@@ -256,6 +258,7 @@ UNION ALL `)
 	fmt.Fprintf(&b, `
 ) AS m ORDER BY m.id LIMIT %d) AS m
 WHERE m.id NOT IN (SELECT unnest($1::bigint[]))
+ORDER BY m.id
 LIMIT %d`, inner, limit)
 	return b.String()
 }
