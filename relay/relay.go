@@ -183,12 +183,16 @@ func (r *Relay) Run(ctx context.Context) error {
 }
 
 // start takes the instance id and the first shards. The database answered
-// the schema check, so other failures are passing and retried. A live relay
-// under the same id is waited for as long as a killed one's lease could
-// last (a restart under a fixed id), then refused.
+// the schema check, so other failures are passing and retried. An instance
+// row of the same id that has not lapsed yet is waited for (a restart under
+// a fixed id finds its killed predecessor's), and refused only once its
+// heartbeat is seen to advance: then a live relay renews it. How long the
+// wait or a tick takes says nothing about that: a tick that straddles the
+// lapse of a dead relay's row and runs long (a slow database) still sees
+// the row unexpired, and the row lapses by itself since nobody renews it.
 func (r *Relay) start(ctx context.Context) error {
 	bo := newBackoff(time.Second)
-	var inUseSince time.Time
+	var seen time.Time // the holder's heartbeat when first refused
 	for {
 		err := r.leases.tick(ctx)
 		var inUse *InstanceInUseError
@@ -196,12 +200,14 @@ func (r *Relay) start(ctx context.Context) error {
 		case err == nil:
 			return nil
 		case errors.As(err, &inUse):
-			if inUseSince.IsZero() {
-				inUseSince = time.Now()
-				r.log.Warn("relay: instance id held by another relay; waiting for its lease to lapse (a killed relay's does)",
-					"host", inUse.Hostname, "pid", inUse.PID, "lease", r.cfg.LeaseDuration)
-			}
-			if time.Since(inUseSince) > r.cfg.LeaseDuration+r.leases.interval() {
+			switch {
+			case inUse.Heartbeat.IsZero():
+				// The row went between the two reads: try again.
+			case seen.IsZero():
+				seen = inUse.Heartbeat
+				r.log.Warn("relay: instance id held by another relay; waiting for its lease to lapse (a killed relay's does), refusing if it is renewed",
+					"host", inUse.Hostname, "pid", inUse.PID, "heartbeat", inUse.Heartbeat)
+			case !inUse.Heartbeat.Equal(seen):
 				r.log.Error("relay: refusing to start: instance id in use by a live relay", "error", err)
 				return err
 			}
