@@ -59,7 +59,13 @@ type Config struct {
 	// cannot take writes, e.g. below min.insync.replicas) is a failed,
 	// passing attempt for its key only: the key's later events are held
 	// back, it is retried beside the rounds with backoff and never
-	// dead-lettered for it, and every other key goes on. Defaults to 30s.
+	// dead-lettered for it, and every other key goes on. If the publisher
+	// can tell a key's partition (PartitionReporter, as both publishers of
+	// this module do), the relay marks that partition sick: later rounds
+	// hold back, without sending them, the events of every key of it, and
+	// one probe at a time retries the partition beside the rounds until it
+	// acknowledges, which clears the mark and lets its keys go on. Defaults
+	// to 30s.
 	PublishTimeout time.Duration
 	// TopicForbiddenGrace is how long an event's topic may keep answering
 	// "not authorized" (without a break) before the event is dead-lettered:

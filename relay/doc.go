@@ -38,9 +38,12 @@
 // record not acknowledged by then (a partition that cannot take writes) is a
 // failed, passing attempt for its key alone: the rounds leave the key out
 // and the relay retries that event beside them until it is acknowledged.
-// The relay learns a partition is sick one key at a time: each round that
-// carries a key of it not yet seen failing waits PublishTimeout again, so
-// many distinct keys arriving for a sick partition slow every key.
+// It also marks the record's partition sick, when the Publisher can tell a
+// key's partition (PartitionReporter; both publishers of this module can):
+// later rounds do not send, and so do not wait on, the events of any key
+// of that partition, nor keyless events of its topic; they are failed
+// attempts for their keys alone, held back in key order, and one probe at
+// a time retries the partition beside the rounds until it acknowledges.
 //
 // # Refusals
 //

@@ -19,8 +19,15 @@ type BatchStats struct {
 	Failed    int // failed with a passing error; left pending for retry
 	// TimedOut counts the failed events (included in Failed) that were
 	// not acknowledged within Config.PublishTimeout.
-	TimedOut     int
-	DeadLettered int // moved to outbox_dead
+	TimedOut int
+	// HeldBack counts the failed events (included in Failed) not sent
+	// because their key's partition is marked sick (see
+	// Config.PublishTimeout).
+	HeldBack int
+	// SickPartitions is how many partitions the relay has marked sick
+	// (not acknowledging within Config.PublishTimeout) after the round.
+	SickPartitions int
+	DeadLettered   int // moved to outbox_dead
 	// NotDeleted counts acknowledged events whose delete was refused
 	// because this relay no longer owned their shard; the new owner
 	// publishes them again.

@@ -39,6 +39,25 @@ type Publisher interface {
 	Close() error
 }
 
+// PartitionReporter is an optional interface of a Publisher: it tells which
+// partition a keyed record goes to, from what the publisher already knows
+// (its partitioner and its cached partition count of the topic), without
+// I/O. Both publishers of this module implement it.
+//
+// The relay uses it to learn a sick partition once rather than one key at a
+// time: once a record was not acknowledged within Config.PublishTimeout, the
+// relay stops sending new keys of its partition in the rounds and lets one
+// probe at a time retry it beside them (see Config.PublishTimeout). A wrong
+// answer (a partition count changed since the publisher's last look) costs
+// only time, never order.
+//
+// ok is false when the publisher cannot tell: the topic's partition count is
+// not known yet, or the record has no key and the partitioner places it as
+// it goes. Partition must be safe for concurrent use.
+type PartitionReporter interface {
+	Partition(topic string, key []byte) (partition int32, ok bool)
+}
+
 // Refusals a Publisher reports by wrapping these with errors.Join or %w.
 var (
 	// ErrRecordTooLarge: the client or the broker refused the record's size.

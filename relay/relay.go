@@ -33,6 +33,7 @@ type Relay struct {
 	cfg    Config
 	pool   *pgxpool.Pool
 	pub    Publisher
+	parts  PartitionReporter // pub's, or nil
 	st     *store
 	leases *leases
 	log    *slog.Logger
@@ -59,6 +60,10 @@ type Relay struct {
 	// sideDone delivers the side retry in flight, nil if none (sideretry.go).
 	sideDone chan sideResult
 	sideSQL  string
+	// sick holds the partitions marked sick, by topic (sickpartition.go);
+	// owned by the publish loop.
+	sick      map[string]map[int32]*sickPartition
+	sickCount int
 }
 
 // keyState is a key (or a keyless event) whose event failed and waits for
@@ -76,6 +81,9 @@ type keyState struct {
 	timedOut bool
 	onSide   bool
 	sideAt   time.Time
+	// part is the partition of the key (hasPart: the publisher told it).
+	part    topicPartition
+	hasPart bool
 }
 
 // farFuture is the retryAt of a key the side retry is in charge of.
@@ -96,12 +104,15 @@ func New(pool *pgxpool.Pool, pub Publisher, cfg *Config) (*Relay, error) {
 	}
 	st := newStore(pool, c.Schema)
 	events, _ := c.Observer.(EventObserver)
+	parts, _ := pub.(PartitionReporter)
 	st.maxBytes = int64(c.BatchBytes)
 	return &Relay{
 		events:       events,
 		cfg:          c,
 		pool:         pool,
 		pub:          pub,
+		parts:        parts,
+		sick:         map[string]map[int32]*sickPartition{},
 		st:           st,
 		leases:       newLeases(st, c.InstanceID, c.LeaseDuration, c.Observer, c.Logger.With("instance", c.InstanceID)),
 		log:          c.Logger.With("instance", c.InstanceID),
@@ -312,7 +323,7 @@ func (r *Relay) publishLoop(ctx context.Context) {
 			wait := r.roundBackoff.NextBackOff()
 			r.log.Warn("relay: publish round failed", "error", err, "backoff", wait)
 			sleep(ctx, wait)
-		case res.claimed > 0 && res.acked == 0 && res.dead == 0:
+		case res.claimed > res.held && res.acked == 0 && res.dead == 0:
 			// Everything failed: the broker is likely down. Don't spin.
 			wait := r.roundBackoff.NextBackOff()
 			r.debugRound(ctx, len(shards), res, next != nil, "backoff", wait)
@@ -441,6 +452,7 @@ func (r *Relay) debugRound(ctx context.Context, shards int, res roundResult, rea
 
 type roundResult struct {
 	claimed, acked, dead int
+	held                 int // not sent: their partition is sick
 }
 
 // prefetch is the next round, read while the current one was with Kafka.
@@ -492,10 +504,25 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 	for i := range events {
 		records[i] = toRecord(&events[i])
 	}
+	// The events of keys whose partition is sick are not sent: they would
+	// make the round wait out PublishTimeout.
+	errs := make([]error, len(records))
+	send, held := r.holdSick(events, errs)
+	toSend := records
+	if held > 0 {
+		toSend = make([]Record, len(send))
+		for j, i := range send {
+			toSend[j] = records[i]
+		}
+	}
 	published := make(chan []error, 1)
 	pubCtx, cancelPub := context.WithTimeout(ctx, r.cfg.PublishTimeout)
 	defer cancelPub()
-	go func() { published <- r.pub.Publish(pubCtx, records) }()
+	if len(toSend) == 0 {
+		published <- nil
+	} else {
+		go func() { published <- r.pub.Publish(pubCtx, toSend) }()
+	}
 
 	var next *prefetch
 	if claimed == r.cfg.BatchSize {
@@ -509,12 +536,15 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 			next = &prefetch{shards: shards, events: nextEvents, round: keyOf(nextEvents)}
 		}
 	}
-	errs := <-published
-	if len(errs) != len(records) {
+	sent := <-published
+	if len(sent) != len(toSend) {
 		if next != nil {
 			r.forgetRound(ctx, next.round)
 		}
-		return roundResult{claimed: claimed}, nil, fmt.Errorf("relay: publisher returned %d results for %d records", len(errs), len(records))
+		return roundResult{claimed: claimed}, nil, fmt.Errorf("relay: publisher returned %d results for %d records", len(sent), len(toSend))
+	}
+	for j, i := range send {
+		errs[i] = sent[j]
 	}
 
 	o := r.judge(ctx, pubCtx, events, records, errs)
@@ -566,7 +596,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		defer close(done)
 		r.record(ctx, start, o, shards, round)
 	}()
-	return roundResult{claimed: claimed, acked: len(acked), dead: len(dead)}, next, nil
+	return roundResult{claimed: claimed, acked: len(acked), dead: len(dead), held: held}, next, nil
 }
 
 // record writes a round's outcome: even when ctx is done, since
@@ -582,6 +612,8 @@ func (r *Relay) record(ctx context.Context, start time.Time, o outcome, shards [
 		Published:       int(deleted),
 		Failed:          len(failed),
 		TimedOut:        o.timedOut,
+		HeldBack:        o.held,
+		SickPartitions:  o.sickPartitions,
 		DeadLettered:    len(o.dead),
 		NotDeleted:      len(acked) - int(deleted),
 		Duration:        time.Since(start),
@@ -600,8 +632,8 @@ func (r *Relay) record(ctx context.Context, start time.Time, o outcome, shards [
 		r.log.Warn("relay: events not acknowledged within the publish timeout; their keys wait and are retried beside the other keys",
 			"timed_out", o.timedOut, "publish_timeout", r.cfg.PublishTimeout, "topics", o.timedOutTopics)
 	}
-	if len(failed) > o.timedOut {
-		r.log.Warn("relay: events failed; their keys wait and retry", "failed", len(failed)-o.timedOut, "first_error", o.firstErr)
+	if len(failed) > o.timedOut+o.held {
+		r.log.Warn("relay: events failed; their keys wait and retry", "failed", len(failed)-o.timedOut-o.held, "first_error", o.firstErr)
 	}
 }
 
@@ -613,6 +645,8 @@ type outcome struct {
 	failedKeys     map[string]bool
 	oldest         time.Time // creation time of the oldest acknowledged event
 	timedOut       int       // failed events not acknowledged within PublishTimeout
+	held           int       // failed events not sent: their partition is sick
+	sickPartitions int       // partitions marked sick once judged
 	timedOutTopics []string
 	firstErr       string // of the first failure that is not a timeout
 }
@@ -632,6 +666,9 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 			o.acked = append(o.acked, e.id)
 			if o.oldest.IsZero() || e.createdAt.Before(o.oldest) {
 				o.oldest = e.createdAt
+			}
+			if r.sickCount > 0 {
+				r.healthy(e)
 			}
 			continue
 		}
@@ -667,6 +704,9 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 			if o.oldest.IsZero() || e.createdAt.Before(o.oldest) {
 				o.oldest = e.createdAt
 			}
+			if r.sickCount > 0 {
+				r.healthy(e)
+			}
 		case kind == tooLarge || kind == topicInvalid || kind == invalid:
 			o.dead = append(o.dead, deadEvent{id: e.id, err: err.Error()})
 			r.log.Warn("relay: Kafka refused an event for good; dead-lettered", "event_id", string(e.eventID), "topic", e.topic, "error", err)
@@ -684,9 +724,12 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 				o.failedKeys[bk] = true
 				continue
 			}
-			timedOut := deadline && kind == retriable && !errors.Is(err, errHeldBack)
+			notSent := isPartitionError(err)
+			timedOut := deadline && kind == retriable && !errors.Is(err, errHeldBack) && !notSent
 			msg := err.Error()
-			if timedOut {
+			if notSent {
+				o.held++
+			} else if timedOut {
 				msg = fmt.Sprintf("not acknowledged within the publish timeout (%s): %v", r.cfg.PublishTimeout, err)
 				o.timedOut++
 				if !slices.Contains(o.timedOutTopics, e.topic) {
@@ -697,7 +740,7 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 			}
 			run := runReset
 			switch {
-			case errors.Is(err, errHeldBack):
+			case errors.Is(err, errHeldBack), notSent:
 				run = runKeep
 			case kind == unknownTopic:
 				run = runUnknownTopic
@@ -707,10 +750,18 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 			o.failed = append(o.failed, failedEvent{id: e.id, err: msg, run: run})
 			if !o.failedKeys[bk] {
 				o.failedKeys[bk] = true
-				r.block(bk, e, timedOut)
+				// A record sent and not acknowledged (in time, or with
+				// a passing error) marks its partition sick: the key is
+				// then retried beside the rounds, as its probe.
+				sick := notSent
+				if kind == retriable && !notSent && !errors.Is(err, errHeldBack) {
+					sick = r.markSick(e, bk, err)
+				}
+				r.block(bk, e, timedOut || sick)
 			}
 		}
 	}
+	o.sickPartitions = r.sickCount
 	return o
 }
 
@@ -837,6 +888,7 @@ func (r *Relay) block(bk string, e *pendingEvent, timedOut bool) {
 	}
 	k.firstID = e.id
 	k.lastSeen = now
+	k.part, k.hasPart = r.partitionOf(e)
 	k.timedOut, k.onSide = timedOut, false
 	if timedOut {
 		k.retryAt = farFuture

@@ -47,7 +47,7 @@ ORDER BY o.id`
 // sideDue returns the keys whose side retry is due, and when the next one is.
 func (r *Relay) sideDue(now time.Time) (due []string, next time.Time) {
 	for bk, k := range r.blocked {
-		if !k.timedOut || k.onSide {
+		if !k.timedOut || k.onSide || r.sideGated(bk, k) {
 			continue
 		}
 		if !now.Before(k.sideAt) {

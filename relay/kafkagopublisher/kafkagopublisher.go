@@ -15,6 +15,7 @@ import (
 	"fmt"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/segmentio/kafka-go"
@@ -70,9 +71,146 @@ type Publisher struct {
 	free   []*kafka.Writer
 	all    []*kafka.Writer
 	closed bool
+
+	// partitions holds each topic's partition count, for Partition: looked
+	// up by Publish, beside its writes (one look at a time, ended by
+	// Close), for a topic not looked up in the last metadataMaxAge.
+	partitions sync.Map // topic → topicMeta
+	looking    sync.WaitGroup
+	lookingNow atomic.Bool
+	lookCtx    context.Context
+	stopLooks  context.CancelFunc
 }
 
-var _ relay.Publisher = (*Publisher)(nil)
+// topicMeta is what a metadata request said of a topic.
+type topicMeta struct {
+	partitions int
+	at         time.Time
+}
+
+// metadataMaxAge is how long a topic's partition count is trusted before it
+// is looked up again (partitions added): a stale count makes Partition
+// wrong for that long, which costs the relay time, never order.
+const metadataMaxAge = time.Minute
+
+var (
+	_ relay.Publisher         = (*Publisher)(nil)
+	_ relay.PartitionReporter = (*Publisher)(nil)
+)
+
+// Partition implements relay.PartitionReporter: the partition
+// kafka.Murmur2Balancer gives a record with key, among the topic's
+// partitions as last looked up by Publish. ok is false for a topic not
+// published to yet and for a record without a key (placed at random).
+// Safe for concurrent use.
+func (p *Publisher) Partition(topic string, key []byte) (int32, bool) {
+	v, ok := p.partitions.Load(topic)
+	if !ok || key == nil {
+		return 0, false
+	}
+	n := v.(topicMeta).partitions
+	if n <= 0 {
+		return 0, false
+	}
+	// kafka.Murmur2Balancer, over partitions 0..n-1 as the Writer passes them.
+	return int32((murmur2(key) & 0x7fffffff) % uint32(n)), true
+}
+
+// lookUp looks up the partition counts of topics not looked up in the last
+// metadataMaxAge: at once (bounded by ctx) if one was never looked up, else
+// beside the caller, unless a look is under way. A failed look is tried
+// again after metadataMaxAge for a topic looked up before, with the next
+// call for one never looked up.
+func (p *Publisher) lookUp(ctx context.Context, topics []string) {
+	var ask []string
+	now := time.Now()
+	never := false
+	for _, t := range topics {
+		v, ok := p.partitions.Load(t)
+		if !ok || now.Sub(v.(topicMeta).at) > metadataMaxAge {
+			ask = append(ask, t)
+			never = never || !ok
+		}
+	}
+	if len(ask) == 0 {
+		return
+	}
+	if never {
+		p.metadata(ctx, ask, now)
+		return
+	}
+	if !p.lookingNow.CompareAndSwap(false, true) {
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		p.lookingNow.Store(false)
+		return
+	}
+	for _, t := range ask {
+		if v, ok := p.partitions.Load(t); ok {
+			p.partitions.Store(t, topicMeta{partitions: v.(topicMeta).partitions, at: now})
+		}
+	}
+	p.looking.Add(1)
+	go func() {
+		defer p.looking.Done()
+		defer p.lookingNow.Store(false)
+		ctx, cancel := context.WithTimeout(p.lookCtx, 10*time.Second)
+		defer cancel()
+		p.metadata(ctx, ask, now)
+	}()
+}
+
+// metadata asks the cluster for topics' partition counts and records them.
+func (p *Publisher) metadata(ctx context.Context, topics []string, now time.Time) {
+	cl := &kafka.Client{Addr: p.addr, Transport: p.transport}
+	resp, err := cl.Metadata(ctx, &kafka.MetadataRequest{Addr: p.addr, Topics: topics})
+	if err != nil {
+		return
+	}
+	for _, t := range resp.Topics {
+		if t.Error == nil && len(t.Partitions) > 0 {
+			p.partitions.Store(t.Name, topicMeta{partitions: len(t.Partitions), at: now})
+		}
+	}
+}
+
+// murmur2 is the Java client's murmur2, as kafka.Murmur2Balancer has it.
+func murmur2(data []byte) uint32 {
+	const (
+		seed uint32 = 0x9747b28c
+		m    uint32 = 0x5bd1e995
+		r           = 24
+	)
+	length := len(data)
+	h := seed ^ uint32(length)
+	for i := 0; i+4 <= length; i += 4 {
+		k := uint32(data[i]) | uint32(data[i+1])<<8 | uint32(data[i+2])<<16 | uint32(data[i+3])<<24
+		k *= m
+		k ^= k >> r
+		k *= m
+		h *= m
+		h ^= k
+	}
+	tail := data[length&^3:]
+	switch len(tail) {
+	case 3:
+		h ^= uint32(tail[2]) << 16
+		fallthrough
+	case 2:
+		h ^= uint32(tail[1]) << 8
+		fallthrough
+	case 1:
+		h ^= uint32(tail[0])
+		h *= m
+	}
+	h ^= h >> 13
+	h *= m
+	h ^= h >> 15
+	return h
+}
 
 // New returns a Publisher for brokers. cfg may be nil.
 func New(brokers []string, cfg *Config) (*Publisher, error) {
@@ -143,7 +281,9 @@ func New(brokers []string, cfg *Config) (*Publisher, error) {
 			Transport:              c.Transport,
 		}
 	}
-	return &Publisher{own: own, batchBytes: c.BatchBytes, addr: addr, transport: c.Transport, newWriter: newWriter}, nil
+	lookCtx, stopLooks := context.WithCancel(context.Background())
+	return &Publisher{own: own, batchBytes: c.BatchBytes, addr: addr, transport: c.Transport, newWriter: newWriter,
+		lookCtx: lookCtx, stopLooks: stopLooks}, nil
 }
 
 // errClosed fails the records of a Publish call after Close.
@@ -204,6 +344,7 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 		}
 		byTopic[r.Topic] = append(byTopic[r.Topic], i)
 	}
+	p.lookUp(ctx, topics)
 	failedKeys := map[string]bool{}
 	for _, topic := range topics {
 		idx := byTopic[topic]
@@ -226,7 +367,7 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 				wave = append(wave, i)
 			}
 			idx = idx[n:]
-			publishWave(ctx, w, records, wave, errs)
+			p.publishByPartition(ctx, w, topic, records, wave, errs)
 			for _, i := range wave {
 				if errs[i] != nil && records[i].Key != nil && !isRefusal(errs[i]) {
 					failedKeys[string(records[i].Key)] = true
@@ -253,6 +394,42 @@ func sizeOf(r *relay.Record) int64 {
 func isRefusal(err error) bool {
 	return errors.Is(err, relay.ErrRecordTooLarge) || errors.Is(err, relay.ErrTopicForbidden) || errors.Is(err, relay.ErrTopicInvalid) ||
 		errors.Is(err, relay.ErrUnknownTopic) || errors.Is(err, relay.ErrRecordInvalid)
+}
+
+// publishByPartition writes a wave's records of topic with one
+// WriteMessages call per partition, at once: a call fails every record with
+// ctx's error when ctx ends before all its partitions answered, so one
+// partition that does not acknowledge must not fail its neighbours' records
+// (a relay holds back the keys of a partition that failed; see
+// relay.PartitionReporter). Records without a key, or of a topic whose
+// partitions are not known yet, go in one call. A key's records are all in
+// one call, in order.
+func (p *Publisher) publishByPartition(ctx context.Context, w *kafka.Writer, topic string, records []relay.Record, idx []int, errs []error) {
+	groups := map[int32][]int{}
+	var order []int32
+	for _, i := range idx {
+		part, ok := p.Partition(topic, records[i].Key)
+		if !ok {
+			part = -1
+		}
+		if _, seen := groups[part]; !seen {
+			order = append(order, part)
+		}
+		groups[part] = append(groups[part], i)
+	}
+	if len(order) <= 1 {
+		publishWave(ctx, w, records, idx, errs)
+		return
+	}
+	var wg sync.WaitGroup
+	for _, part := range order {
+		wg.Add(1)
+		go func(g []int) {
+			defer wg.Done()
+			publishWave(ctx, w, records, g, errs) // disjoint indexes of errs
+		}(groups[part])
+	}
+	wg.Wait()
 }
 
 func publishWave(ctx context.Context, w *kafka.Writer, records []relay.Record, idx []int, errs []error) {
@@ -340,6 +517,8 @@ func (p *Publisher) Close() error {
 	all := p.all
 	p.all, p.free, p.closed = nil, nil, true
 	p.mu.Unlock()
+	p.stopLooks()
+	p.looking.Wait()
 	var errs []error
 	for _, w := range all {
 		errs = append(errs, w.Close())

@@ -59,15 +59,33 @@ type Publisher struct {
 	cl    *kgo.Client
 	owned bool
 	once  sync.Once
-	// known holds the topics seen to exist. A record for any other topic
-	// is produced only once a metadata request says the topic exists:
-	// franz-go retries an unknown topic on its metadata refreshes (at most
-	// every MetadataMinAge, 5 s by default), and the round would wait for
-	// that while the other keys wait for the round.
-	known sync.Map // topic → struct{}
+	// known holds the topics seen to exist, with their partition count
+	// (for Partition). A record for any other topic is produced only once a
+	// metadata request says the topic exists: franz-go retries an unknown
+	// topic on its metadata refreshes (at most every MetadataMinAge, 5 s by
+	// default), and the round would wait for that while the other keys
+	// wait for the round. A topic looked up longer than metadataMaxAge ago
+	// is looked up again with the next Publish that carries it.
+	known sync.Map // topic → topicMeta
+	// partitioner is the client's, for Partition.
+	partitioner kgo.Partitioner
 }
 
-var _ relay.Publisher = (*Publisher)(nil)
+// topicMeta is what a metadata request said of a topic.
+type topicMeta struct {
+	partitions int
+	at         time.Time
+}
+
+// metadataMaxAge is how long a topic's partition count is trusted before it
+// is looked up again (partitions added): a stale count makes Partition
+// wrong for that long, which costs the relay time, never order.
+const metadataMaxAge = time.Minute
+
+var (
+	_ relay.Publisher         = (*Publisher)(nil)
+	_ relay.PartitionReporter = (*Publisher)(nil)
+)
 
 // New connects to brokers. cfg may be nil.
 func New(brokers []string, cfg *Config) (*Publisher, error) {
@@ -116,13 +134,40 @@ func New(brokers []string, cfg *Config) (*Publisher, error) {
 	if err != nil {
 		return nil, fmt.Errorf("kgopublisher: %w", err)
 	}
-	return &Publisher{cl: cl, owned: true}, nil
+	return newPublisher(cl, true), nil
+}
+
+func newPublisher(cl *kgo.Client, owned bool) *Publisher {
+	part, _ := cl.OptValue(kgo.RecordPartitioner).(kgo.Partitioner)
+	return &Publisher{cl: cl, owned: owned, partitioner: part}
 }
 
 // NewFromClient publishes through a client you configured. Keep it
 // idempotent with acks=all and murmur2 partitioning, or the relay's ordering
 // promise weakens. Close does not close a client passed here.
-func NewFromClient(cl *kgo.Client) *Publisher { return &Publisher{cl: cl} }
+func NewFromClient(cl *kgo.Client) *Publisher { return newPublisher(cl, false) }
+
+// Partition implements relay.PartitionReporter: the partition the client's
+// partitioner gives a record with key, among the topic's partitions as last
+// looked up by Publish. ok is false for a topic not published to yet and
+// for a record the partitioner does not place by its key alone (no key).
+// Safe for concurrent use.
+func (p *Publisher) Partition(topic string, key []byte) (int32, bool) {
+	v, ok := p.known.Load(topic)
+	if !ok || p.partitioner == nil {
+		return 0, false
+	}
+	n := v.(topicMeta).partitions
+	if n <= 0 {
+		return 0, false
+	}
+	tp := p.partitioner.ForTopic(topic)
+	rec := &kgo.Record{Topic: topic, Key: key}
+	if !tp.RequiresConsistency(rec) {
+		return 0, false
+	}
+	return int32(tp.Partition(rec, n)), true
+}
 
 // Publish produces records and waits for every acknowledgement, or for ctx.
 func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error {
@@ -199,15 +244,24 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 }
 
 // unknownTopics asks the cluster, in one metadata request, about the topics
-// of records not known to exist yet, and returns those it says do not. If
-// the request fails, it returns none: the produce finds out itself.
+// of records not known to exist yet (or looked up more than metadataMaxAge
+// ago), and returns those it says do not. If the request fails, it returns
+// none: the produce finds out itself.
 func (p *Publisher) unknownTopics(ctx context.Context, records []relay.Record) map[string]error {
 	var ask []string
+	now := time.Now()
 	for i := range records {
 		t := records[i].Topic
-		if _, ok := p.known.Load(t); !ok && !slices.Contains(ask, t) {
-			ask = append(ask, t)
+		v, ok := p.known.Load(t)
+		if ok && now.Sub(v.(topicMeta).at) <= metadataMaxAge || slices.Contains(ask, t) {
+			continue
 		}
+		if ok {
+			// Ask again in a minute if this look fails (an outage):
+			// not on every call until it answers.
+			p.known.Store(t, topicMeta{partitions: v.(topicMeta).partitions, at: now})
+		}
+		ask = append(ask, t)
 	}
 	if len(ask) == 0 {
 		return nil
@@ -230,8 +284,9 @@ func (p *Publisher) unknownTopics(ctx context.Context, records []relay.Record) m
 		}
 		switch err := kerr.ErrorForCode(t.ErrorCode); {
 		case err == nil:
-			p.known.Store(*t.Topic, struct{}{})
+			p.known.Store(*t.Topic, topicMeta{partitions: len(t.Partitions), at: now})
 		case errors.Is(err, kerr.UnknownTopicOrPartition):
+			p.known.Delete(*t.Topic)
 			if out == nil {
 				out = map[string]error{}
 			}

@@ -20,6 +20,8 @@ type Observer struct {
 	published    prometheus.Counter
 	failed       prometheus.Counter
 	timedOut     prometheus.Counter
+	heldBack     prometheus.Counter
+	sick         prometheus.Gauge
 	deadLettered prometheus.Counter
 	notDeleted   prometheus.Counter
 	ownedShards  prometheus.Gauge
@@ -39,6 +41,8 @@ func NewObserver(reg prometheus.Registerer) *Observer {
 		published:    prometheus.NewCounter(prometheus.CounterOpts{Name: "onceflow_relay_published_total", Help: "Events acknowledged by Kafka and removed from the outbox."}),
 		failed:       prometheus.NewCounter(prometheus.CounterOpts{Name: "onceflow_relay_failures_total", Help: "Event publish attempts that failed with a passing error and will be retried."}),
 		timedOut:     prometheus.NewCounter(prometheus.CounterOpts{Name: "onceflow_relay_publish_timeouts_total", Help: "Event publish attempts not acknowledged within the publish timeout (also counted in failures); the key is retried beside the others."}),
+		heldBack:     prometheus.NewCounter(prometheus.CounterOpts{Name: "onceflow_relay_sick_partition_held_back_total", Help: "Events not sent in a round because their key's partition is marked sick (also counted in failures); one probe retries the partition."}),
+		sick:         prometheus.NewGauge(prometheus.GaugeOpts{Name: "onceflow_relay_sick_partitions", Help: "Partitions marked sick: a record sent there was not acknowledged (in time, or with a passing error) and none since."}),
 		deadLettered: prometheus.NewCounter(prometheus.CounterOpts{Name: "onceflow_relay_dead_lettered_total", Help: "Events Kafka refused for good, moved to outbox_dead."}),
 		notDeleted:   prometheus.NewCounter(prometheus.CounterOpts{Name: "onceflow_relay_ownership_lost_total", Help: "Published events left for the new shard owner after this relay lost ownership mid-round."}),
 		ownedShards:  prometheus.NewGauge(prometheus.GaugeOpts{Name: "onceflow_relay_owned_shards", Help: "Shards this relay owns."}),
@@ -46,7 +50,7 @@ func NewObserver(reg prometheus.Registerer) *Observer {
 		lagSeconds:   prometheus.NewHistogram(prometheus.HistogramOpts{Name: "onceflow_relay_oldest_published_age_seconds", Help: "Age of the oldest event in each round at publish time.", Buckets: prometheus.ExponentialBuckets(0.001, 2, 18)}),
 		dwellSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "onceflow_outbox_dwell_seconds", Help: "Time each published event spent in the outbox, from its write to Kafka's acknowledgement.", Buckets: prometheus.ExponentialBuckets(0.001, 2, 18)}),
 	}
-	reg.MustRegister(o.published, o.failed, o.timedOut, o.deadLettered, o.notDeleted, o.ownedShards, o.roundSeconds, o.lagSeconds, o.dwellSeconds)
+	reg.MustRegister(o.published, o.failed, o.timedOut, o.heldBack, o.sick, o.deadLettered, o.notDeleted, o.ownedShards, o.roundSeconds, o.lagSeconds, o.dwellSeconds)
 	return o
 }
 
@@ -55,6 +59,8 @@ func (o *Observer) ObserveBatch(s relay.BatchStats) {
 	o.published.Add(float64(s.Published))
 	o.failed.Add(float64(s.Failed))
 	o.timedOut.Add(float64(s.TimedOut))
+	o.heldBack.Add(float64(s.HeldBack))
+	o.sick.Set(float64(s.SickPartitions))
 	o.deadLettered.Add(float64(s.DeadLettered))
 	o.notDeleted.Add(float64(s.NotDeleted))
 	o.roundSeconds.Observe(s.Duration.Seconds())

@@ -34,6 +34,7 @@ func TestMetricsReadTheOutboxAndPassPromlint(t *testing.T) {
 	reg.MustRegister(relayprom.NewBacklogCollector(pool, schema, nil))
 	obs.ObserveShards(3)
 	obs.ObserveBatch(relay.BatchStats{Published: 2, Duration: time.Millisecond, OldestCreatedAt: time.Now()})
+	obs.ObserveBatch(relay.BatchStats{Failed: 4, HeldBack: 4, SickPartitions: 1, Duration: time.Millisecond})
 
 	want := `
 # HELP onceflow_outbox_backlog_estimated_shards Shards this relay owns whose onceflow_outbox_backlog is an estimate.
@@ -60,11 +61,17 @@ onceflow_relay_owned_shards 3
 # HELP onceflow_relay_published_total Events acknowledged by Kafka and removed from the outbox.
 # TYPE onceflow_relay_published_total counter
 onceflow_relay_published_total 2
+# HELP onceflow_relay_sick_partition_held_back_total Events not sent in a round because their key's partition is marked sick (also counted in failures); one probe retries the partition.
+# TYPE onceflow_relay_sick_partition_held_back_total counter
+onceflow_relay_sick_partition_held_back_total 4
+# HELP onceflow_relay_sick_partitions Partitions marked sick: a record sent there was not acknowledged (in time, or with a passing error) and none since.
+# TYPE onceflow_relay_sick_partitions gauge
+onceflow_relay_sick_partitions 1
 `
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(want),
 		"onceflow_outbox_backlog_events", "onceflow_outbox_backlog_estimated_shards", "onceflow_outbox_dead_events", "onceflow_outbox_max_attempts",
 		"onceflow_outbox_scrape_ok", "onceflow_outbox_unowned_shards", "onceflow_relay_owned_shards",
-		"onceflow_relay_published_total"); err != nil {
+		"onceflow_relay_published_total", "onceflow_relay_sick_partition_held_back_total", "onceflow_relay_sick_partitions"); err != nil {
 		t.Fatal(err)
 	}
 	if n := testutil.CollectAndCount(reg, "onceflow_outbox_backlog"); n != relay.NumShards {

@@ -231,6 +231,51 @@ func RunPublisherConformance(t *testing.T, newPublisher NewPublisher) {
 		}
 	})
 
+	// A publisher that reports partitions (relay.PartitionReporter, which
+	// the relay uses to hold back the keys of a partition that does not
+	// acknowledge in time) reports, once it has published to a topic, the
+	// partition each keyed record lands in; never one for a keyless record.
+	t.Run("ReportsThePartitionOfAKey", func(t *testing.T) {
+		t.Parallel()
+		k, p := setup(t)
+		rep, ok := p.(relay.PartitionReporter)
+		if !ok {
+			t.Logf("%T does not implement relay.PartitionReporter: the relay learns a sick partition one key at a time", p)
+			return
+		}
+		const partitions = 5
+		topic := k.Topic(t, partitions)
+		if _, ok := rep.Partition(topic, []byte("k")); ok {
+			t.Fatal("a partition was reported for a topic never published to")
+		}
+		var recs []relay.Record
+		for i := range 50 {
+			recs = append(recs, relay.Record{Topic: topic, Key: []byte(fmt.Sprint("key-", i)), Value: []byte(fmt.Sprint(i))})
+		}
+		requireAllAcked(t, p.Publish(ctx(t), recs))
+		// The publisher may look the topic up beside the call.
+		deadline := time.Now().Add(30 * time.Second)
+		for {
+			if _, ok := rep.Partition(topic, []byte("key-0")); ok {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatal("no partition reported 30s after publishing to the topic")
+			}
+			requireAllAcked(t, p.Publish(ctx(t), recs[:1]))
+			time.Sleep(20 * time.Millisecond)
+		}
+		for _, r := range k.ReadAll(t, topic, len(recs), 30*time.Second) {
+			got, ok := rep.Partition(topic, r.Key)
+			if !ok || got != r.Partition || got != JavaPartition(r.Key, partitions) {
+				t.Fatalf("key %s landed in partition %d (Java's murmur2: %d); reported %d, %v", r.Key, r.Partition, JavaPartition(r.Key, partitions), got, ok)
+			}
+		}
+		if _, ok := rep.Partition(topic, nil); ok {
+			t.Fatal("a partition was reported for a keyless record, which the partitioner places as it goes")
+		}
+	})
+
 	t.Run("CanceledContextReturns", func(t *testing.T) {
 		t.Parallel()
 		k, p := setup(t)
