@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"fmt"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -52,7 +53,7 @@ FROM generate_series(1, 1000000) g`); err != nil {
 		st.maxBytes = 16 << 20
 		old := oldClaimSQL(outbox)
 		fmt.Printf("\nclaim of 1,000 events on a 1M backlog (300k of one key first), median of 21 (ms):\n")
-		fmt.Printf("  %-58s %8s %8s\n", "case", "new", "before")
+		fmt.Printf("  %-58s %8s %8s  %s\n", "case", "new", "before", "buffers per statement (new)")
 		for _, c := range []struct {
 			name    string
 			shards  []int16
@@ -98,7 +99,11 @@ FROM generate_series(1, 1000000) g`); err != nil {
 			}
 			slices.Sort(newTimes)
 			slices.Sort(oldTimes)
-			fmt.Printf("  %-58s %8.2f %8.2f\n", c.name, newTimes[len(newTimes)/2], oldTimes[len(oldTimes)/2])
+			var buffers []string
+			for _, stmt := range st.claimStatements(c.shards, 1000, c.blocked, nil) {
+				buffers = append(buffers, fmt.Sprint(topBuffers(explainGeneric(b, stmt))))
+			}
+			fmt.Printf("  %-58s %8.2f %8.2f  %s\n", c.name, newTimes[len(newTimes)/2], oldTimes[len(oldTimes)/2], strings.Join(buffers, " + "))
 		}
 	}
 }

@@ -45,11 +45,15 @@ type store struct {
 	// than that goes alone); 0 means no bound.
 	maxBytes int64
 
-	claimAllSQL      [2]string // every shard owned, none blocked: [excluded ids form one run]
-	claimShards      []int16   // the shards claimShardsSQL reads (sorted)
-	claimShardsSQL   string    // the other shards, one index range each
-	claimInner       int       // claimShardsSQL's limits
-	claimLimit       int
+	claimAllSQL    [2]string // every shard owned, none blocked: [excluded ids form one run]
+	claimShards    []int16   // the shards claimShardsSQL reads (sorted)
+	claimShardsSQL string    // the other shards, one index range each
+	claimInner     int       // claimShardsSQL's limits
+	claimLimit     int
+	// sweep is, per shard holding blocked keys, the key hash its next read
+	// starts from (nil: the shard's start); see claimBlockedQuery.
+	sweep            map[int16][]byte
+	sweepLast        map[int16][]byte // scratch for advanceSweeps
 	markSQL          string
 	deleteSQL        string
 	deleteOwnedSQL   string
@@ -86,6 +90,8 @@ func newStore(pool *pgxpool.Pool, schema string) *store {
 	return &store{
 		pool:        pool,
 		outbox:      outbox,
+		sweep:       map[int16][]byte{},
+		sweepLast:   map[int16][]byte{},
 		claimAllSQL: [2]string{claimAllQuery(outbox, false), claimAllQuery(outbox, true)},
 		// The span of ids (and the shards) of a round about to be
 		// published: one small row, not one write per event. If the relay
@@ -196,9 +202,13 @@ FROM crashed c WHERE o.id BETWEEN c.lo AND c.hi AND o.shard = ANY(c.shards)`,
 //     the first 8 bytes of the same sha256 the shard comes from (its first
 //     byte is the shard): the key-hash ranges between the blocked keys' hashes,
 //     plus each blocked key's events before its failed one, so a key stuck
-//     with 300,000 events is never walked (claimBlockedQuery). Another key
-//     sharing a blocked key's 8-byte hash waits with it: held back, never
-//     reordered.
+//     with 300,000 events is never walked (claimBlockedQuery). The ranges
+//     are read in index order, (key hash, id), only as far as the round
+//     needs, starting where the shard's last claim stopped (a sweep over
+//     the key hashes, so every key gets its turn), instead of reading the
+//     whole shard and sorting it by id. Each key's events still come in id
+//     order. Another key sharing a blocked key's 8-byte hash waits with
+//     it: held back, never reordered.
 //
 // Excluded ids are a NOT IN list ($1), which PostgreSQL runs as a hashed
 // subplan whatever the plan ("= ANY($array)" becomes a linear search per
@@ -263,27 +273,111 @@ LIMIT %d`, inner, limit)
 	return b.String()
 }
 
-// claimBlockedQuery reads the shards holding blocked keys: the key-hash
-// ranges [lo[i], hi[i]) between blocked keys, and each blocked key hash
-// hashes[i] below its first held-back id firstIDs[i]. Ranges and ids are
-// literals (they change only when a key blocks or is retried), so the plan
-// is estimated from the index's statistics rather than a generic guess that
-// each range holds a ninth of the table. The ranges come in key-hash order:
-// the rows read are sorted, as many as the blocked shards hold besides the
-// blocked keys' held-back events.
-func claimBlockedQuery(outbox string, lo, hi, hashes [][]byte, firstIDs []int64, limit int) string {
+// segment is one index range of outbox_key_hash_idx in a shard holding
+// blocked keys: the key hashes in [lo, hi), or (eq set) the hash eq below
+// the id before (a blocked key's events ahead of its failed one).
+type segment struct {
+	lo, hi, eq []byte
+	before     int64
+}
+
+// at is where the segment starts in key-hash order.
+func (g segment) at() []byte {
+	if g.eq != nil {
+		return g.eq
+	}
+	return g.lo
+}
+
+// blockedSegments returns, for each shard holding blocked keys, its
+// segments in key-hash order: the ranges between the blocked keys' hashes,
+// and each blocked hash below the id its key is held back from. Another key
+// sharing a blocked key's 8-byte hash waits with it: held back, never
+// reordered.
+func blockedSegments(blocked []keyBlock) map[int16][]segment {
+	held := map[string]int64{} // hash -> lowest held-back id
+	for _, b := range blocked {
+		h := string(keyHash(b.key))
+		if id, ok := held[h]; !ok || b.firstID < id {
+			held[h] = b.firstID
+		}
+	}
+	out := map[int16][]segment{}
+	sorted := slices.Sorted(maps.Keys(held))
+	for i, h := range sorted {
+		sh := h[0]
+		lo := []byte{sh}
+		if i > 0 && sorted[i-1][0] == sh {
+			lo = []byte(sorted[i-1] + "\x00")
+		}
+		segs := append(out[int16(sh)],
+			segment{lo: lo, hi: []byte(h)},
+			segment{eq: []byte(h), before: held[h]})
+		if i == len(sorted)-1 || sorted[i+1][0] != sh { // last of its shard
+			hi := []byte{sh + 1}
+			if sh == 0xff {
+				hi = bytes.Repeat([]byte{0xff}, 9)
+			}
+			segs = append(segs, segment{lo: []byte(h + "\x00"), hi: hi})
+		}
+		out[int16(sh)] = segs
+	}
+	return out
+}
+
+// rotate returns segs (in key-hash order) starting at the key hash from,
+// wrapping around: the range holding from is split there.
+func rotate(segs []segment, from []byte) []segment {
+	if from == nil {
+		return segs
+	}
+	var after, before []segment
+	for _, g := range segs {
+		switch {
+		case bytes.Compare(g.at(), from) >= 0:
+			after = append(after, g)
+		case g.eq != nil || bytes.Compare(g.hi, from) <= 0:
+			before = append(before, g)
+		default: // lo < from < hi
+			after = append(after, segment{lo: from, hi: g.hi})
+			before = append(before, segment{lo: g.lo, hi: from})
+		}
+	}
+	// A segment starting at from goes first even if it is the blocked hash.
+	return append(after, before...)
+}
+
+// claimBlockedQuery reads the shards holding blocked keys: for each, its
+// segments from that shard's sweep position on (rotated), each in index
+// order of outbox_key_hash_idx, (key hash, id), so a shard stops reading
+// once it has inner events: a key stuck with 300,000 events is never
+// walked, and neither are the other events of its shard beyond the round.
+// Each key's events come in id order, so the events read of each key are a
+// prefix of its pending ones, whatever the cut. Ranges and ids are
+// literals (they change only when a key blocks or is retried, and as the
+// sweep moves), so the plan is estimated from the index's statistics
+// rather than a generic guess.
+func claimBlockedQuery(outbox string, shards [][]segment, inner, limit int) string {
 	var b strings.Builder
 	b.WriteString(`SELECT * FROM (`)
-	for i := range lo {
+	for i, segs := range shards {
 		if i > 0 {
 			b.WriteString(`
 UNION ALL `)
 		}
-		fmt.Fprintf(&b, `SELECT `+claimColumns+` FROM %s o WHERE `+keyHashSQL+` >= '\x%x'::bytea AND `+keyHashSQL+` < '\x%x'::bytea`, outbox, lo[i], hi[i])
-	}
-	for i := range hashes {
-		fmt.Fprintf(&b, `
-UNION ALL SELECT `+claimColumns+` FROM %s o WHERE `+keyHashSQL+` = '\x%x'::bytea AND o.id < %d`, outbox, hashes[i], firstIDs[i])
+		b.WriteString(`(SELECT * FROM (`)
+		for j, g := range segs {
+			if j > 0 {
+				b.WriteString(`
+    UNION ALL `)
+			}
+			if g.eq != nil {
+				fmt.Fprintf(&b, `(SELECT `+claimColumns+` FROM %s o WHERE `+keyHashSQL+` = '\x%x'::bytea AND o.id < %d ORDER BY `+keyHashSQL+`, o.id LIMIT %d)`, outbox, g.eq, g.before, inner)
+			} else {
+				fmt.Fprintf(&b, `(SELECT `+claimColumns+` FROM %s o WHERE `+keyHashSQL+` >= '\x%x'::bytea AND `+keyHashSQL+` < '\x%x'::bytea ORDER BY `+keyHashSQL+`, o.id LIMIT %d)`, outbox, g.lo, g.hi, inner)
+			}
+		}
+		fmt.Fprintf(&b, `) AS s LIMIT %d)`, inner)
 	}
 	fmt.Fprintf(&b, `
 ) AS m
@@ -293,46 +387,59 @@ LIMIT %d`, limit)
 	return b.String()
 }
 
-// keyHash is keyHashSQL for a key (never nil: blocked keyless events are
-// excluded by id).
+// keyHash is keyHashSQL for a key (or a keyless event's uuid bytes).
 func keyHash(key []byte) []byte {
 	h := sha256.Sum256(key)
 	return h[:8]
 }
 
-// blockedRanges returns, for the shards holding blocked keys, the key-hash
-// ranges to read ([lo, hi)) and each blocked hash with the id its key is
-// held back from.
-func blockedRanges(blocked []keyBlock) (lo, hi, hashes [][]byte, firstIDs []int64, shards []int16) {
-	held := map[string]int64{} // hash -> lowest held-back id
-	for _, b := range blocked {
-		h := string(keyHash(b.key))
-		if id, ok := held[h]; !ok || b.firstID < id {
-			held[h] = b.firstID
+// eventHash is keyHashSQL for an event.
+func eventHash(e *pendingEvent) []byte {
+	if e.key != nil {
+		return keyHash(e.key)
+	}
+	var u [16]byte
+	_, _ = hex.Decode(u[:], bytes.ReplaceAll(e.eventID, []byte("-"), nil))
+	return keyHash(u[:])
+}
+
+// advanceSweeps moves the sweep of each blocked shard the round took events
+// from to the last key hash it took, in the order the shard was read
+// (from its sweep position on, wrapping around): the next claim goes on
+// from that key (its events not taken yet) and the keys after it, so over
+// rounds every key of the shard gets its turn.
+func (s *store) advanceSweeps(events []pendingEvent) {
+	if len(s.sweep) == 0 {
+		return
+	}
+	for i := range events {
+		h := eventHash(&events[i])
+		sh := int16(h[0])
+		from, ok := s.sweep[sh]
+		if !ok {
+			continue
+		}
+		last := s.sweepLast[sh]
+		if last == nil || sweepOrder(h, last, from) > 0 {
+			s.sweepLast[sh] = h
 		}
 	}
-	sorted := slices.Sorted(maps.Keys(held))
-	for i, h := range sorted {
-		sh := h[0]
-		if i == 0 || sorted[i-1][0] != sh { // first blocked hash of its shard
-			shards = append(shards, int16(sh))
-			lo = append(lo, []byte{sh})
-		} else {
-			lo = append(lo, []byte(sorted[i-1]+"\x00"))
-		}
-		hi = append(hi, []byte(h))
-		hashes = append(hashes, []byte(h))
-		firstIDs = append(firstIDs, held[h])
-		if i == len(sorted)-1 || sorted[i+1][0] != sh { // last of its shard
-			lo = append(lo, []byte(h+"\x00"))
-			if sh == 0xff {
-				hi = append(hi, bytes.Repeat([]byte{0xff}, 9))
-			} else {
-				hi = append(hi, []byte{sh + 1})
-			}
-		}
+	for sh, h := range s.sweepLast {
+		s.sweep[sh] = h
+		delete(s.sweepLast, sh)
 	}
-	return lo, hi, hashes, firstIDs, shards
+}
+
+// sweepOrder compares key hashes a and b in a sweep starting at from.
+func sweepOrder(a, b, from []byte) int {
+	aw, bw := bytes.Compare(a, from) < 0, bytes.Compare(b, from) < 0
+	if aw != bw {
+		if aw {
+			return 1
+		}
+		return -1
+	}
+	return bytes.Compare(a, b)
 }
 
 // keyBlock keeps a key's later events back while its failed event waits.
@@ -376,7 +483,7 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 			return nil, err
 		}
 	}
-	if len(stmts) > 1 {
+	if len(stmts) > 1 || len(blockedKeys) > 0 {
 		slices.SortFunc(out, func(a, b pendingEvent) int { return cmp.Compare(a.id, b.id) })
 		if len(out) > limit {
 			out = out[:limit]
@@ -391,6 +498,7 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 			}
 		}
 	}
+	s.advanceSweeps(out)
 	if len(out) > 0 {
 		k := keyOf(out)
 		if _, err := s.pool.Exec(ctx, s.markSQL, owner, k.lo, k.hi, shards); err != nil {
@@ -408,24 +516,37 @@ type statement struct {
 
 // claimStatements returns the one or two reads of a claim (see claimAllQuery).
 func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBlock, excluded []int64) []statement {
-	var lo, hi, hashes [][]byte
-	var firstIDs []int64
-	var blockedShards []int16
+	var segs map[int16][]segment
 	if len(blockedKeys) > 0 {
-		lo, hi, hashes, firstIDs, blockedShards = blockedRanges(blockedKeys)
+		segs = blockedSegments(blockedKeys)
 	}
 	free := shards
-	if len(blockedShards) > 0 {
+	var blockedShards []int16 // owned
+	if len(segs) > 0 {
 		free = make([]int16, 0, len(shards))
 		for _, sh := range shards {
-			if _, found := slices.BinarySearch(blockedShards, sh); !found {
+			if _, found := segs[sh]; found {
+				blockedShards = append(blockedShards, sh)
+			} else {
 				free = append(free, sh)
 			}
+		}
+	}
+	for sh := range s.sweep {
+		if _, found := slices.BinarySearch(blockedShards, sh); !found {
+			delete(s.sweep, sh)
 		}
 	}
 	if excluded == nil {
 		excluded = []int64{}
 	}
+	// Room for the excluded ids: at least two rounds' worth (a read-ahead
+	// leaves out the round in flight and the one being recorded), more
+	// rounded up to a power of two. One text for a fresh read and a
+	// read-ahead alike: each text is prepared, and planned five times
+	// before its generic plan, on every pool connection (a 64-shard plan
+	// costs 10-15 ms); the LIMITs cost nothing when not reached.
+	inner := limit + 1<<bits.Len(uint(max(len(excluded), 2*limit)-1))
 	var out []statement
 	switch {
 	case len(free) == NumShards:
@@ -435,14 +556,6 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 			out = append(out, statement{s.claimAllSQL[0], []any{excluded, limit}})
 		}
 	case len(free) > 0:
-		// Room for the excluded ids: at least two rounds' worth (a
-		// read-ahead leaves out the round in flight and the one being
-		// recorded), more rounded up to a power of two. One text for a
-		// fresh read and a read-ahead alike: each text is prepared, and
-		// planned five times before its generic plan, on every pool
-		// connection (a 64-shard plan costs 10-15 ms); the LIMITs cost
-		// nothing when not reached.
-		inner := limit + 1<<bits.Len(uint(max(len(excluded), 2*limit)-1))
 		if !slices.Equal(free, s.claimShards) || inner != s.claimInner || limit != s.claimLimit {
 			s.claimShards, s.claimInner, s.claimLimit = slices.Clone(free), inner, limit
 			s.claimShardsSQL = claimShardsQuery(s.outbox, free, inner, limit)
@@ -450,23 +563,15 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 		out = append(out, statement{s.claimShardsSQL, []any{excluded}})
 	}
 	if len(blockedShards) > 0 {
-		// Only the owned ones.
-		var ownedLo, ownedHi [][]byte
-		for i := range lo {
-			if _, found := slices.BinarySearch(shards, int16(lo[i][0])); found {
-				ownedLo, ownedHi = append(ownedLo, lo[i]), append(ownedHi, hi[i])
+		read := make([][]segment, len(blockedShards))
+		for i, sh := range blockedShards {
+			from, ok := s.sweep[sh]
+			if !ok {
+				s.sweep[sh] = nil
 			}
+			read[i] = rotate(segs[sh], from)
 		}
-		var ownedHashes [][]byte
-		var ownedFirst []int64
-		for i := range hashes {
-			if _, found := slices.BinarySearch(shards, int16(hashes[i][0])); found {
-				ownedHashes, ownedFirst = append(ownedHashes, hashes[i]), append(ownedFirst, firstIDs[i])
-			}
-		}
-		if len(ownedLo) > 0 {
-			out = append(out, statement{claimBlockedQuery(s.outbox, ownedLo, ownedHi, ownedHashes, ownedFirst, limit), []any{excluded}})
-		}
+		out = append(out, statement{claimBlockedQuery(s.outbox, read, inner, limit), []any{excluded}})
 	}
 	if s.maxBytes > 0 {
 		for i := range out {
