@@ -142,6 +142,11 @@ func explainGeneric(t testing.TB, stmt statement) string {
 	if _, err := tx.Exec(ctx, `SET LOCAL plan_cache_mode = force_generic_plan`); err != nil {
 		t.Fatal(err)
 	}
+	if stmt.noBitmap { // as claim runs it
+		if _, err := tx.Exec(ctx, `SET LOCAL enable_bitmapscan = off`); err != nil {
+			t.Fatal(err)
+		}
+	}
 	if _, err := tx.Exec(ctx, `PREPARE claim AS `+stmt.sql); err != nil {
 		t.Fatal(err)
 	}

@@ -350,14 +350,16 @@ func rotate(segs []segment, from []byte) []segment {
 // claimBlockedQuery reads the shards holding blocked keys: for each, its
 // segments from that shard's sweep position on (rotated), each in index
 // order of outbox_key_hash_idx, (key hash, id), so a shard stops reading
-// once it has inner events: a key stuck with 300,000 events is never
+// once it has limit events (it runs with bitmap scans off: a bitmap scan
+// cannot stop early, and where the planner guesses a range small it would
+// read the range whole and sort it): a key stuck with 300,000 events is never
 // walked, and neither are the other events of its shard beyond the round.
 // Each key's events come in id order, so the events read of each key are a
 // prefix of its pending ones, whatever the cut. Ranges and ids are
 // literals (they change only when a key blocks or is retried, and as the
 // sweep moves), so the plan is estimated from the index's statistics
 // rather than a generic guess.
-func claimBlockedQuery(outbox string, shards [][]segment, inner, limit int) string {
+func claimBlockedQuery(outbox string, shards [][]segment, limit int) string {
 	var b strings.Builder
 	b.WriteString(`SELECT * FROM (`)
 	for i, segs := range shards {
@@ -372,20 +374,23 @@ UNION ALL `)
     UNION ALL `)
 			}
 			if g.eq != nil {
-				fmt.Fprintf(&b, `(SELECT `+claimColumns+` FROM %s o WHERE `+keyHashSQL+` = '\x%x'::bytea AND o.id < %d ORDER BY `+keyHashSQL+`, o.id LIMIT %d)`, outbox, g.eq, g.before, inner)
+				fmt.Fprintf(&b, `(SELECT `+claimColumns+` FROM %s o WHERE `+keyHashSQL+` = '\x%x'::bytea AND o.id < %d AND `+notExcluded+` ORDER BY `+keyHashSQL+`, o.id LIMIT %d)`, outbox, g.eq, g.before, limit)
 			} else {
-				fmt.Fprintf(&b, `(SELECT `+claimColumns+` FROM %s o WHERE `+keyHashSQL+` >= '\x%x'::bytea AND `+keyHashSQL+` < '\x%x'::bytea ORDER BY `+keyHashSQL+`, o.id LIMIT %d)`, outbox, g.lo, g.hi, inner)
+				fmt.Fprintf(&b, `(SELECT `+claimColumns+` FROM %s o WHERE `+keyHashSQL+` >= '\x%x'::bytea AND `+keyHashSQL+` < '\x%x'::bytea AND `+notExcluded+` ORDER BY `+keyHashSQL+`, o.id LIMIT %d)`, outbox, g.lo, g.hi, limit)
 			}
 		}
-		fmt.Fprintf(&b, `) AS s LIMIT %d)`, inner)
+		fmt.Fprintf(&b, `) AS s LIMIT %d)`, limit)
 	}
 	fmt.Fprintf(&b, `
 ) AS m
-WHERE m.id NOT IN (SELECT unnest($1::bigint[]))
 ORDER BY m.id
 LIMIT %d`, limit)
 	return b.String()
 }
+
+// notExcluded leaves out the excluded ids ($1) inside each key-hash range,
+// before its limit: a hashed subplan per range (a few per blocked shard).
+const notExcluded = `o.id NOT IN (SELECT unnest($1::bigint[]))`
 
 // keyHash is keyHashSQL for a key (or a keyless event's uuid bytes).
 func keyHash(key []byte) []byte {
@@ -472,6 +477,14 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 	var out []pendingEvent
 	b := &pgx.Batch{}
 	for _, st := range stmts {
+		if st.noBitmap {
+			// Local to the batch's implicit transaction: the next
+			// statements are planned with it, and it ends with the batch.
+			b.Queue(`SELECT set_config('enable_bitmapscan', 'off', true)`)
+			break
+		}
+	}
+	for _, st := range stmts {
 		b.Queue(st.sql, st.args...).Query(func(rows pgx.Rows) error {
 			var err error
 			out, err = scanEvents(rows, out)
@@ -512,6 +525,8 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 type statement struct {
 	sql  string
 	args []any
+	// noBitmap: plan it with enable_bitmapscan off (see claimBlockedQuery).
+	noBitmap bool
 }
 
 // claimStatements returns the one or two reads of a claim (see claimAllQuery).
@@ -551,16 +566,16 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 	switch {
 	case len(free) == NumShards:
 		if runLo, runHi, ok := oneRun(excluded); ok {
-			out = append(out, statement{s.claimAllSQL[1], []any{runLo, limit, runHi}})
+			out = append(out, statement{sql: s.claimAllSQL[1], args: []any{runLo, limit, runHi}})
 		} else {
-			out = append(out, statement{s.claimAllSQL[0], []any{excluded, limit}})
+			out = append(out, statement{sql: s.claimAllSQL[0], args: []any{excluded, limit}})
 		}
 	case len(free) > 0:
 		if !slices.Equal(free, s.claimShards) || inner != s.claimInner || limit != s.claimLimit {
 			s.claimShards, s.claimInner, s.claimLimit = slices.Clone(free), inner, limit
 			s.claimShardsSQL = claimShardsQuery(s.outbox, free, inner, limit)
 		}
-		out = append(out, statement{s.claimShardsSQL, []any{excluded}})
+		out = append(out, statement{sql: s.claimShardsSQL, args: []any{excluded}})
 	}
 	if len(blockedShards) > 0 {
 		read := make([][]segment, len(blockedShards))
@@ -571,7 +586,7 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 			}
 			read[i] = rotate(segs[sh], from)
 		}
-		out = append(out, statement{claimBlockedQuery(s.outbox, read, inner, limit), []any{excluded}})
+		out = append(out, statement{sql: claimBlockedQuery(s.outbox, read, limit), args: []any{excluded}, noBitmap: true})
 	}
 	if s.maxBytes > 0 {
 		for i := range out {
