@@ -104,6 +104,9 @@ FROM generate_series(1, 1000000) g`); err != nil {
 				buffers = append(buffers, fmt.Sprint(topBuffers(explainGeneric(b, stmt))))
 			}
 			fmt.Printf("  %-58s %8.2f %8.2f  %s\n", c.name, newTimes[len(newTimes)/2], oldTimes[len(oldTimes)/2], strings.Join(buffers, " + "))
+			if len(c.blocked) > 0 {
+				blockedShardReads(b, st, c.shards, c.blocked)
+			}
 		}
 	}
 }
@@ -120,4 +123,59 @@ WHERE o.shard NOT IN (SELECT unnest($1::smallint[]))
   AND o.id NOT IN (SELECT unnest($3::bigint[]))
 ORDER BY o.id
 LIMIT $2`
+}
+
+// blockedShardReads times the read of the shards holding blocked keys alone
+// (median of 21, alternating): by key hash as far as the round needs, as
+// claim does, and read whole and sorted by id, as it did before (the same
+// key-hash ranges without limits), and prints both with their buffers.
+func blockedShardReads(b *testing.B, st *store, shards []int16, blocked []keyBlock) {
+	ctx := context.Background()
+	stmts := st.claimStatements(shards, 1000, blocked, nil)
+	sweep := stmts[len(stmts)-1]
+	segs := blockedSegments(blocked)
+	var parts []string
+	for _, sh := range shards {
+		for _, g := range segs[sh] {
+			if g.eq != nil {
+				parts = append(parts, fmt.Sprintf(`SELECT `+claimColumns+` FROM %s o WHERE `+keyHashSQL+` = '\x%x'::bytea AND o.id < %d`, st.outbox, g.eq, g.before))
+			} else {
+				parts = append(parts, fmt.Sprintf(`SELECT `+claimColumns+` FROM %s o WHERE `+keyHashSQL+` >= '\x%x'::bytea AND `+keyHashSQL+` < '\x%x'::bytea`, st.outbox, g.lo, g.hi))
+			}
+		}
+	}
+	sorted := boundBytes(statement{sql: `SELECT * FROM (` + strings.Join(parts, "\nUNION ALL ") + `) AS m
+WHERE m.id NOT IN (SELECT unnest($1::bigint[])) ORDER BY m.id LIMIT 1000`, args: []any{[]int64{}}}, st.maxBytes)
+	run := func(stmt statement) float64 {
+		batch := &pgx.Batch{}
+		if stmt.noBitmap {
+			batch.Queue(`SELECT set_config('enable_bitmapscan', 'off', true)`)
+		}
+		var n int
+		batch.Queue(stmt.sql, stmt.args...).Query(func(rows pgx.Rows) error {
+			for rows.Next() {
+				n++
+			}
+			return rows.Err()
+		})
+		start := time.Now()
+		if err := st.pool.SendBatch(ctx, batch).Close(); err != nil {
+			b.Fatal(err)
+		}
+		if n == 0 {
+			b.Fatal("the blocked shards' read returned nothing")
+		}
+		return float64(time.Since(start).Microseconds()) / 1000
+	}
+	var sweepTimes, sortedTimes []float64
+	for i := range 26 {
+		a, o := run(sweep), run(sorted)
+		if i >= 5 {
+			sweepTimes, sortedTimes = append(sweepTimes, a), append(sortedTimes, o)
+		}
+	}
+	slices.Sort(sweepTimes)
+	slices.Sort(sortedTimes)
+	fmt.Printf("      its blocked shard's read: by key hash %.2f ms (%d buffers), whole and sorted %.2f ms (%d buffers)\n",
+		sweepTimes[len(sweepTimes)/2], topBuffers(explainGeneric(b, sweep)), sortedTimes[len(sortedTimes)/2], topBuffers(explainGeneric(b, sorted)))
 }

@@ -490,6 +490,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		if err != nil {
 			return roundResult{}, nil, fmt.Errorf("relay: read pending events: %w", err)
 		}
+		r.forgetLostRetries(start, events, nil)
 		if len(events) > 0 {
 			round = keyOf(events)
 		}
@@ -532,6 +533,9 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 			inFlight = append(inFlight, events[i].id)
 		}
 		nextEvents, err := r.st.claim(ctx, r.cfg.InstanceID, shards, r.cfg.BatchSize, keys, inFlight)
+		if err == nil {
+			r.forgetLostRetries(start, nextEvents, inFlight)
+		}
 		if err == nil && len(nextEvents) > 0 {
 			next = &prefetch{shards: shards, events: nextEvents, round: keyOf(nextEvents)}
 		}
@@ -899,19 +903,49 @@ func (r *Relay) block(bk string, e *pendingEvent, timedOut bool) {
 }
 
 // exclusions lists what must not be read now: for each key waiting out its
-// backoff, its failed event and every later one.
+// backoff, its failed event and every later one; for each key whose
+// backoff has passed, every event after its failed one, so that the retry
+// reads the failed event alone (a key stuck with 300,000 events retries
+// one, not a round of them), and the key's later events follow once it is
+// acknowledged.
 func (r *Relay) exclusions(now time.Time) (keys []keyBlock, ids []int64) {
 	for _, k := range r.blocked {
-		if !now.Before(k.retryAt) {
-			continue
-		}
-		if k.keyless {
+		due := !now.Before(k.retryAt)
+		switch {
+		case k.keyless && !due:
 			ids = append(ids, k.firstID)
-		} else {
+		case k.keyless:
+		case !due:
 			keys = append(keys, keyBlock{key: k.key, firstID: k.firstID})
+		default:
+			keys = append(keys, keyBlock{key: k.key, firstID: k.firstID + 1})
 		}
 	}
 	return keys, ids
+}
+
+// forgetLostRetries drops the hold on each key whose backoff has passed
+// (its retry reads only its failed event, see exclusions) when a claim of
+// events did not bring that event back and it is not in flight (inFlight):
+// published by another relay after its shard moved, not this relay's shard
+// any more, or beyond the round's size. The next claim reads the key from
+// its oldest pending event, as for any key.
+func (r *Relay) forgetLostRetries(now time.Time, events []pendingEvent, inFlight []int64) {
+	var found map[string]bool
+	for bk, k := range r.blocked {
+		if k.keyless || now.Before(k.retryAt) {
+			continue
+		}
+		if found == nil {
+			found = make(map[string]bool, len(events))
+			for i := range events {
+				found[blockKey(&events[i])] = true
+			}
+		}
+		if !found[bk] && !slices.Contains(inFlight, k.firstID) {
+			delete(r.blocked, bk)
+		}
+	}
 }
 
 // forgetStaleBlocks drops keys not seen for a while (their events were

@@ -54,6 +54,7 @@ type store struct {
 	// starts from (nil: the shard's start); see claimBlockedQuery.
 	sweep            map[int16][]byte
 	sweepLast        map[int16][]byte // scratch for advanceSweeps
+	lastFull         bool             // the last claim returned a whole round
 	markSQL          string
 	deleteSQL        string
 	deleteOwnedSQL   string
@@ -512,6 +513,7 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 		}
 	}
 	s.advanceSweeps(out)
+	s.lastFull = len(out) == limit
 	if len(out) > 0 {
 		k := keyOf(out)
 		if _, err := s.pool.Exec(ctx, s.markSQL, owner, k.lo, k.hi, shards); err != nil {
@@ -586,7 +588,15 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 			}
 			read[i] = rotate(segs[sh], from)
 		}
-		out = append(out, statement{sql: claimBlockedQuery(s.outbox, read, limit), args: []any{excluded}, noBitmap: true})
+		// While the other shards fill the rounds (the last one was full),
+		// the blocked shards' events that make a round are their share of
+		// it: read a few times that, not a whole round each, of which the
+		// merge by id would keep a handful.
+		blockedLimit := limit
+		if s.lastFull && len(free) > 0 {
+			blockedLimit = min(limit, max(64, 4*limit*len(blockedShards)/len(shards)))
+		}
+		out = append(out, statement{sql: claimBlockedQuery(s.outbox, read, blockedLimit), args: []any{excluded}, noBitmap: true})
 	}
 	if s.maxBytes > 0 {
 		for i := range out {
