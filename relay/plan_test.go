@@ -183,6 +183,8 @@ func sqlLiteral(a any) string {
 		return fmt.Sprint(v)
 	case []int64:
 		return "'" + pgArray(v) + "'::bigint[]"
+	case []byte:
+		return `'\x` + hex.EncodeToString(v) + `'::bytea`
 	case [][]byte:
 		parts := make([]string, len(v))
 		for i, b := range v {

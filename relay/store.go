@@ -357,11 +357,17 @@ func rotate(segs []segment, from []byte) []segment {
 // walked, and neither are the other events of its shard beyond the round.
 // Each key's events come in id order, so the events read of each key are a
 // prefix of its pending ones, whatever the cut. Ranges and ids are
-// literals (they change only when a key blocks or is retried, and as the
-// sweep moves), so the plan is estimated from the index's statistics
-// rather than a generic guess.
-func claimBlockedQuery(outbox string, shards [][]segment, limit int) string {
+// parameters ($2 on; it returns the arguments with $1 left for the excluded
+// ids): they change as the sweep moves, and a text per claim would be
+// prepared (and planned) per claim; with bitmap scans off, the plan is an
+// ordered index scan per range whatever the estimates.
+func claimBlockedQuery(outbox string, shards [][]segment, limit int) (string, []any) {
 	var b strings.Builder
+	args := []any{nil} // $1: the excluded ids, set by the caller
+	param := func(v any) int {
+		args = append(args, v)
+		return len(args)
+	}
 	b.WriteString(`SELECT * FROM (`)
 	for i, segs := range shards {
 		if i > 0 {
@@ -375,9 +381,9 @@ UNION ALL `)
     UNION ALL `)
 			}
 			if g.eq != nil {
-				fmt.Fprintf(&b, `(SELECT `+claimColumns+` FROM %s o WHERE `+keyHashSQL+` = '\x%x'::bytea AND o.id < %d AND `+notExcluded+` ORDER BY `+keyHashSQL+`, o.id LIMIT %d)`, outbox, g.eq, g.before, limit)
+				fmt.Fprintf(&b, `(SELECT `+claimColumns+` FROM %s o WHERE `+keyHashSQL+` = $%d::bytea AND o.id < $%d::bigint AND `+notExcluded+` ORDER BY `+keyHashSQL+`, o.id LIMIT %d)`, outbox, param(g.eq), param(g.before), limit)
 			} else {
-				fmt.Fprintf(&b, `(SELECT `+claimColumns+` FROM %s o WHERE `+keyHashSQL+` >= '\x%x'::bytea AND `+keyHashSQL+` < '\x%x'::bytea AND `+notExcluded+` ORDER BY `+keyHashSQL+`, o.id LIMIT %d)`, outbox, g.lo, g.hi, limit)
+				fmt.Fprintf(&b, `(SELECT `+claimColumns+` FROM %s o WHERE `+keyHashSQL+` >= $%d::bytea AND `+keyHashSQL+` < $%d::bytea AND `+notExcluded+` ORDER BY `+keyHashSQL+`, o.id LIMIT %d)`, outbox, param(g.lo), param(g.hi), limit)
 			}
 		}
 		fmt.Fprintf(&b, `) AS s LIMIT %d)`, limit)
@@ -386,7 +392,7 @@ UNION ALL `)
 ) AS m
 ORDER BY m.id
 LIMIT %d`, limit)
-	return b.String()
+	return b.String(), args
 }
 
 // notExcluded leaves out the excluded ids ($1) inside each key-hash range,
@@ -596,7 +602,9 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 		if s.lastFull && len(free) > 0 {
 			blockedLimit = min(limit, max(64, 4*limit*len(blockedShards)/len(shards)))
 		}
-		out = append(out, statement{sql: claimBlockedQuery(s.outbox, read, blockedLimit), args: []any{excluded}, noBitmap: true})
+		sql, args := claimBlockedQuery(s.outbox, read, blockedLimit)
+		args[0] = excluded
+		out = append(out, statement{sql: sql, args: args, noBitmap: true})
 	}
 	if s.maxBytes > 0 {
 		for i := range out {
