@@ -588,9 +588,25 @@ func TestSlowFailureKeepsKeyOrderAcrossReadAhead(t *testing.T) {
 	b.drainWithPublisher(t, pub)
 	pub.mu.Lock()
 	defer pub.mu.Unlock()
-	if got := strings.Join(pub.acked, ","); got != "1,2,3" {
-		t.Fatalf("acknowledged in order %s, want 1,2,3", got)
+	// A lease that lapses on a slow machine may re-send an acknowledged
+	// event (at least once); G3 is about first publications.
+	if got := strings.Join(firstPublications(pub.acked), ","); got != "1,2,3" {
+		t.Fatalf("first acknowledged in order %s (all: %v), want 1,2,3", got, pub.acked)
 	}
+}
+
+// firstPublications keeps each value's first acknowledgement, in order: the
+// order G3 speaks of, re-sends left out.
+func firstPublications(acked []string) []string {
+	seen := make(map[string]bool, len(acked))
+	var first []string
+	for _, v := range acked {
+		if !seen[v] {
+			seen[v] = true
+			first = append(first, v)
+		}
+	}
+	return first
 }
 
 // scriptedPublisher fails "k1" once (retriably) and refuses "x" as too
