@@ -318,13 +318,12 @@ SET owner = 'bench-' || (shard % $1), lease_until = now() + interval '1 hour'`, 
 
 // watchHorizon samples, every 200 ms until the returned function is called,
 // how long the oldest transaction of another session holding back the xmin
-// horizon of this database has been open, and returns the longest seen in
-// seconds. While one is open, the rows a drain deletes cannot be pruned or
-// marked dead in the indexes, so every read in id order walks them again:
-// a drain turns quadratic for its duration, the plain loop's as much as
-// the relay's. (On a shared machine, run the benchmark in a database of
-// its own, ONCEFLOW_TEST_DATABASE_URL: the horizon of ordinary tables is
-// per database.)
+// horizon has been open (in any database: every snapshot taken meanwhile,
+// in this database too, starts at its xid), and returns the longest seen
+// in seconds. While one is open, the rows a drain deletes cannot be pruned
+// or marked dead in the indexes, so every read in id order fetches them
+// again from the heap: a drain turns quadratic for its duration, the plain
+// loop's as much as the relay's.
 func watchHorizon(b *testing.B) func() float64 {
 	ctx, cancel := context.WithCancel(context.Background())
 	var longest float64
@@ -336,7 +335,7 @@ func watchHorizon(b *testing.B) func() float64 {
 		for {
 			var age float64
 			if err := pgtest.Pool(b).QueryRow(ctx, `SELECT coalesce(extract(epoch FROM max(now() - xact_start)), 0)::float8
-FROM pg_stat_activity WHERE backend_xmin IS NOT NULL AND pid <> pg_backend_pid() AND datname = current_database()
+FROM pg_stat_activity WHERE backend_xmin IS NOT NULL AND pid <> pg_backend_pid()
     AND backend_type = 'client backend' AND application_name NOT LIKE 'drain-%'`).Scan(&age); err == nil {
 				longest = max(longest, age)
 			}
