@@ -75,6 +75,16 @@ type Config struct {
 	// MaxRetryBackoff caps the wait before a key whose event failed is tried
 	// again. Defaults to 10s.
 	MaxRetryBackoff time.Duration
+	// MaxHeldKeys caps how many keys the relay holds back at once (keys
+	// whose event failed, timed out or waits on a sick partition), since
+	// each is left out of every read by name and a read's cost grows with
+	// them. When a key would go past the cap, the relay instead reads no
+	// event at or above that key's failed one (other than the held keys'
+	// own retries) until the held keys are down to half the cap: in a
+	// broker outage over many keys the relay stops reading new work rather
+	// than remembering every key it saw fail, and it drains at once when the
+	// outage ends. Defaults to 1024.
+	MaxHeldKeys int
 	// Logger receives Warn and Error logs, Info for start, stop, shards
 	// taken and handed back and recovery after an outage, and Debug for the
 	// loop's decisions (leases, each round's outcome, wake-ups). Lines carry
@@ -155,6 +165,12 @@ func (c *Config) withDefaults() (Config, error) {
 	}
 	if out.MaxRetryBackoff < 0 {
 		return out, fmt.Errorf("relay: Config.MaxRetryBackoff must not be negative, got %s", out.MaxRetryBackoff)
+	}
+	if out.MaxHeldKeys == 0 {
+		out.MaxHeldKeys = 1024
+	}
+	if out.MaxHeldKeys < 0 {
+		return out, fmt.Errorf("relay: Config.MaxHeldKeys must not be negative, got %d", out.MaxHeldKeys)
 	}
 	if out.Logger == nil {
 		out.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))

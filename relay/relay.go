@@ -48,7 +48,11 @@ type Relay struct {
 	seenID   int64
 
 	// Owned by the publish loop.
-	blocked      map[string]*keyState
+	blocked map[string]*keyState
+	// ceiling, when not 0, is the id of the first failed event whose key
+	// was not held back because Config.MaxHeldKeys was reached: nothing at
+	// or above it is published (but held keys' retries) until it is lifted.
+	ceiling      int64
 	roundBackoff backoff.BackOff
 	// The previous round's outcome is recorded while the next round is
 	// published; finishing is closed once it is, and finishingIDs are the
@@ -474,12 +478,13 @@ type prefetch struct {
 // order and stop at the first failure.
 func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (roundResult, *prefetch, error) {
 	start := time.Now()
+	r.liftCeiling()
 	keys, ids := r.exclusions(start)
 	var events []pendingEvent
 	var round roundKey
 	if ahead != nil {
 		round = ahead.round
-		events = r.withoutBlocked(ahead.events, start)
+		events = r.belowCeiling(r.withoutBlocked(ahead.events, start))
 		if len(events) == 0 {
 			r.forgetRound(ctx, round)
 		}
@@ -493,6 +498,9 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		r.forgetLostRetries(start, events, nil)
 		if len(events) > 0 {
 			round = keyOf(events)
+			if events = r.belowCeiling(events); len(events) == 0 {
+				r.forgetRound(ctx, round)
+			}
 		}
 	}
 	r.saw(events)
@@ -761,7 +769,7 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 				if kind == retriable && !notSent && !errors.Is(err, errHeldBack) {
 					sick = r.markSick(e, bk, err)
 				}
-				r.block(bk, e, timedOut || sick)
+				r.block(bk, e, timedOut || sick, sick && r.isProbe(e, bk))
 			}
 		}
 	}
@@ -793,6 +801,33 @@ func (r *Relay) waitFinish() {
 	if r.finishing != nil {
 		<-r.finishing
 		r.finishing, r.finishingIDs = nil, nil
+	}
+}
+
+// belowCeiling drops, while a ceiling stands (see block), the events at or
+// above it that are not a held key's: a failed key that was not held has
+// its failed event at or above the ceiling, so none of its later events go
+// out before it. Held keys' events are governed by their own hold.
+func (r *Relay) belowCeiling(events []pendingEvent) []pendingEvent {
+	if r.ceiling == 0 {
+		return events
+	}
+	out := events[:0:0]
+	for i := range events {
+		if events[i].id < r.ceiling || r.blocked[blockKey(&events[i])] != nil {
+			out = append(out, events[i])
+		}
+	}
+	return out
+}
+
+// liftCeiling lifts the ceiling once the held keys are down to half of
+// Config.MaxHeldKeys: the events above it are read again, each key's from
+// its first pending one.
+func (r *Relay) liftCeiling() {
+	if r.ceiling != 0 && len(r.blocked) <= r.cfg.MaxHeldKeys/2 {
+		r.log.Info("relay: held keys are down to half their cap; reading on", "held_keys", len(r.blocked), "ceiling_id", r.ceiling)
+		r.ceiling = 0
 	}
 }
 
@@ -883,9 +918,23 @@ var errHeldBack = errors.New("held back: an earlier event of its key failed")
 // counted from now (not from the round's start, which may be long ago).
 // A key whose event timed out is held back from the rounds until the side retry
 // has published that event (see sideretry.go).
-func (r *Relay) block(bk string, e *pendingEvent, timedOut bool) {
+//
+// A key not held yet, once Config.MaxHeldKeys keys are, is not held:
+// instead nothing at or above its event is read until the ceiling lifts
+// (but a sick partition's probe, which the partition needs to heal).
+func (r *Relay) block(bk string, e *pendingEvent, timedOut, probe bool) {
 	now := time.Now()
 	k := r.blocked[bk]
+	if k == nil && len(r.blocked) >= r.cfg.MaxHeldKeys && !probe {
+		if r.ceiling == 0 {
+			r.log.Warn("relay: too many keys held back; reading no further than the first key not held until they are down to half",
+				"held_keys", len(r.blocked), "max_held_keys", r.cfg.MaxHeldKeys, "ceiling_id", e.id)
+		}
+		if r.ceiling == 0 || e.id < r.ceiling {
+			r.ceiling = e.id
+		}
+		return
+	}
 	if k == nil {
 		k = &keyState{key: e.key, keyless: e.key == nil, backoff: newBackoff(r.cfg.MaxRetryBackoff)}
 		r.blocked[bk] = k

@@ -173,6 +173,12 @@ func (r *Relay) sideGated(bk string, k *keyState) bool {
 	return true
 }
 
+// isProbe reports whether key bk is the probe of e's sick partition.
+func (r *Relay) isProbe(e *pendingEvent, bk string) bool {
+	_, sp := r.sickOf(e)
+	return sp != nil && sp.probe == bk
+}
+
 func isPartitionError(err error) bool {
 	var pe *PartitionError
 	return errors.As(err, &pe)
