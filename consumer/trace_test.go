@@ -213,10 +213,17 @@ func TestBatchTraceCoversTheBatchTransaction(t *testing.T) {
 			t.Errorf("offset %d: trace lasted %s, less than its batch's handler (%s)", off, d, work)
 		}
 		h, ok := handled[off]
-		if off == 2 { // a duplicate of offset 0 in the same batch: covered by that batch
+		covers := func(h span) bool { return !start.After(h.from) && !end.Before(h.to) }
+		if off == 2 {
+			// A duplicate of offset 0: the handler never sees it. Its trace
+			// covers the batch it came in, with offset 0 or (on a slow
+			// machine, a batch of its own with offset 3) with offset 3.
 			h, ok = handled[0]
+			if h3, ok3 := handled[3]; ok && !covers(h) && ok3 {
+				h = h3
+			}
 		}
-		if !ok || start.After(h.from) || end.Before(h.to) {
+		if !ok || !covers(h) {
 			t.Errorf("offset %d: trace %s..%s does not cover its batch's handler %s..%s",
 				off, start.Format(time.StampMicro), end.Format(time.StampMicro), h.from.Format(time.StampMicro), h.to.Format(time.StampMicro))
 		}

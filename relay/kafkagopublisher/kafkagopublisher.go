@@ -369,7 +369,12 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 			idx = idx[n:]
 			p.publishByPartition(ctx, w, topic, records, wave, errs)
 			for _, i := range wave {
-				if errs[i] != nil && records[i].Key != nil && !isRefusal(errs[i]) {
+				// Any error but a too-large record stops the key: the
+				// relay retries unknown and forbidden topics, and an invalid
+				// record may be the whole batch's refusal and go through
+				// alone. A record too large is refused for its own size
+				// (BatchBytes bounds the batch) and is dead-lettered.
+				if errs[i] != nil && records[i].Key != nil && !errors.Is(errs[i], relay.ErrRecordTooLarge) {
 					failedKeys[string(records[i].Key)] = true
 				}
 			}
@@ -389,11 +394,6 @@ func sizeOf(r *relay.Record) int64 {
 		n += int64(10 + len(h.Key) + len(h.Value))
 	}
 	return n
-}
-
-func isRefusal(err error) bool {
-	return errors.Is(err, relay.ErrRecordTooLarge) || errors.Is(err, relay.ErrTopicForbidden) || errors.Is(err, relay.ErrTopicInvalid) ||
-		errors.Is(err, relay.ErrUnknownTopic) || errors.Is(err, relay.ErrRecordInvalid)
 }
 
 // publishByPartition writes a wave's records of topic with one
