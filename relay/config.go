@@ -79,11 +79,11 @@ type Config struct {
 	// whose event failed, timed out or waits on a sick partition), since
 	// each is left out of every read by name and a read's cost grows with
 	// them. When a key would go past the cap, the relay instead reads no
-	// event at or above that key's failed one (other than the held keys'
-	// own retries) until the held keys are down to half the cap: in a
-	// broker outage over many keys the relay stops reading new work rather
-	// than remembering every key it saw fail, and it drains at once when the
-	// outage ends. Defaults to 1024.
+	// event of that key's partition at or above its failed one (other than
+	// the held keys' own retries) until the held keys are down to half;
+	// other partitions go on. In a broker outage over many keys the relay
+	// stops reading new work rather than remembering every key it saw
+	// fail, and drains at once when the outage ends. Defaults to 1024.
 	MaxHeldKeys int
 	// Logger receives Warn and Error logs, Info for start, stop, shards
 	// taken and handed back and recovery after an outage, and Debug for the

@@ -49,10 +49,13 @@ type Relay struct {
 
 	// Owned by the publish loop.
 	blocked map[string]*keyState
-	// ceiling, when not 0, is the id of the first failed event whose key
-	// was not held back because Config.MaxHeldKeys was reached: nothing at
-	// or above it is published (but held keys' retries) until it is lifted.
-	ceiling      int64
+	// ceilings hold, per partition, the id of the first failed event whose
+	// key was not held back because Config.MaxHeldKeys was reached: nothing
+	// of that partition at or above it is published (but held keys'
+	// retries) until they are lifted. ceilingAll is the same for events
+	// whose partition the publisher cannot tell; 0 when none.
+	ceilings     map[topicPartition]int64
+	ceilingAll   int64
 	roundBackoff backoff.BackOff
 	// The previous round's outcome is recorded while the next round is
 	// published; finishing is closed once it is, and finishingIDs are the
@@ -117,6 +120,7 @@ func New(pool *pgxpool.Pool, pub Publisher, cfg *Config) (*Relay, error) {
 		pub:          pub,
 		parts:        parts,
 		sick:         map[string]map[int32]*sickPartition{},
+		ceilings:     map[topicPartition]int64{},
 		st:           st,
 		leases:       newLeases(st, c.InstanceID, c.LeaseDuration, c.Observer, c.Logger.With("instance", c.InstanceID)),
 		log:          c.Logger.With("instance", c.InstanceID),
@@ -479,6 +483,9 @@ type prefetch struct {
 func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (roundResult, *prefetch, error) {
 	start := time.Now()
 	r.liftCeiling()
+	if r.sickCount > 0 {
+		r.forgetUnprobedSick()
+	}
 	keys, ids := r.exclusions(start)
 	var events []pendingEvent
 	var round roundKey
@@ -490,12 +497,20 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		}
 	} else {
 		r.waitFinish() // a fresh read must not see the last round's rows
+		seq := r.lastSeq
 		var err error
 		events, err = r.st.claim(ctx, r.cfg.InstanceID, shards, r.cfg.BatchSize, keys, ids)
 		if err != nil {
 			return roundResult{}, nil, fmt.Errorf("relay: read pending events: %w", err)
 		}
 		r.forgetLostRetries(start, events, nil)
+		r.saw(events)
+		if len(events) == 0 && seq > r.seenID {
+			// Nothing this relay may read up to the last id probed (what
+			// is pending is held keys' later events): the probe must not
+			// wake the relay for those ids again, only for newer ones.
+			r.seenID = seq
+		}
 		if len(events) > 0 {
 			round = keyOf(events)
 			if events = r.belowCeiling(events); len(events) == 0 {
@@ -804,30 +819,65 @@ func (r *Relay) waitFinish() {
 	}
 }
 
-// belowCeiling drops, while a ceiling stands (see block), the events at or
-// above it that are not a held key's: a failed key that was not held has
-// its failed event at or above the ceiling, so none of its later events go
-// out before it. Held keys' events are governed by their own hold.
+// raiseCeiling stops, instead of holding e's key (Config.MaxHeldKeys is
+// reached), the reading of e's partition at e: the key's later events are
+// in the same partition, above e, so none goes out before it, and the
+// other partitions go on (a sick partition with more keys than the cap
+// costs only itself). A keyless event has no order to keep: it is left
+// pending and read again.
+func (r *Relay) raiseCeiling(e *pendingEvent) {
+	if e.key == nil {
+		return
+	}
+	first := r.ceilingAll == 0 && len(r.ceilings) == 0
+	if tp, ok := r.partitionOf(e); ok {
+		if c, found := r.ceilings[tp]; !found || e.id < c {
+			r.ceilings[tp] = e.id
+		}
+	} else if r.ceilingAll == 0 || e.id < r.ceilingAll {
+		r.ceilingAll = e.id
+	}
+	if first {
+		r.log.Warn("relay: too many keys held back; a partition's events past its first key not held are not read until the held keys are down to half",
+			"held_keys", len(r.blocked), "max_held_keys", r.cfg.MaxHeldKeys, "topic", e.topic, "ceiling_id", e.id)
+	}
+}
+
+// belowCeiling drops, while a ceiling stands (see raiseCeiling), the events
+// at or above their partition's that are not a held key's. Held keys'
+// events are governed by their own hold.
 func (r *Relay) belowCeiling(events []pendingEvent) []pendingEvent {
-	if r.ceiling == 0 {
+	if r.ceilingAll == 0 && len(r.ceilings) == 0 {
 		return events
 	}
 	out := events[:0:0]
 	for i := range events {
-		if events[i].id < r.ceiling || r.blocked[blockKey(&events[i])] != nil {
-			out = append(out, events[i])
+		e := &events[i]
+		if r.blocked[blockKey(e)] == nil && e.key != nil {
+			if r.ceilingAll != 0 && e.id >= r.ceilingAll {
+				continue
+			}
+			if len(r.ceilings) > 0 {
+				if tp, ok := r.partitionOf(e); ok {
+					if c, found := r.ceilings[tp]; found && e.id >= c {
+						continue
+					}
+				}
+			}
 		}
+		out = append(out, *e)
 	}
 	return out
 }
 
-// liftCeiling lifts the ceiling once the held keys are down to half of
-// Config.MaxHeldKeys: the events above it are read again, each key's from
-// its first pending one.
+// liftCeiling lifts the ceilings once the held keys are down to half of
+// Config.MaxHeldKeys: the events above them are read again, each key's from
+// its first pending one (the failed one).
 func (r *Relay) liftCeiling() {
-	if r.ceiling != 0 && len(r.blocked) <= r.cfg.MaxHeldKeys/2 {
-		r.log.Info("relay: held keys are down to half their cap; reading on", "held_keys", len(r.blocked), "ceiling_id", r.ceiling)
-		r.ceiling = 0
+	if (r.ceilingAll != 0 || len(r.ceilings) > 0) && len(r.blocked) <= r.cfg.MaxHeldKeys/2 {
+		r.log.Info("relay: held keys are down to half their cap; reading on", "held_keys", len(r.blocked), "partitions", len(r.ceilings))
+		r.ceilingAll = 0
+		clear(r.ceilings)
 	}
 }
 
@@ -926,13 +976,7 @@ func (r *Relay) block(bk string, e *pendingEvent, timedOut, probe bool) {
 	now := time.Now()
 	k := r.blocked[bk]
 	if k == nil && len(r.blocked) >= r.cfg.MaxHeldKeys && !probe {
-		if r.ceiling == 0 {
-			r.log.Warn("relay: too many keys held back; reading no further than the first key not held until they are down to half",
-				"held_keys", len(r.blocked), "max_held_keys", r.cfg.MaxHeldKeys, "ceiling_id", e.id)
-		}
-		if r.ceiling == 0 || e.id < r.ceiling {
-			r.ceiling = e.id
-		}
+		r.raiseCeiling(e)
 		return
 	}
 	if k == nil {

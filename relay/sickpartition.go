@@ -173,6 +173,39 @@ func (r *Relay) sideGated(bk string, k *keyState) bool {
 	return true
 }
 
+// forgetUnprobedSick drops the marks of sick partitions none of whose keys
+// is held any more (the probe's event was dead-lettered, published by
+// another relay after a shard moved, or its key now maps elsewhere): no
+// probe would ever clear them, and the partition's keys and the topic's
+// keyless events would be held back for good. The next round sends to the
+// partition again: if it is still sick, it is marked again.
+func (r *Relay) forgetUnprobedSick() {
+	for topic, byPart := range r.sick {
+		for part, sp := range byPart {
+			tp := topicPartition{topic, part}
+			if p := r.blocked[sp.probe]; p != nil && p.hasPart && p.part == tp {
+				continue
+			}
+			held := false
+			for _, k := range r.blocked {
+				if k.hasPart && k.part == tp {
+					held = true
+					break
+				}
+			}
+			if held {
+				continue
+			}
+			delete(byPart, part)
+			r.sickCount--
+			r.log.Warn("relay: partition marked sick has no key held any more; it is tried again", "topic", topic, "partition", part)
+		}
+		if len(byPart) == 0 {
+			delete(r.sick, topic)
+		}
+	}
+}
+
 // isProbe reports whether key bk is the probe of e's sick partition.
 func (r *Relay) isProbe(e *pendingEvent, bk string) bool {
 	_, sp := r.sickOf(e)
