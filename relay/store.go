@@ -50,6 +50,11 @@ type store struct {
 	claimShardsSQL string    // the other shards, one index range each
 	claimInner     int       // claimShardsSQL's limits
 	claimLimit     int
+	claimFreeSQL   string // many free shards (claimFreeQuery), for claimFreeLimit
+	claimFreeLimit int
+	freeK          map[int16]int // see freeKs
+	freeRead       []int16       // the free shards the statements read by claimFreeQuery
+	freeReadKs     []int32       // and their limits
 	// sweep is, per shard holding blocked keys, the key hash its next read
 	// starts from (nil: the shard's start); see claimBlockedQuery.
 	sweep            map[int16][]byte
@@ -92,6 +97,7 @@ func newStore(pool *pgxpool.Pool, schema string) *store {
 		pool:        pool,
 		outbox:      outbox,
 		sweep:       map[int16][]byte{},
+		freeK:       map[int16]int{},
 		sweepLast:   map[int16][]byte{},
 		claimAllSQL: [2]string{claimAllQuery(outbox, false), claimAllQuery(outbox, true)},
 		// The span of ids (and the shards) of a round about to be
@@ -519,6 +525,9 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 		}
 	}
 	s.advanceSweeps(out)
+	if s.freeRead != nil {
+		s.adaptFreeKs(s.freeRead, s.freeReadKs, out)
+	}
 	s.lastFull = len(out) == limit
 	if len(out) > 0 {
 		k := keyOf(out)
@@ -571,6 +580,7 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 	// costs 10-15 ms); the LIMITs cost nothing when not reached.
 	inner := limit + 1<<bits.Len(uint(max(len(excluded), 2*limit)-1))
 	var out []statement
+	s.freeRead, s.freeReadKs = nil, nil
 	switch {
 	case len(free) == NumShards:
 		if runLo, runHi, ok := oneRun(excluded); ok {
@@ -578,6 +588,12 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 		} else {
 			out = append(out, statement{sql: s.claimAllSQL[0], args: []any{excluded, limit}})
 		}
+	case len(free) > claimFreeMin:
+		if limit != s.claimFreeLimit || s.claimFreeSQL == "" {
+			s.claimFreeSQL, s.claimFreeLimit = claimFreeQuery(s.outbox, limit), limit
+		}
+		s.freeRead, s.freeReadKs = slices.Clone(free), s.freeKs(free, limit)
+		out = append(out, statement{sql: s.claimFreeSQL, args: []any{s.freeRead, s.freeReadKs, excluded}})
 	case len(free) > 0:
 		if !slices.Equal(free, s.claimShards) || inner != s.claimInner || limit != s.claimLimit {
 			s.claimShards, s.claimInner, s.claimLimit = slices.Clone(free), inner, limit
