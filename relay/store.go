@@ -201,10 +201,14 @@ FROM crashed c WHERE o.id BETWEEN c.lo AND c.hi AND o.shard = ANY(c.shards)`,
 //   - The relay owns every shard and no key is blocked (one relay): the
 //     primary key in id order (claimAllQuery), no shard filter at all.
 //   - Otherwise each owned shard without a blocked key is one index range
-//     of outbox_shard_id_idx, (shard, id), and PostgreSQL merges them in id
-//     order (a Merge Append that reads each range only as far as the round
-//     needs: about one row per shard beyond the round). Built per set of
-//     shards, with the shard numbers as literals (claimShardsQuery).
+//     of outbox_shard_id_idx, (shard, id). Up to a quarter of the shards,
+//     PostgreSQL merges them in id order (a Merge Append that reads each
+//     range only as far as the round needs: about one row per shard beyond
+//     the round). Built per set of shards, with the shard numbers as
+//     literals (claimShardsQuery). More of them (the relay owns every shard
+//     but one holds a blocked key) are read by one LATERAL with the shards
+//     as a parameter, each its share of the round (claimFreeQuery): a
+//     255-branch merge took 50-190 ms to plan and ran slower.
 //   - A shard holding blocked keys is read through outbox_key_hash_idx, on
 //     the first 8 bytes of the same sha256 the shard comes from (its first
 //     byte is the shard): the key-hash ranges between the blocked keys' hashes,
