@@ -84,8 +84,8 @@ type Publisher struct {
 
 // topicMeta is what a metadata request said of a topic.
 type topicMeta struct {
-	partitions int
-	at         time.Time
+	ids []int // the partitions, 0..n-1, as the Writer passes them to its balancer
+	at  time.Time
 }
 
 // metadataMaxAge is how long a topic's partition count is trusted before it
@@ -108,12 +108,12 @@ func (p *Publisher) Partition(topic string, key []byte) (int32, bool) {
 	if !ok || key == nil {
 		return 0, false
 	}
-	n := v.(topicMeta).partitions
-	if n <= 0 {
+	ids := v.(topicMeta).ids
+	if len(ids) == 0 {
 		return 0, false
 	}
-	// kafka.Murmur2Balancer, over partitions 0..n-1 as the Writer passes them.
-	return int32((murmur2(key) & 0x7fffffff) % uint32(n)), true
+	// The Writer's own balancer, over partitions 0..n-1 as it passes them.
+	return int32(kafka.Murmur2Balancer{}.Balance(kafka.Message{Key: key}, ids...)), true
 }
 
 // lookUp looks up the partition counts of topics not looked up in the last
@@ -150,7 +150,9 @@ func (p *Publisher) lookUp(ctx context.Context, topics []string) {
 	}
 	for _, t := range ask {
 		if v, ok := p.partitions.Load(t); ok {
-			p.partitions.Store(t, topicMeta{partitions: v.(topicMeta).partitions, at: now})
+			m := v.(topicMeta)
+			m.at = now
+			p.partitions.Store(t, m)
 		}
 	}
 	p.looking.Add(1)
@@ -172,44 +174,13 @@ func (p *Publisher) metadata(ctx context.Context, topics []string, now time.Time
 	}
 	for _, t := range resp.Topics {
 		if t.Error == nil && len(t.Partitions) > 0 {
-			p.partitions.Store(t.Name, topicMeta{partitions: len(t.Partitions), at: now})
+			ids := make([]int, len(t.Partitions))
+			for i := range ids {
+				ids[i] = i
+			}
+			p.partitions.Store(t.Name, topicMeta{ids: ids, at: now})
 		}
 	}
-}
-
-// murmur2 is the Java client's murmur2, as kafka.Murmur2Balancer has it.
-func murmur2(data []byte) uint32 {
-	const (
-		seed uint32 = 0x9747b28c
-		m    uint32 = 0x5bd1e995
-		r           = 24
-	)
-	length := len(data)
-	h := seed ^ uint32(length)
-	for i := 0; i+4 <= length; i += 4 {
-		k := uint32(data[i]) | uint32(data[i+1])<<8 | uint32(data[i+2])<<16 | uint32(data[i+3])<<24
-		k *= m
-		k ^= k >> r
-		k *= m
-		h *= m
-		h ^= k
-	}
-	tail := data[length&^3:]
-	switch len(tail) {
-	case 3:
-		h ^= uint32(tail[2]) << 16
-		fallthrough
-	case 2:
-		h ^= uint32(tail[1]) << 8
-		fallthrough
-	case 1:
-		h ^= uint32(tail[0])
-		h *= m
-	}
-	h ^= h >> 13
-	h *= m
-	h ^= h >> 15
-	return h
 }
 
 // New returns a Publisher for brokers. cfg may be nil.
