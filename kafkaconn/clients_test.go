@@ -20,6 +20,7 @@ import (
 	"github.com/onceflow/onceflow/consumer"
 	"github.com/onceflow/onceflow/consumer/kafkagoconsumer"
 	"github.com/onceflow/onceflow/consumer/kgoconsumer"
+	"github.com/onceflow/onceflow/internal/kafkatest"
 	"github.com/onceflow/onceflow/internal/kgoconn"
 	"github.com/onceflow/onceflow/internal/pgtest"
 	"github.com/onceflow/onceflow/internal/tlstest"
@@ -207,13 +208,15 @@ func createTopic(t *testing.T, s secured, topic string) {
 	defer cl.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	resp, err := kadm.NewClient(cl).CreateTopic(ctx, 1, 1, nil, topic)
+	adm := kadm.NewClient(cl)
+	resp, err := adm.CreateTopic(ctx, 1, 1, nil, topic)
 	if err == nil {
 		err = resp.Err
 	}
 	if err != nil {
 		t.Fatalf("create topic %s: %v", topic, err)
 	}
+	kafkatest.WaitTopicReady(t, adm, topic, 1)
 }
 
 // TestWrongCredentialsFailVisibly: a bad password, a missing CA and a

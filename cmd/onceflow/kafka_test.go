@@ -260,15 +260,17 @@ func TestRelayPublishesToTheRealSASLSSLListener(t *testing.T) {
 				t.Fatal(err)
 			}
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-			resp, err := kadm.NewClient(cl).CreateTopic(ctx, 2, 1, nil, topic)
+			adm := kadm.NewClient(cl)
+			resp, err := adm.CreateTopic(ctx, 2, 1, nil, topic)
 			cancel()
-			cl.Close()
 			if err == nil {
 				err = resp.Err
 			}
 			if err != nil {
 				t.Fatalf("create topic: %v", err)
 			}
+			kafkatest.WaitTopicReady(t, adm, topic, 2)
+			cl.Close()
 			var prefixed []string
 			for _, b := range brokers {
 				prefixed = append(prefixed, "SASL_SSL://"+b)

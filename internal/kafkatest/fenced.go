@@ -140,7 +140,7 @@ func (k *Kafka) CreateTopicOn(t testing.TB, name string, replicas []int32, confi
 	if err != nil {
 		t.Fatalf("kafkatest: create topic %s on %v: %v", name, replicas, err)
 	}
-	k.waitTopicReady(t, k.Admin(t), name, 1)
+	WaitTopicReady(t, k.Admin(t), name, 1)
 }
 
 func readProps(t testing.TB, path string) map[string]string {

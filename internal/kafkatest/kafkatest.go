@@ -93,16 +93,16 @@ func (k *Kafka) CreateTopic(t testing.TB, name string, partitions int32, configs
 		t.Fatalf("kafkatest: create topic %s: %v", name, err)
 	}
 	if k.Fake == nil {
-		k.waitTopicReady(t, adm, name, partitions)
+		WaitTopicReady(t, adm, name, partitions)
 	}
 }
 
-// waitTopicReady waits until a real broker serves every partition of a new
+// WaitTopicReady waits until a real broker serves every partition of a new
 // topic: CreateTopics returns once the controller committed the topic, and
 // the broker applies it a moment later; until then it answers
 // UNKNOWN_TOPIC_OR_PARTITION, which the publishers rightly treat as a
 // refusal. kfake applies a topic before it answers.
-func (k *Kafka) waitTopicReady(t testing.TB, adm *kadm.Client, name string, partitions int32) {
+func WaitTopicReady(t testing.TB, adm *kadm.Client, name string, partitions int32) {
 	t.Helper()
 	deadline := time.Now().Add(60 * time.Second)
 	var last error
