@@ -45,6 +45,19 @@ func TestBadInputIsAUsageError(t *testing.T) {
 	}
 }
 
+// TestRelayMaxHeldKeysFlag: the cap on held keys is the binary's to set
+// too, and a negative one is refused naming the flag.
+func TestRelayMaxHeldKeysFlag(t *testing.T) {
+	_, err := runCLI(t, "relay", "--database-url", pgtest.URL(t), "--brokers", "127.0.0.1:1", "--max-held-keys", "-1")
+	if !errors.Is(err, errUsage) || !strings.Contains(err.Error(), "--max-held-keys: -1") {
+		t.Fatalf("err = %v, want a usage error naming --max-held-keys", err)
+	}
+	out, err := runCLI(t, "relay", "--help")
+	if !strings.Contains(out, "max-held-keys") || !strings.Contains(out, "ONCEFLOW_MAX_HELD_KEYS") {
+		t.Fatalf("relay --help (err %v) does not show --max-held-keys:\n%s", err, out)
+	}
+}
+
 func TestUnreachableDatabaseFailsAtStart(t *testing.T) {
 	_, err := runCLI(t, "relay", "--database-url", "postgres://postgres@127.0.0.1:1/x?connect_timeout=2", "--brokers", "127.0.0.1:9092", "--wait-for-database=false")
 	if err == nil || errors.Is(err, errUsage) || !strings.Contains(err.Error(), "connect to database") {
