@@ -80,8 +80,18 @@
 // Offsets are committed only after the database commit. When partitions are
 // revoked or the consumer stops, messages not yet started are dropped
 // (they will be delivered again), retries waiting for their backoff are
-// abandoned, and transactions in flight get a grace period to finish before
-// they are canceled and rolled back.
+// abandoned, and transactions in flight get a grace period to finish: the
+// adapters' RevokeGrace at a rebalance (default 1s, at most a quarter of
+// the group's rebalance timeout, so the member rejoins before the group
+// evicts it) and ShutdownGrace at shutdown (default 5s). Then the handler's
+// ctx is canceled and its transaction rolls back: nothing of it commits,
+// its offset is not committed, and the message is processed by the
+// partition's next owner, once (the dedup record). A handler stuck on a
+// slow call or a lock thus holds a rebalance up for the grace, not until it
+// returns. A handler that ignores its canceled ctx is abandoned half a
+// second later, with an Error log: it runs on, but its COMMIT is sent with
+// the canceled ctx, so it cannot commit, and it marks nothing done (see
+// Partition.Stop).
 //
 // # Retention
 //

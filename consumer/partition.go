@@ -3,7 +3,9 @@ package consumer
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"sync"
+	"time"
 )
 
 // Transport is what an adapter gives the Processor for one partition.
@@ -28,7 +30,7 @@ var ErrStopped = errors.New("consumer: partition stopped")
 // consumer shuts down. Add and Stop are safe for concurrent use.
 type Partition struct {
 	p      *Processor
-	t      Transport
+	t      *guard
 	in     chan Message
 	stop   chan struct{}
 	once   sync.Once
@@ -43,7 +45,7 @@ func (p *Processor) StartPartition(ctx context.Context, t Transport) *Partition 
 	ctx, cancel := context.WithCancel(ctx)
 	w := &Partition{
 		p:      p,
-		t:      t,
+		t:      &guard{t: t},
 		in:     make(chan Message, p.cfg.QueueSize),
 		stop:   make(chan struct{}),
 		cancel: cancel,
@@ -116,20 +118,64 @@ func (w *Partition) TryAdd(msgs []Message) int {
 	return len(msgs)
 }
 
+// abandonAfter is how long Stop waits for work whose context it canceled
+// before abandoning it.
+const abandonAfter = 500 * time.Millisecond
+
 // Stop stops the partition: queued messages that have not started are
 // dropped (their offsets stay uncommitted, so they are delivered again),
 // retries waiting for their backoff are abandoned, and work in a
-// transaction is given until ctx ends to finish before it is canceled. Stop
-// returns once nothing of the partition runs any more; after it returns,
-// MarkDone is not called again. Stop is idempotent.
+// transaction is given until ctx ends to finish before its context is
+// canceled, which rolls its transaction back. Stop returns once nothing of
+// the partition runs any more, or, if a handler ignores its canceled
+// context, half a second after the cancel: that handler is abandoned (an
+// Error is logged) and runs on, but its transaction can no longer commit
+// (COMMIT is sent with the canceled context) and nothing of the partition
+// is marked done any more. After Stop returns, MarkDone is not called
+// again. Stop is idempotent.
 func (w *Partition) Stop(ctx context.Context) {
 	w.once.Do(func() { close(w.stop) })
+	defer w.t.close()
 	select {
 	case <-w.done:
+		return
 	case <-ctx.Done():
-		w.cancel()
-		<-w.done
 	}
+	w.cancel()
+	t := time.NewTimer(abandonAfter)
+	defer t.Stop()
+	select {
+	case <-w.done:
+	case <-t.C:
+		w.p.log.LogAttrs(context.Background(), slog.LevelError,
+			"consumer: a handler ignored its canceled context; abandoning it: its transaction cannot commit and its message will be delivered again")
+	}
+}
+
+// guard passes MarkDone on until the partition is stopped, so that work
+// abandoned by Stop marks nothing done.
+type guard struct {
+	t      Transport
+	mu     sync.Mutex
+	closed bool
+}
+
+func (g *guard) MarkDone(msg Message) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if !g.closed {
+		g.t.MarkDone(msg)
+	}
+}
+
+func (g *guard) PublishDeadLetter(ctx context.Context, rec DeadLetter) error {
+	return g.t.PublishDeadLetter(ctx, rec)
+}
+
+func (g *guard) close() {
+	g.mu.Lock()
+	g.closed = true
+	g.mu.Unlock()
 }
 
 // next returns the next queued message, or false once stopped.

@@ -344,6 +344,56 @@ func TestStopDropsQueuedAndNeverMarksUnfinished(t *testing.T) {
 	}
 }
 
+// A handler that ignores its canceled context does not hold Stop (and so a
+// rebalance) hostage: Stop abandons it, and the abandoned work neither
+// commits nor marks anything done; delivered again, the message has one
+// effect.
+func TestStopAbandonsHandlerIgnoringCancel(t *testing.T) {
+	b := setup(t)
+	entered, release, returned := make(chan struct{}, 2), make(chan struct{}), make(chan struct{}, 2)
+	p, _ := consumer.New(b.pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		if m.Offset == 1 {
+			entered <- struct{}{}
+			<-release // a lock that takes no context
+			defer func() { returned <- struct{}{} }()
+		}
+		return b.record(ctx, tx, "ledger", m)
+	}, &consumer.Config{Schema: b.schema})
+	tr := &memTransport{}
+	ctx := context.Background()
+	w := p.StartPartition(ctx, tr)
+	if err := w.Add(ctx, msg(0, "m0", ""), msg(1, "m1", ""), msg(2, "m2", "")); err != nil {
+		t.Fatal(err)
+	}
+	<-entered
+	stopCtx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+	defer cancel()
+	stopped := make(chan struct{})
+	go func() { w.Stop(stopCtx); close(stopped) }()
+	select {
+	case <-stopped:
+	case <-time.After(30 * time.Second):
+		close(release)
+		t.Fatal("Stop waited for a handler that ignores its canceled context")
+	}
+	close(release)
+	<-returned
+	// Delivered again (to the partition's next owner): its dedup insert
+	// waits for the abandoned transaction, which rolls back.
+	tr2 := &memTransport{}
+	run(t, p, tr2, msg(1, "m1", ""), msg(2, "m2", ""))
+	<-returned
+	if got := tr.lastMark(); got != 0 {
+		t.Fatalf("last mark of the stopped partition = %d, want 0", got)
+	}
+	if got := b.count(t, "message_id = 'm1'"); got != 1 {
+		t.Fatalf("effects of m1 = %d, want 1", got)
+	}
+	if got := b.processedRows(t, "ledger"); got != 3 {
+		t.Fatalf("dedup records = %d, want 3", got)
+	}
+}
+
 func TestConfigValidation(t *testing.T) {
 	t.Parallel()
 	h := func(context.Context, pgx.Tx, consumer.Message) error { return nil }

@@ -41,9 +41,19 @@ type Config struct {
 	// rebalance) and at shutdown. Defaults to 1s.
 	CommitInterval time.Duration
 	// ShutdownGrace is how long a transaction in flight may take to finish
-	// when the generation ends (a rebalance, shutdown) before it is
-	// canceled and rolled back. Defaults to 5s.
+	// at shutdown before its context is canceled and it rolls back.
+	// Defaults to 5s.
 	ShutdownGrace time.Duration
+	// RevokeGrace is how long a transaction in flight may take to finish
+	// when the generation ends for a rebalance (a member joins or leaves,
+	// this member lost its session) before its context is canceled and it
+	// rolls back. Every partition of the member waits for it (kafka-go's
+	// rebalances revoke them all), and the member must rejoin within
+	// Reader.RebalanceTimeout or be evicted, so it is kept short: a
+	// handler stuck on one partition holds the member up for RevokeGrace
+	// at most. Defaults to 1s, and never exceeds a quarter of
+	// Reader.RebalanceTimeout (kafka-go's default: 30s).
+	RevokeGrace time.Duration
 	// DeadLetterWriter publishes dead letters; its Topic must be empty (each
 	// record names its own). Defaults to a Writer on Reader.Brokers with
 	// RequiredAcks all, murmur2 partitioning and a 5ms BatchTimeout
@@ -117,6 +127,9 @@ func New(p *consumer.Processor, cfg *Config) (*Consumer, error) {
 	if c.ShutdownGrace == 0 {
 		c.ShutdownGrace = 5 * time.Second
 	}
+	if c.RevokeGrace == 0 {
+		c.RevokeGrace = time.Second
+	}
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -139,6 +152,8 @@ func New(p *consumer.Processor, cfg *Config) (*Consumer, error) {
 		return nil, errors.New("kafkagoconsumer: Config.CommitInterval must not be negative")
 	case c.ShutdownGrace < 0:
 		return nil, errors.New("kafkagoconsumer: Config.ShutdownGrace must not be negative")
+	case c.RevokeGrace < 0:
+		return nil, errors.New("kafkagoconsumer: Config.RevokeGrace must not be negative")
 	case c.DeadLetterWriter != nil && c.DeadLetterWriter.Topic != "":
 		return nil, errors.New("kafkagoconsumer: Config.DeadLetterWriter.Topic must be empty")
 	}
@@ -175,6 +190,8 @@ func New(p *consumer.Processor, cfg *Config) (*Consumer, error) {
 	if err := group.Validate(); err != nil {
 		return nil, fmt.Errorf("kafkagoconsumer: Config.Reader: %w", err)
 	}
+	// Validate applied kafka-go's default RebalanceTimeout.
+	c.RevokeGrace = min(c.RevokeGrace, group.RebalanceTimeout/4)
 	out := &Consumer{p: p, cfg: c, group: group, log: c.Logger.With("consumer", p.Name(), "group", r.GroupID)}
 	out.fetchTransport = newTransport(r.Dialer)
 	out.client = &kafka.Client{Addr: kafka.TCP(r.Brokers...), Transport: out.fetchTransport}
@@ -227,7 +244,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 			c.log.Warn("kafkagoconsumer: joining the group failed; retrying", "error", err)
 			continue
 		}
-		c.startGeneration(gen)
+		c.startGeneration(ctx, gen)
 	}
 	// Closing the group ends the current generation: its partitions drain
 	// within ShutdownGrace and commit (see startGeneration) before the
@@ -279,9 +296,12 @@ type tp struct {
 // partitions, each on its own (a stuck partition holds up only itself),
 // and a committer. When the generation ends (a rebalance, lost membership,
 // shutdown), every partition stops taking work, work in flight gets
-// ShutdownGrace to finish, and what finished is committed in this
-// generation; kafka-go's ConsumerGroup rejoins only after that.
-func (c *Consumer) startGeneration(gen *kafka.Generation) {
+// RevokeGrace to finish (ShutdownGrace once run is done) before its
+// context is canceled, and what finished is committed in this generation;
+// kafka-go's ConsumerGroup rejoins only after that, so a handler that
+// ignores its canceled context is abandoned (see consumer.Partition.Stop)
+// rather than waited for.
+func (c *Consumer) startGeneration(run context.Context, gen *kafka.Generation) {
 	g := &generation{c: c, gen: gen, marks: map[tp]int64{}}
 	procCtx, cancelProc := context.WithCancel(context.Background())
 	var parts []*consumer.Partition
@@ -306,7 +326,11 @@ func (c *Consumer) startGeneration(gen *kafka.Generation) {
 				g.commit(false)
 			}
 		}
-		grace, cancel := context.WithTimeout(context.Background(), c.cfg.ShutdownGrace)
+		d := c.cfg.RevokeGrace
+		if run.Err() != nil {
+			d = c.cfg.ShutdownGrace
+		}
+		grace, cancel := context.WithTimeout(context.Background(), d)
 		var wg sync.WaitGroup
 		for _, w := range parts {
 			wg.Add(1)

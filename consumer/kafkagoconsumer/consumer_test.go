@@ -21,7 +21,7 @@ var adapter = conformance.Adapter{
 				GroupID:           group,
 				GroupTopics:       topics,
 				MaxWait:           200 * time.Millisecond,
-				SessionTimeout:    4 * time.Second, // 1.5 s: a loaded -race CI run missed heartbeats, and a rebalance waits out a stuck handler
+				SessionTimeout:    4 * time.Second, // 1.5 s: a loaded -race CI run missed heartbeats
 				RebalanceTimeout:  2 * time.Second,
 				HeartbeatInterval: 150 * time.Millisecond,
 				JoinGroupBackoff:  100 * time.Millisecond,

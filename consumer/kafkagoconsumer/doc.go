@@ -19,8 +19,15 @@
 //     dead letter) are committed through the generation every
 //     CommitInterval. When the generation ends (a member joins or leaves,
 //     this member lost its session, shutdown), every partition stops
-//     taking work, transactions in flight get ShutdownGrace to finish,
-//     what finished is committed, and only then does the member rejoin.
+//     taking work, transactions in flight get RevokeGrace (ShutdownGrace
+//     at shutdown) to finish before their handlers' ctx is canceled and
+//     they roll back, what finished is committed, and only then does the
+//     member rejoin. kafka-go's rebalances revoke every partition of the
+//     member, so a handler stuck on one partition holds the others up
+//     for RevokeGrace (default 1s, at most a quarter of
+//     Reader.RebalanceTimeout, so the member rejoins in time), not until
+//     it returns; one that ignores its canceled ctx is abandoned and can
+//     no longer commit.
 //     The broker refuses commits of a generation that is over, so a member
 //     never commits for a partition it no longer owns and a committed
 //     offset never moves backwards.

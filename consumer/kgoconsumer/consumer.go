@@ -41,9 +41,19 @@ type Config struct {
 	// to 1s.
 	CommitInterval time.Duration
 	// ShutdownGrace is how long a transaction in flight may take to finish
-	// when its partition is revoked or the consumer stops, before it is
-	// canceled and rolled back. Defaults to 5s.
+	// when the consumer stops, before its context is canceled and it
+	// rolls back. Defaults to 5s.
 	ShutdownGrace time.Duration
+	// RevokeGrace is how long a transaction in flight may take to finish
+	// when its partition is revoked in a rebalance, before its context is
+	// canceled and it rolls back. The rebalance (and, with an eager
+	// balancer, every partition of the member) waits for it, and the
+	// member must rejoin within the rebalance timeout or be evicted, so it
+	// is kept short: a handler stuck on a revoked partition holds the
+	// rebalance up for RevokeGrace at most. Defaults to 1s, and never
+	// exceeds a quarter of the client's rebalance timeout
+	// (kgo.RebalanceTimeout, franz-go's default: 60s).
+	RevokeGrace time.Duration
 	// MaxPollRecords bounds the records taken per poll. Defaults to 1000.
 	MaxPollRecords int
 	// StopOnMissingDeadLetterTopic makes Run stop (draining and
@@ -105,6 +115,9 @@ func New(p *consumer.Processor, cfg *Config) (*Consumer, error) {
 	if c.ShutdownGrace == 0 {
 		c.ShutdownGrace = 5 * time.Second
 	}
+	if c.RevokeGrace == 0 {
+		c.RevokeGrace = time.Second
+	}
 	if c.MaxPollRecords == 0 {
 		c.MaxPollRecords = 1000
 	}
@@ -120,6 +133,8 @@ func New(p *consumer.Processor, cfg *Config) (*Consumer, error) {
 		return nil, errors.New("kgoconsumer: Config.CommitInterval must not be negative")
 	case c.ShutdownGrace < 0:
 		return nil, errors.New("kgoconsumer: Config.ShutdownGrace must not be negative")
+	case c.RevokeGrace < 0:
+		return nil, errors.New("kgoconsumer: Config.RevokeGrace must not be negative")
 	case c.MaxPollRecords < 1:
 		return nil, errors.New("kgoconsumer: Config.MaxPollRecords must be at least 1")
 	}
@@ -189,7 +204,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 
 	// Shutdown: stop every partition (finishing in-flight work within the
 	// grace), commit what finished, leave the group.
-	c.stopAll(cl, false)
+	c.stopAll(c.cfg.ShutdownGrace)
 	commitCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	if err := cl.CommitMarkedOffsets(commitCtx); err != nil {
 		c.log.Warn("kgoconsumer: final commit failed; the last messages will be delivered again and skipped as duplicates", "error", err)
@@ -269,11 +284,15 @@ func (c *Consumer) dispatch(cl *kgo.Client, fetches kgo.Fetches) {
 	})
 }
 
-// revoked runs inside the client's rebalance: finish (or abandon after the
+// revoked runs inside the client's rebalance: finish (or cancel after the
 // grace) the revoked partitions' work, then commit what finished before the
 // partitions move to another member.
 func (c *Consumer) revoked(ctx context.Context, cl *kgo.Client, revoked map[string][]int32) {
-	c.stop(cl, revoked, false)
+	grace := c.cfg.RevokeGrace
+	if rt, ok := cl.OptValue(kgo.RebalanceTimeout).(time.Duration); ok && rt > 0 {
+		grace = min(grace, rt/4)
+	}
+	c.stop(cl, revoked, grace)
 	if err := cl.CommitMarkedOffsets(ctx); err != nil {
 		c.log.Warn("kgoconsumer: commit on revoke failed; those messages will be delivered again and skipped as duplicates", "error", err)
 	}
@@ -283,10 +302,10 @@ func (c *Consumer) revoked(ctx context.Context, cl *kgo.Client, revoked map[stri
 // expired): another member may already process them, so abandon at once and
 // commit nothing.
 func (c *Consumer) lost(_ context.Context, cl *kgo.Client, lost map[string][]int32) {
-	c.stop(cl, lost, true)
+	c.stop(cl, lost, 0)
 }
 
-func (c *Consumer) stop(cl *kgo.Client, which map[string][]int32, abandon bool) {
+func (c *Consumer) stop(cl *kgo.Client, which map[string][]int32, grace time.Duration) {
 	c.mu.Lock()
 	var stopping []*partition
 	for topic, ps := range which {
@@ -300,10 +319,10 @@ func (c *Consumer) stop(cl *kgo.Client, which map[string][]int32, abandon bool) 
 	}
 	c.mu.Unlock()
 	cl.ResumeFetchPartitions(which)
-	c.stopParts(stopping, abandon)
+	c.stopParts(stopping, grace)
 }
 
-func (c *Consumer) stopAll(cl *kgo.Client, abandon bool) {
+func (c *Consumer) stopAll(grace time.Duration) {
 	c.mu.Lock()
 	stopping := make([]*partition, 0, len(c.parts))
 	for key, p := range c.parts {
@@ -311,15 +330,12 @@ func (c *Consumer) stopAll(cl *kgo.Client, abandon bool) {
 		delete(c.parts, key)
 	}
 	c.mu.Unlock()
-	c.stopParts(stopping, abandon)
+	c.stopParts(stopping, grace)
 }
 
-// stopParts stops partitions in parallel, so the grace is shared.
-func (c *Consumer) stopParts(ps []*partition, abandon bool) {
-	grace := c.cfg.ShutdownGrace
-	if abandon {
-		grace = 0
-	}
+// stopParts stops partitions in parallel, so the grace is shared. Work
+// that ignores its canceled context is abandoned (consumer.Partition.Stop).
+func (c *Consumer) stopParts(ps []*partition, grace time.Duration) {
 	ctx, cancel := context.WithTimeout(context.Background(), grace)
 	defer cancel()
 	var wg sync.WaitGroup

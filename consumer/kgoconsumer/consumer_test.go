@@ -15,7 +15,12 @@ import (
 
 var adapter = conformance.Adapter{
 	HidesAborted: true,
+	Cooperative:  true,
 	New: func(p *consumer.Processor, brokers []string, group string, topics []string, o conformance.Options) (conformance.Runner, error) {
+		var balance []kgo.Opt
+		if o.Eager {
+			balance = append(balance, kgo.Balancers(kgo.RangeBalancer()))
+		}
 		return kgoconsumer.New(p, &kgoconsumer.Config{
 			Brokers:        brokers,
 			Topics:         topics,
@@ -23,13 +28,13 @@ var adapter = conformance.Adapter{
 			CommitInterval: 200 * time.Millisecond,
 
 			StopOnMissingDeadLetterTopic: o.StopOnMissingDeadLetterTopic,
-			ClientOpts: []kgo.Opt{
+			ClientOpts: append([]kgo.Opt{
 				kgo.MetadataMinAge(100 * time.Millisecond),
 				kgo.SessionTimeout(1500 * time.Millisecond),
 				kgo.RebalanceTimeout(2 * time.Second),
 				kgo.HeartbeatInterval(150 * time.Millisecond),
 				kgo.FetchMaxWait(200 * time.Millisecond),
-			},
+			}, balance...),
 		})
 	},
 }

@@ -17,9 +17,14 @@
 // and at shutdown. Rebalances wait for the poll loop (kgo.BlockRebalanceOnPoll),
 // so no record of a revoked partition is queued after its revocation. On
 // revocation the partition's in-flight transaction may finish within
-// ShutdownGrace, then the finished offsets are committed before the
-// partition moves. Partitions lost without a revocation (a session that
+// RevokeGrace (default 1s, at most a quarter of the rebalance timeout);
+// then its handler's ctx is canceled, it rolls back, and the finished
+// offsets are committed before the partition moves. A handler stuck on a
+// revoked partition thus holds the rebalance up for RevokeGrace, not until
+// it returns; one that ignores its canceled ctx is abandoned and can no
+// longer commit. Partitions lost without a revocation (a session that
 // expired) are abandoned at once and nothing more is committed for them.
+// At shutdown, work in flight gets ShutdownGrace.
 //
 // The client reads with read_committed, so records of aborted transactions
 // and transaction markers never reach the handler. Dead letters are

@@ -133,7 +133,7 @@ func (e *env) startChild(t *testing.T, mode, name, group, topic string) *child {
 		"OF_SCHEMA="+e.schema,
 		"OF_BROKERS="+strings.Join(e.k.Brokers, ","),
 		"OF_TOPIC="+topic,
-		"OF_GROUP="+group,
+		"OF_GROUP="+e.group(group),
 		"OF_NAME="+name,
 		"OF_MODE="+mode,
 	)

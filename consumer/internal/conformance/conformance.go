@@ -6,6 +6,8 @@ package conformance
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"strconv"
@@ -36,12 +38,20 @@ type Adapter struct {
 	// HidesAborted reports whether records of aborted transactions are
 	// hidden from the handler (read_committed).
 	HidesAborted bool
+	// Cooperative reports whether the adapter rebalances incrementally by
+	// default (a rebalance revokes only the partitions that move); the
+	// rebalance tests then run with Options.Eager too.
+	Cooperative bool
 }
 
 // Options are the adapter settings a suite test asks for.
 type Options struct {
 	// StopOnMissingDeadLetterTopic sets the adapter's option of that name.
 	StopOnMissingDeadLetterTopic bool
+	// Eager asks for an eager balancer: every rebalance revokes every
+	// partition of every member. Adapters that only rebalance eagerly
+	// ignore it.
+	Eager bool
 }
 
 // env is what a suite test needs: PostgreSQL, Kafka, and an effects table
@@ -52,7 +62,14 @@ type env struct {
 	pool    *pgxpool.Pool
 	schema  string
 	effects string
+	// groupSuffix makes the test's group names its own: on a real
+	// broker every test shares the group namespace, and a member of
+	// another test joining "g" would rebalance this test's members.
+	groupSuffix string
 }
+
+// group is the Kafka group id of the test's group g.
+func (e *env) group(g string) string { return g + "-" + e.groupSuffix }
 
 func setup(t *testing.T, a Adapter) *env {
 	t.Helper()
@@ -64,7 +81,9 @@ func setup(t *testing.T, a Adapter) *env {
 		` (seq bigserial, message_id text, consumer text, topic text, part int, off bigint, key text, value text)`); err != nil {
 		t.Fatal(err)
 	}
-	return &env{a: a, k: kafkatest.New(t), pool: pool, schema: schema, effects: effects}
+	suffix := make([]byte, 4)
+	_, _ = rand.Read(suffix)
+	return &env{a: a, k: kafkatest.New(t), pool: pool, schema: schema, effects: effects, groupSuffix: hex.EncodeToString(suffix)}
 }
 
 func record(ctx context.Context, tx pgx.Tx, effects, name string, m consumer.Message) error {
@@ -108,7 +127,13 @@ func (e *env) processor(t *testing.T, name string, cfg *consumer.Config) *consum
 // ends); stop checks that Run returned nil in time.
 func (e *env) start(t *testing.T, p *consumer.Processor, group string, topics ...string) (stop func()) {
 	t.Helper()
-	r := e.startWith(t, p, Options{}, group, topics...)
+	return e.startOpts(t, p, Options{}, group, topics...)
+}
+
+// startOpts is start with adapter options.
+func (e *env) startOpts(t *testing.T, p *consumer.Processor, o Options, group string, topics ...string) (stop func()) {
+	t.Helper()
+	r := e.startWith(t, p, o, group, topics...)
 	return func() {
 		if err := r.stop(); err != nil {
 			t.Errorf("Run: %v", err)
@@ -155,7 +180,7 @@ func (r *running) wait(timeout time.Duration) error {
 
 func (e *env) startWith(t *testing.T, p *consumer.Processor, o Options, group string, topics ...string) *running {
 	t.Helper()
-	r, err := e.a.New(p, e.k.Brokers, group, topics, o)
+	r, err := e.a.New(p, e.k.Brokers, e.group(group), topics, o)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -203,7 +228,7 @@ func (e *env) committed(t *testing.T, group, topic string) bool {
 	if err != nil {
 		return false
 	}
-	offs, err := adm.FetchOffsets(ctx, group)
+	offs, err := adm.FetchOffsets(ctx, e.group(group))
 	if err != nil {
 		return false
 	}
@@ -223,7 +248,7 @@ func (e *env) committedOffset(t *testing.T, group, topic string, partition int32
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	offs, err := e.k.Admin(t).FetchOffsets(ctx, group)
+	offs, err := e.k.Admin(t).FetchOffsets(ctx, e.group(group))
 	if err != nil {
 		t.Fatalf("fetch offsets: %v", err)
 	}

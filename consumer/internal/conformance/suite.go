@@ -29,6 +29,14 @@ func Run(t *testing.T, a Adapter) {
 	t.Run("TransactionMarkers", func(t *testing.T) { testTransactions(t, a) })
 	t.Run("MarkerShapedRecordsAreMessages", func(t *testing.T) { testMarkerShapedRecords(t, a) })
 	t.Run("StuckPartitionDoesNotStallOthers", func(t *testing.T) { testStuckPartition(t, a) })
+	t.Run("RebalanceWithStuckHandler", func(t *testing.T) {
+		t.Run("HandlerHonoursCancel", func(t *testing.T) { testRebalanceWithStuckHandler(t, a, Options{}, true) })
+		t.Run("HandlerIgnoresCancel", func(t *testing.T) { testRebalanceWithStuckHandler(t, a, Options{}, false) })
+		if a.Cooperative {
+			t.Run("Eager/HandlerHonoursCancel", func(t *testing.T) { testRebalanceWithStuckHandler(t, a, Options{Eager: true}, true) })
+			t.Run("Eager/HandlerIgnoresCancel", func(t *testing.T) { testRebalanceWithStuckHandler(t, a, Options{Eager: true}, false) })
+		}
+	})
 	t.Run("CommittedOffsetsNeverGoBackAcrossRebalances", func(t *testing.T) { testOffsetsNeverGoBack(t, a) })
 	t.Run("ShutdownFinishesInFlight", func(t *testing.T) { testShutdownDrains(t, a) })
 	t.Run("CrashAfterDatabaseCommit", func(t *testing.T) { testCrashAfterCommit(t, a) })
