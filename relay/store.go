@@ -358,6 +358,27 @@ func rotate(segs []segment, from []byte) []segment {
 	return append(after, before...)
 }
 
+// heldFirst moves a shard's blocked hashes (the events of its blocked keys
+// before the id each is held back from) ahead of its key-hash ranges, so
+// that the shard's read, cut at its limit, always reaches them: a key whose
+// retry is due is read for its failed event there, however many events the
+// ranges ahead of it in the sweep hold. They are a few events, not part of
+// the sweep (advanceSweeps passes over them).
+func heldFirst(segs []segment) []segment {
+	out := make([]segment, 0, len(segs))
+	for _, g := range segs {
+		if g.eq != nil {
+			out = append(out, g)
+		}
+	}
+	for _, g := range segs {
+		if g.eq == nil {
+			out = append(out, g)
+		}
+	}
+	return out
+}
+
 // claimBlockedQuery reads the shards holding blocked keys: for each, its
 // segments from that shard's sweep position on (rotated), each in index
 // order of outbox_key_hash_idx, (key hash, id), so a shard stops reading
@@ -429,16 +450,21 @@ func eventHash(e *pendingEvent) []byte {
 // from to the last key hash it took, in the order the shard was read
 // (from its sweep position on, wrapping around): the next claim goes on
 // from that key (its events not taken yet) and the keys after it, so over
-// rounds every key of the shard gets its turn.
-func (s *store) advanceSweeps(events []pendingEvent) {
+// rounds every key of the shard gets its turn. The blocked keys' own events
+// (a due retry, read ahead of the ranges: heldFirst) do not move it.
+func (s *store) advanceSweeps(events []pendingEvent, blockedKeys []keyBlock) {
 	if len(s.sweep) == 0 {
 		return
+	}
+	held := make(map[string]bool, len(blockedKeys))
+	for _, b := range blockedKeys {
+		held[string(keyHash(b.key))] = true
 	}
 	for i := range events {
 		h := eventHash(&events[i])
 		sh := int16(h[0])
 		from, ok := s.sweep[sh]
-		if !ok {
+		if !ok || held[string(h)] {
 			continue
 		}
 		last := s.sweepLast[sh]
@@ -528,7 +554,7 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 			}
 		}
 	}
-	s.advanceSweeps(out)
+	s.advanceSweeps(out, blockedKeys)
 	if s.freeRead != nil {
 		s.adaptFreeKs(s.freeRead, s.freeReadKs, out)
 	}
@@ -612,7 +638,7 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 			if !ok {
 				s.sweep[sh] = nil
 			}
-			read[i] = rotate(segs[sh], from)
+			read[i] = heldFirst(rotate(segs[sh], from))
 		}
 		// While the other shards fill the rounds (the last one was full),
 		// the blocked shards' events that make a round are their share of
