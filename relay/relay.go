@@ -331,8 +331,12 @@ func (r *Relay) publishLoop(ctx context.Context) {
 			wait := r.roundBackoff.NextBackOff()
 			r.log.Warn("relay: publish round failed", "error", err, "backoff", wait)
 			sleep(ctx, wait)
-		case res.claimed > res.held && res.acked == 0 && res.dead == 0:
-			// Everything failed: the broker is likely down. Don't spin.
+		case res.claimed > res.held && res.acked == 0 && res.dead == 0 && res.failedKeys > 1:
+			// Everything failed, for more than one key: the broker is
+			// likely down. Don't spin. (One key failing, the rest of the
+			// round its own events held back behind it, is that key's
+			// trouble: it waits out its own backoff, and the other keys
+			// are read at once.)
 			wait := r.roundBackoff.NextBackOff()
 			r.debugRound(ctx, len(shards), res, next != nil, "backoff", wait)
 			sleep(ctx, wait)
@@ -461,6 +465,7 @@ func (r *Relay) debugRound(ctx context.Context, shards int, res roundResult, rea
 type roundResult struct {
 	claimed, acked, dead int
 	held                 int // not sent: their partition is sick
+	failedKeys           int // keys (and keyless events) that failed
 }
 
 // prefetch is the next round, read while the current one was with Kafka.
@@ -623,7 +628,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		defer close(done)
 		r.record(ctx, start, o, shards, round)
 	}()
-	return roundResult{claimed: claimed, acked: len(acked), dead: len(dead), held: held}, next, nil
+	return roundResult{claimed: claimed, acked: len(acked), dead: len(dead), held: held, failedKeys: len(failedKeys)}, next, nil
 }
 
 // record writes a round's outcome: even when ctx is done, since

@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -112,5 +114,31 @@ func TestRetryOfAFailedKeySendsItsFailedEventAlone(t *testing.T) {
 	}
 	if pub.others < 10 {
 		t.Errorf("other keys published %d times, want 10", pub.others)
+	}
+}
+
+// A round in which one key failed and everything else was its own later
+// events, held back behind the failure, says nothing about the broker: the
+// key waits out its own backoff, and the other keys are read at once. The
+// relay used to take such a round for an outage ("everything failed") and
+// pause every key for the round backoff; a key stuck with a backlog did so
+// on its first round and again whenever its hold was lost.
+func TestOneKeyFailingAWholeRoundDoesNotPauseTheOtherKeys(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	var msgs []outbox.Message
+	for i := range 30 {
+		msgs = append(msgs, outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte(fmt.Sprint(i))})
+	}
+	for i := range 20 {
+		msgs = append(msgs, outbox.Message{Topic: "t", Key: []byte(fmt.Sprintf("other-%d", i)), Value: []byte("v")})
+	}
+	b.write(t, msgs...)
+	pub := &failKeyPublisher{key: "K", fails: 1 << 30}
+	logger, logs := newLogger(slog.LevelDebug)
+	b.startRelayWith(t, b.pool, pub, relay.Config{BatchSize: 10, LeaseDuration: 10 * time.Second, Logger: logger})
+	waitFor(t, "the other keys to drain", 60*time.Second, func() bool { return b.count(t, "outbox") == 30 })
+	if paused := logs.lines(`msg="relay: round".* next=backoff`); len(paused) > 0 {
+		t.Errorf("one key's failure paused the other keys:\n%s", strings.Join(paused, "\n"))
 	}
 }
