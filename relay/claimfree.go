@@ -2,6 +2,7 @@ package relay
 
 import (
 	"fmt"
+	"slices"
 )
 
 // claimFreeMin is the fewest free shards (owned, no blocked key) read by
@@ -66,4 +67,72 @@ func (s *store) adaptFreeKs(free []int16, ks []int32, out []pendingEvent) {
 			s.freeK[sh] = 2 * int(ks[i])
 		}
 	}
+}
+
+// claimFloorMaxOut is the most shards not free (blocked, or not owned) with
+// which the free shards are read by claimFloorQuery: it walks their rows
+// above the floor and drops them.
+const claimFloorMaxOut = 8
+
+// claimFloorOff is how many claims read by claimFreeQuery after a read by
+// claimFloorQuery came short: the rows not free above the floor may be too
+// dense to walk.
+const claimFloorOff = 16
+
+// claimFloorQuery reads the free shards ($1) when nearly every shard is
+// free and the last round was whole (a backlog is draining beside a blocked
+// key): the primary key in id order from the floor, the lowest pending id
+// of the free shards (one descent of outbox_shard_id_idx per shard, taken in
+// the same statement, so in the same snapshot: no late-committed row of a
+// free shard lies below it), leaving out the rows of the other shards ($2)
+// and the excluded ids ($3). A blocked key's events below the floor (a key
+// stuck with 300,000 events, the oldest of the table) are never walked; its
+// events above the floor are, and dropped. claimFreeQuery reads a share of
+// every free shard instead (eight events each for 255 shards), about 2.5
+// times the buffers, and sorts twice the round.
+//
+// The walk stops after twice the round of rows not excluded: where the
+// dropped rows are denser than that, the read comes short and the claim
+// reads by claimFreeQuery instead (store.claim). Each key's events in the
+// round are all of its pending ones from the floor up to where the read
+// stopped: a prefix, in id order.
+func claimFloorQuery(outbox string, limit int) string {
+	return fmt.Sprintf(`SELECT id, event_id, topic, key, value, headers, created_at, refused_for, refused_kind, size FROM (
+SELECT `+claimColumns+`, o.shard
+FROM %s o
+WHERE o.id >= (SELECT min(f.id) FROM unnest($1::int2[]) AS s(shard),
+        LATERAL (SELECT p.id FROM %s p WHERE p.shard = s.shard ORDER BY p.id LIMIT 1) AS f)
+    AND o.id NOT IN (SELECT unnest($3::bigint[]))
+ORDER BY o.id
+LIMIT %d) AS o
+WHERE o.shard <> ALL($2::int2[])
+ORDER BY o.id
+LIMIT %d`, outbox, outbox, 2*limit, limit)
+}
+
+// floorCameShort reports whether rows, a claimFloorQuery read of a round
+// of limit, may have stopped short of the round for its walk's bound (not
+// for the round's byte bound: then the next row would not have fitted, as
+// far as the largest row read tells).
+func (s *store) floorCameShort(rows []pendingEvent, limit int) bool {
+	if len(rows) >= limit {
+		return false
+	}
+	var total, largest int64
+	for i := range rows {
+		total += rows[i].size
+		largest = max(largest, rows[i].size)
+	}
+	return s.maxBytes == 0 || total+largest <= s.maxBytes
+}
+
+// notIn returns the shards (of all NumShards) not in sorted.
+func notIn(sorted []int16) []int16 {
+	out := make([]int16, 0, NumShards-len(sorted))
+	for sh := int16(0); sh < NumShards; sh++ {
+		if _, found := slices.BinarySearch(sorted, sh); !found {
+			out = append(out, sh)
+		}
+	}
+	return out
 }

@@ -77,24 +77,30 @@ FROM generate_series(1, 1000000) g`); err != nil {
 		blocked  []keyBlock
 		excluded []int64
 		want     []string // in the plan
+		whole    bool     // the last round was whole (store.lastFull)
 	}{
-		{"every shard", everyShard(), nil, nil, []string{"Index Scan using outbox_pkey", "hashed SubPlan"}},
-		{"every shard, a gapped round in flight", everyShard(), nil, gapped, []string{"Index Scan using outbox_pkey", "hashed SubPlan"}},
+		{"every shard", everyShard(), nil, nil, []string{"Index Scan using outbox_pkey", "hashed SubPlan"}, false},
+		{"every shard, a gapped round in flight", everyShard(), nil, gapped, []string{"Index Scan using outbox_pkey", "hashed SubPlan"}, false},
 		{"every shard, a round of consecutive ids in flight", everyShard(), nil, run,
-			[]string{"Merge Append", "Index Cond: (id < $1)", "Index Cond: (id > $3)"}},
+			[]string{"Merge Append", "Index Cond: (id < $1)", "Index Cond: (id > $3)"}, false},
 		{"a quarter of the shards, the stuck key's in another relay's", quarter, nil, nil,
-			[]string{"Merge Append", "Index Scan using outbox_shard_id_idx", "hashed SubPlan"}},
+			[]string{"Merge Append", "Index Scan using outbox_shard_id_idx", "hashed SubPlan"}, false},
 		{"a quarter of the shards, a round in flight", quarter, nil, run,
-			[]string{"Merge Append", "Index Scan using outbox_shard_id_idx", "hashed SubPlan"}},
+			[]string{"Merge Append", "Index Scan using outbox_shard_id_idx", "hashed SubPlan"}, false},
 		{"every shard, the stuck key blocked", everyShard(), stuck, nil,
-			[]string{"Nested Loop", "Index Scan using outbox_shard_id_idx", "hashed SubPlan", "outbox_key_hash_idx"}},
+			[]string{"Nested Loop", "Index Scan using outbox_shard_id_idx", "hashed SubPlan", "outbox_key_hash_idx"}, false},
 		{"every shard, the stuck key blocked, a round in flight", everyShard(), stuck, gapped,
-			[]string{"Nested Loop", "Index Scan using outbox_shard_id_idx", "hashed SubPlan", "outbox_key_hash_idx"}},
+			[]string{"Nested Loop", "Index Scan using outbox_shard_id_idx", "hashed SubPlan", "outbox_key_hash_idx"}, false},
 		{"a quarter of the shards with the stuck key's, the key blocked, a round in flight", quarterWithStuck, stuck, gapped,
-			[]string{"Merge Append", "outbox_key_hash_idx"}},
+			[]string{"Merge Append", "outbox_key_hash_idx"}, false},
+		{"every shard, the stuck key blocked, the last round whole", everyShard(), stuck, nil,
+			[]string{"Index Scan using outbox_pkey", "Index Only Scan using outbox_shard_id_idx", "InitPlan", "outbox_key_hash_idx"}, true},
+		{"every shard, the stuck key blocked, the last round whole, a round in flight", everyShard(), stuck, gapped,
+			[]string{"Index Scan using outbox_pkey", "InitPlan", "hashed SubPlan", "outbox_key_hash_idx"}, true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			var plans []string
+			st.lastFull = c.whole
 			for _, stmt := range st.claimStatements(c.owned, 1000, c.blocked, slices.Clone(c.excluded)) {
 				plans = append(plans, explainGeneric(t, stmt))
 			}

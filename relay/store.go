@@ -1,14 +1,11 @@
 package relay
 
 import (
-	"bytes"
 	"cmp"
 	"context"
-	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
-	"maps"
 	"math/bits"
 	"slices"
 	"strings"
@@ -52,9 +49,9 @@ type store struct {
 	claimLimit     int
 	claimFreeSQL   string // many free shards (claimFreeQuery), for claimFreeLimit
 	claimFreeLimit int
+	claimFloorSQL  string        // nearly every shard free (claimFloorQuery), for claimFreeLimit
+	floorOff       int           // claims left before claimFloorQuery is tried again
 	freeK          map[int16]int // see freeKs
-	freeRead       []int16       // the free shards the statements read by claimFreeQuery
-	freeReadKs     []int32       // and their limits
 	// sweep is, per shard holding blocked keys, the key hash its next read
 	// starts from (nil: the shard's start); see claimBlockedQuery.
 	sweep            map[int16][]byte
@@ -208,7 +205,12 @@ FROM crashed c WHERE o.id BETWEEN c.lo AND c.hi AND o.shard = ANY(c.shards)`,
 //     literals (claimShardsQuery). More of them (the relay owns every shard
 //     but one holds a blocked key) are read by one LATERAL with the shards
 //     as a parameter, each its share of the round (claimFreeQuery): a
-//     255-branch merge took 50-190 ms to plan and ran slower.
+//     255-branch merge took 50-190 ms to plan and ran slower. When at most
+//     claimFloorMaxOut shards are not free and the last round was whole,
+//     the free shards are read through the primary key in id order from
+//     their lowest pending id instead (claimFloorQuery), stepping over a
+//     blocked key's events below it; where that read comes short, by the
+//     shares.
 //   - A shard holding blocked keys is read through outbox_key_hash_idx, on
 //     the first 8 bytes of the same sha256 the shard comes from (its first
 //     byte is the shard): the key-hash ranges between the blocked keys' hashes,
@@ -284,212 +286,6 @@ LIMIT %d`, inner, limit)
 	return b.String()
 }
 
-// segment is one index range of outbox_key_hash_idx in a shard holding
-// blocked keys: the key hashes in [lo, hi), or (eq set) the hash eq below
-// the id before (a blocked key's events ahead of its failed one).
-type segment struct {
-	lo, hi, eq []byte
-	before     int64
-}
-
-// at is where the segment starts in key-hash order.
-func (g segment) at() []byte {
-	if g.eq != nil {
-		return g.eq
-	}
-	return g.lo
-}
-
-// blockedSegments returns, for each shard holding blocked keys, its
-// segments in key-hash order: the ranges between the blocked keys' hashes,
-// and each blocked hash below the id its key is held back from. Another key
-// sharing a blocked key's 8-byte hash waits with it: held back, never
-// reordered.
-func blockedSegments(blocked []keyBlock) map[int16][]segment {
-	held := map[string]int64{} // hash -> lowest held-back id
-	for _, b := range blocked {
-		h := string(keyHash(b.key))
-		if id, ok := held[h]; !ok || b.firstID < id {
-			held[h] = b.firstID
-		}
-	}
-	out := map[int16][]segment{}
-	sorted := slices.Sorted(maps.Keys(held))
-	for i, h := range sorted {
-		sh := h[0]
-		lo := []byte{sh}
-		if i > 0 && sorted[i-1][0] == sh {
-			lo = []byte(sorted[i-1] + "\x00")
-		}
-		segs := append(out[int16(sh)],
-			segment{lo: lo, hi: []byte(h)},
-			segment{eq: []byte(h), before: held[h]})
-		if i == len(sorted)-1 || sorted[i+1][0] != sh { // last of its shard
-			hi := []byte{sh + 1}
-			if sh == 0xff {
-				hi = bytes.Repeat([]byte{0xff}, 9)
-			}
-			segs = append(segs, segment{lo: []byte(h + "\x00"), hi: hi})
-		}
-		out[int16(sh)] = segs
-	}
-	return out
-}
-
-// rotate returns segs (in key-hash order) starting at the key hash from,
-// wrapping around: the range holding from is split there.
-func rotate(segs []segment, from []byte) []segment {
-	if from == nil {
-		return segs
-	}
-	var after, before []segment
-	for _, g := range segs {
-		switch {
-		case bytes.Compare(g.at(), from) >= 0:
-			after = append(after, g)
-		case g.eq != nil || bytes.Compare(g.hi, from) <= 0:
-			before = append(before, g)
-		default: // lo < from < hi
-			after = append(after, segment{lo: from, hi: g.hi})
-			before = append(before, segment{lo: g.lo, hi: from})
-		}
-	}
-	// A segment starting at from goes first even if it is the blocked hash.
-	return append(after, before...)
-}
-
-// heldFirst moves a shard's blocked hashes (the events of its blocked keys
-// before the id each is held back from) ahead of its key-hash ranges, so
-// that the shard's read, cut at its limit, always reaches them: a key whose
-// retry is due is read for its failed event there, however many events the
-// ranges ahead of it in the sweep hold. They are a few events, not part of
-// the sweep (advanceSweeps passes over them).
-func heldFirst(segs []segment) []segment {
-	out := make([]segment, 0, len(segs))
-	for _, g := range segs {
-		if g.eq != nil {
-			out = append(out, g)
-		}
-	}
-	for _, g := range segs {
-		if g.eq == nil {
-			out = append(out, g)
-		}
-	}
-	return out
-}
-
-// claimBlockedQuery reads the shards holding blocked keys: for each, its
-// segments from that shard's sweep position on (rotated), each in index
-// order of outbox_key_hash_idx, (key hash, id), so a shard stops reading
-// once it has limit events (it runs with bitmap scans off: a bitmap scan
-// cannot stop early, and where the planner guesses a range small it would
-// read the range whole and sort it): a key stuck with 300,000 events is never
-// walked, and neither are the other events of its shard beyond the round.
-// Each key's events come in id order, so the events read of each key are a
-// prefix of its pending ones, whatever the cut. Ranges and ids are
-// parameters ($2 on; it returns the arguments with $1 left for the excluded
-// ids): they change as the sweep moves, and a text per claim would be
-// prepared (and planned) per claim; with bitmap scans off, the plan is an
-// ordered index scan per range whatever the estimates.
-func claimBlockedQuery(outbox string, shards [][]segment, limit int) (string, []any) {
-	var b strings.Builder
-	args := []any{nil} // $1: the excluded ids, set by the caller
-	param := func(v any) int {
-		args = append(args, v)
-		return len(args)
-	}
-	b.WriteString(`SELECT * FROM (`)
-	for i, segs := range shards {
-		if i > 0 {
-			b.WriteString(`
-UNION ALL `)
-		}
-		b.WriteString(`(SELECT * FROM (`)
-		for j, g := range segs {
-			if j > 0 {
-				b.WriteString(`
-    UNION ALL `)
-			}
-			if g.eq != nil {
-				fmt.Fprintf(&b, `(SELECT `+claimColumns+` FROM %s o WHERE `+keyHashSQL+` = $%d::bytea AND o.id < $%d::bigint AND `+notExcluded+` ORDER BY `+keyHashSQL+`, o.id LIMIT %d)`, outbox, param(g.eq), param(g.before), limit)
-			} else {
-				fmt.Fprintf(&b, `(SELECT `+claimColumns+` FROM %s o WHERE `+keyHashSQL+` >= $%d::bytea AND `+keyHashSQL+` < $%d::bytea AND `+notExcluded+` ORDER BY `+keyHashSQL+`, o.id LIMIT %d)`, outbox, param(g.lo), param(g.hi), limit)
-			}
-		}
-		fmt.Fprintf(&b, `) AS s LIMIT %d)`, limit)
-	}
-	fmt.Fprintf(&b, `
-) AS m
-ORDER BY m.id
-LIMIT %d`, limit)
-	return b.String(), args
-}
-
-// notExcluded leaves out the excluded ids ($1) inside each key-hash range,
-// before its limit: a hashed subplan per range (a few per blocked shard).
-const notExcluded = `o.id NOT IN (SELECT unnest($1::bigint[]))`
-
-// keyHash is keyHashSQL for a key (or a keyless event's uuid bytes).
-func keyHash(key []byte) []byte {
-	h := sha256.Sum256(key)
-	return h[:8]
-}
-
-// eventHash is keyHashSQL for an event.
-func eventHash(e *pendingEvent) []byte {
-	if e.key != nil {
-		return keyHash(e.key)
-	}
-	var u [16]byte
-	_, _ = hex.Decode(u[:], bytes.ReplaceAll(e.eventID, []byte("-"), nil))
-	return keyHash(u[:])
-}
-
-// advanceSweeps moves the sweep of each blocked shard the round took events
-// from to the last key hash it took, in the order the shard was read
-// (from its sweep position on, wrapping around): the next claim goes on
-// from that key (its events not taken yet) and the keys after it, so over
-// rounds every key of the shard gets its turn. The blocked keys' own events
-// (a due retry, read ahead of the ranges: heldFirst) do not move it.
-func (s *store) advanceSweeps(events []pendingEvent, blockedKeys []keyBlock) {
-	if len(s.sweep) == 0 {
-		return
-	}
-	held := make(map[string]bool, len(blockedKeys))
-	for _, b := range blockedKeys {
-		held[string(keyHash(b.key))] = true
-	}
-	for i := range events {
-		h := eventHash(&events[i])
-		sh := int16(h[0])
-		from, ok := s.sweep[sh]
-		if !ok || held[string(h)] {
-			continue
-		}
-		last := s.sweepLast[sh]
-		if last == nil || sweepOrder(h, last, from) > 0 {
-			s.sweepLast[sh] = h
-		}
-	}
-	for sh, h := range s.sweepLast {
-		s.sweep[sh] = h
-		delete(s.sweepLast, sh)
-	}
-}
-
-// sweepOrder compares key hashes a and b in a sweep starting at from.
-func sweepOrder(a, b, from []byte) int {
-	aw, bw := bytes.Compare(a, from) < 0, bytes.Compare(b, from) < 0
-	if aw != bw {
-		if aw {
-			return 1
-		}
-		return -1
-	}
-	return bytes.Compare(a, b)
-}
-
 // keyBlock keeps a key's later events back while its failed event waits.
 type keyBlock struct {
 	key     []byte
@@ -527,10 +323,13 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 			break
 		}
 	}
-	for _, st := range stmts {
+	read := make([][2]int, len(stmts)) // each statement's rows in out
+	for i, st := range stmts {
 		b.Queue(st.sql, st.args...).Query(func(rows pgx.Rows) error {
 			var err error
+			read[i][0] = len(out)
 			out, err = scanEvents(rows, out)
+			read[i][1] = len(out)
 			return err
 		})
 	}
@@ -538,6 +337,30 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 		if err := s.pool.SendBatch(ctx, b).Close(); err != nil {
 			return nil, err
 		}
+	}
+	var adapt *statement
+	for i := range stmts {
+		st := &stmts[i]
+		if st.free != nil {
+			adapt = st
+		}
+		if st.short == nil || !s.floorCameShort(out[read[i][0]:read[i][1]], limit) {
+			continue
+		}
+		// The floor's walk met more rows it may not publish than the
+		// round (claimFloorQuery): read the free shards by their shares.
+		// The next claims do so directly, for a while (at the end of a
+		// backlog too, where they would anyway: its rounds are not whole).
+		s.floorOff = claimFloorOff
+		out = slices.Delete(out, read[i][0], read[i][1])
+		rows, err := s.pool.Query(ctx, st.short.sql, st.short.args...)
+		if err != nil {
+			return nil, err
+		}
+		if out, err = scanEvents(rows, out); err != nil {
+			return nil, err
+		}
+		adapt = st.short
 	}
 	if len(stmts) > 1 || len(blockedKeys) > 0 {
 		slices.SortFunc(out, func(a, b pendingEvent) int { return cmp.Compare(a.id, b.id) })
@@ -555,8 +378,8 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 		}
 	}
 	s.advanceSweeps(out, blockedKeys)
-	if s.freeRead != nil {
-		s.adaptFreeKs(s.freeRead, s.freeReadKs, out)
+	if adapt != nil {
+		s.adaptFreeKs(adapt.free, adapt.ks, out)
 	}
 	s.lastFull = len(out) == limit
 	if len(out) > 0 {
@@ -574,6 +397,12 @@ type statement struct {
 	args []any
 	// noBitmap: plan it with enable_bitmapscan off (see claimBlockedQuery).
 	noBitmap bool
+	// free and ks: a claimFreeQuery read of the free shards with these
+	// limits (for adaptFreeKs).
+	free []int16
+	ks   []int32
+	// short: read instead if this read comes short (claimFloorQuery).
+	short *statement
 }
 
 // claimStatements returns the one or two reads of a claim (see claimAllQuery).
@@ -610,7 +439,9 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 	// costs 10-15 ms); the LIMITs cost nothing when not reached.
 	inner := limit + 1<<bits.Len(uint(max(len(excluded), 2*limit)-1))
 	var out []statement
-	s.freeRead, s.freeReadKs = nil, nil
+	if s.floorOff > 0 {
+		s.floorOff--
+	}
 	switch {
 	case len(free) == NumShards:
 		if runLo, runHi, ok := oneRun(excluded); ok {
@@ -620,10 +451,17 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 		}
 	case len(free) > claimFreeMin:
 		if limit != s.claimFreeLimit || s.claimFreeSQL == "" {
-			s.claimFreeSQL, s.claimFreeLimit = claimFreeQuery(s.outbox, limit), limit
+			s.claimFreeSQL, s.claimFloorSQL = claimFreeQuery(s.outbox, limit), claimFloorQuery(s.outbox, limit)
+			s.claimFreeLimit = limit
 		}
-		s.freeRead, s.freeReadKs = slices.Clone(free), s.freeKs(free, limit)
-		out = append(out, statement{sql: s.claimFreeSQL, args: []any{s.freeRead, s.freeReadKs, excluded}})
+		free := slices.Clone(free)
+		ks := s.freeKs(free, limit)
+		shares := statement{sql: s.claimFreeSQL, args: []any{free, ks, excluded}, free: free, ks: ks}
+		if s.lastFull && NumShards-len(free) <= claimFloorMaxOut && s.floorOff == 0 {
+			out = append(out, statement{sql: s.claimFloorSQL, args: []any{free, notIn(free), excluded}, short: &shares})
+		} else {
+			out = append(out, shares)
+		}
 	case len(free) > 0:
 		if !slices.Equal(free, s.claimShards) || inner != s.claimInner || limit != s.claimLimit {
 			s.claimShards, s.claimInner, s.claimLimit = slices.Clone(free), inner, limit
@@ -655,6 +493,10 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 	if s.maxBytes > 0 {
 		for i := range out {
 			out[i] = boundBytes(out[i], s.maxBytes)
+			if out[i].short != nil {
+				short := boundBytes(*out[i].short, s.maxBytes)
+				out[i].short = &short
+			}
 		}
 	}
 	return out
