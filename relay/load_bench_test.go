@@ -7,7 +7,6 @@ import (
 	"os"
 	"strconv"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -39,101 +38,6 @@ func benchPool(b *testing.B, app string, n int32) *pgxpool.Pool {
 	}
 	b.Cleanup(pool.Close)
 	return pool
-}
-
-// BenchmarkProducerOverhead measures business transactions per second at
-// 1, 8, 16 and 32 concurrent writers, each transaction one INSERT into a
-// business table plus, depending on the contender, nothing, one row into a
-// plain table of the outbox's columns (identity key, uuid default, one
-// index, no trigger), one outbox row through the contract's plain SQL, or
-// one outbox row with the NOTIFY trigger migration 0004 dropped. Contenders
-// alternate, each for 2 s, benchRounds times; medians are reported.
-//
-//	go test -run '^$' -bench ProducerOverhead -benchtime 1x ./relay/
-func BenchmarkProducerOverhead(b *testing.B) {
-	ctx := context.Background()
-	for range b.N {
-		schema := pgtest.Schema(b)
-		notify := pgtest.Schema(b) // the outbox as it was before 0004
-		pool := benchPool(b, "producer-bench", 40)
-		q := func(s, t string) string { return pgx.Identifier{s, t}.Sanitize() }
-		for _, s := range []string{
-			`CREATE TABLE ` + q(schema, "business") + ` (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, customer text NOT NULL, amount_cents bigint NOT NULL)`,
-			`CREATE TABLE ` + q(schema, "plain") + ` (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, event_id uuid NOT NULL DEFAULT gen_random_uuid(),
-    topic text NOT NULL, key bytea, value bytea, headers jsonb, created_at timestamptz NOT NULL DEFAULT now())`,
-			`CREATE FUNCTION ` + q(notify, "outbox_notify") + `() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN PERFORM pg_notify('onceflow_outbox', TG_TABLE_SCHEMA); RETURN NULL; END; $$`,
-			`CREATE TRIGGER outbox_notify AFTER INSERT ON ` + q(notify, "outbox") + ` FOR EACH STATEMENT EXECUTE FUNCTION ` + q(notify, "outbox_notify") + `()`,
-		} {
-			if _, err := pool.Exec(ctx, s); err != nil {
-				b.Fatal(err)
-			}
-		}
-		business := `INSERT INTO ` + q(schema, "business") + ` (customer, amount_cents) VALUES ($1, 500)`
-		event := func(table string) string {
-			return `INSERT INTO ` + table + ` (topic, key, value) VALUES ('orders', $1::bytea, convert_to(repeat('x', 256), 'UTF8'))`
-		}
-		contenders := []struct {
-			name  string
-			event string
-		}{
-			{"business only", ""},
-			{"+ plain row", event(q(schema, "plain"))},
-			{"+ outbox row", event(q(schema, "outbox"))},
-			{"+ outbox, NOTIFY", event(q(notify, "outbox"))},
-		}
-		run := func(writers int, eventSQL string) float64 {
-			var done atomic.Int64
-			deadline := time.Now().Add(2 * time.Second)
-			var wg sync.WaitGroup
-			for w := range writers {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					for i := 0; time.Now().Before(deadline); i++ {
-						key := "c" + strconv.Itoa(w) + "-" + strconv.Itoa(i)
-						err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-							if _, err := tx.Exec(ctx, business, key); err != nil {
-								return err
-							}
-							if eventSQL != "" {
-								_, err := tx.Exec(ctx, eventSQL, key)
-								return err
-							}
-							return nil
-						})
-						if err != nil {
-							b.Error(err)
-							return
-						}
-						done.Add(1)
-					}
-				}()
-			}
-			start := time.Now()
-			wg.Wait()
-			return perSecond(int(done.Load()), time.Since(start))
-		}
-		fmt.Printf("\nbusiness transactions/s (medians of %d alternating 2 s runs):\n", benchRounds)
-		fmt.Printf("  %-8s %14s %14s %14s %17s %15s %14s\n", "writers", "business only", "+ plain row", "+ outbox row", "+ outbox, NOTIFY", "outbox/plain", "NOTIFY/plain")
-		for _, writers := range []int{1, 8, 16, 32} {
-			rates := make([][]float64, len(contenders))
-			var ratios, notifyRatios []float64
-			for round := range benchRounds {
-				got := make([]float64, len(contenders))
-				for i := range contenders {
-					c := (i + round) % len(contenders) // rotate who goes first
-					got[c] = run(writers, contenders[c].event)
-					rates[c] = append(rates[c], got[c])
-				}
-				ratios = append(ratios, got[2]/got[1])
-				notifyRatios = append(notifyRatios, got[3]/got[1])
-			}
-			fmt.Printf("  %-8d %14.0f %14.0f %14.0f %17.0f %14.2fx %13.2fx\n", writers,
-				median(rates[0]), median(rates[1]), median(rates[2]), median(rates[3]), median(ratios), median(notifyRatios))
-			b.ReportMetric(median(ratios), fmt.Sprintf("outbox/plain@%d", writers))
-		}
-	}
 }
 
 // fillN inserts n events of 256 bytes over 1,000 keys and VACUUM ANALYZEs.
