@@ -137,7 +137,7 @@ func (p *producerProfiler) start() {
 	if err := pgtest.Pool(p.b).QueryRow(ctx, `SELECT pg_current_wal_flush_lsn()::text`).Scan(&p.lsn0); err != nil {
 		p.b.Fatal(err)
 	}
-	p.cpu0 = backendTicks(p.b, []string{producerApp})
+	p.cpu0 = backendsOnCPU(p.b, producerApp)
 	p.stat0 = machineCPU()
 	p.t0 = time.Now()
 	p.stopCh, p.result = make(chan struct{}), make(chan producerSample, 1)
@@ -186,7 +186,7 @@ func (p *producerProfiler) stop(tx int64) producerSample {
 	if total := stat1[1] - p.stat0[1]; total > 0 {
 		s.busy = (stat1[0] - p.stat0[0]) / total * s.secs
 	}
-	for pid, t := range backendTicks(p.b, []string{producerApp}) {
+	for pid, t := range backendsOnCPU(p.b, producerApp) {
 		s.cpu += t - p.cpu0[pid]
 	}
 	if p.walFn == "" {
@@ -204,6 +204,35 @@ SELECT count(*), coalesce(sum(record_length), 0), coalesce(sum(fpi_length), 0) F
 		s.walMissing = true
 	}
 	return s
+}
+
+// onCPU returns the seconds process pid has run on a CPU so far (the first
+// field of /proc/<pid>/schedstat, in nanoseconds), or 0 once it is gone.
+func onCPU(pid int32) float64 {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/schedstat", pid))
+	if err != nil {
+		return 0
+	}
+	f := strings.Fields(string(data))
+	if len(f) == 0 {
+		return 0
+	}
+	ns, _ := strconv.ParseFloat(f[0], 64)
+	return ns / 1e9
+}
+
+// backendsOnCPU returns onCPU for each backend whose application_name is app.
+func backendsOnCPU(b *testing.B, app string) map[int32]float64 {
+	rows, _ := pgtest.Pool(b).Query(context.Background(), `SELECT pid FROM pg_stat_activity WHERE application_name = $1`, app)
+	pids, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+	if err != nil {
+		b.Fatal(err)
+	}
+	out := make(map[int32]float64, len(pids))
+	for _, pid := range pids {
+		out[pid] = onCPU(pid)
+	}
+	return out
 }
 
 // machineCPU returns the machine's busy and total CPU ticks so far.
