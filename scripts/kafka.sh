@@ -149,10 +149,21 @@ port_listened() {
 	port_busy "$1"
 }
 
+# The kernel's ephemeral ports (for outgoing connections and bind to port 0)
+# start here: a port chosen below it cannot be handed to another socket
+# between our choice and the broker's bind.
+ephemeral_low() {
+	local low _high
+	read -r low _high </proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || low=32768
+	echo "$low"
+}
+
 free_port() {
-	local p taken
+	local p taken lo=20000 span
+	span=$(($(ephemeral_low) - lo))
+	[ "$span" -ge 1000 ] || { lo=$(($(ephemeral_low) - 11000)); span=10000; }
 	for _ in $(seq 1 200); do
-		p=$((20000 + RANDOM % 30000))
+		p=$((lo + RANDOM % span))
 		taken=0
 		for q in "${CHOSEN[@]:-}"; do [ "$q" = "$p" ] && taken=1; done
 		if [ "$taken" = 0 ] && ! port_listened "$p"; then
@@ -168,7 +179,18 @@ choose_ports() {
 	if [ -f "$STATE/ports" ]; then
 		# shellcheck disable=SC1091
 		. "$STATE/ports"
-		return
+		# Ports kept from before they were chosen below the ephemeral range
+		# are chosen again while the broker is down, on fresh storage (the
+		# old metadata names the old controller port).
+		local low p
+		low=$(ephemeral_low)
+		for p in "$PLAIN_PORT" "$SSL_PORT" "$SASL_PORT" "$CONTROLLER_PORT"; do
+			if [ "$p" -ge "$low" ] && ! pid_alive; then
+				rm -rf "$STATE/ports" "$STATE/data"
+				break
+			fi
+		done
+		[ -f "$STATE/ports" ] && return
 	fi
 	CHOSEN=()
 	PLAIN_PORT=$(free_port)

@@ -4,7 +4,10 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"fmt"
+	"net"
 	"os"
+	"strconv"
 	"testing"
 	"time"
 
@@ -82,4 +85,34 @@ func TestRealBrokerListeners(t *testing.T) {
 			t.Fatal("a wrong SCRAM password was accepted")
 		}
 	})
+}
+
+// TestRealBrokerPortsAreOutsideTheEphemeralRange: scripts/kafka.sh picks its
+// listener ports before the broker binds them. A port inside the kernel's
+// ephemeral range can be handed to some outgoing connection in between,
+// and the broker then fails to start ("Address already in use": a CI run
+// lost TestSickPartitionOnARealBrokerCostsOnlyItsKeys that way).
+func TestRealBrokerPortsAreOutsideTheEphemeralRange(t *testing.T) {
+	env := RealEnv(t)
+	data, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
+	if err != nil {
+		t.Skipf("no ephemeral port range to check against: %v", err)
+	}
+	var low, high int
+	if _, err := fmt.Sscan(string(data), &low, &high); err != nil {
+		t.Fatalf("ip_local_port_range %q: %v", data, err)
+	}
+	for _, addr := range []string{env.Brokers, env.SSLBrokers, env.SASLBrokers} {
+		_, portText, err := net.SplitHostPort(addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		port, err := strconv.Atoi(portText)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if port >= low && port <= high {
+			t.Errorf("listener %s is inside the ephemeral port range %d-%d", addr, low, high)
+		}
+	}
 }
