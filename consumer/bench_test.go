@@ -65,9 +65,10 @@ func benchSetup(b *testing.B) *benchEnv {
 	return e
 }
 
-// rawSingle runs n single-row insert transactions (BEGIN; INSERT; COMMIT)
-// on c goroutines and returns rows/s.
-func (e *benchEnv) rawSingle(b *testing.B, n, c int) float64 {
+// rawSingle runs n one-message transactions on c goroutines and returns
+// rows/s: BEGIN; the dedup insert; with update, the UPDATE the benchmarks'
+// handler makes (what the per-message consumer sends); COMMIT.
+func (e *benchEnv) rawSingle(b *testing.B, n, c int, update bool) float64 {
 	ctx := context.Background()
 	tag := strconv.FormatInt(e.run.Add(1), 10)
 	var next atomic.Int64
@@ -83,40 +84,7 @@ func (e *benchEnv) rawSingle(b *testing.B, n, c int) float64 {
 					return
 				}
 				err := pgx.BeginFunc(ctx, e.pool, func(tx pgx.Tx) error {
-					_, err := tx.Exec(ctx, `INSERT INTO `+e.raw+` (consumer, message_id) VALUES ($1, $2)`, "raw", tag+"-"+strconv.FormatInt(i, 10))
-					return err
-				})
-				if err != nil {
-					b.Error(err)
-					return
-				}
-			}
-		}()
-	}
-	wg.Wait()
-	return float64(n) / time.Since(start).Seconds()
-}
-
-// rawSingleUpdate does in plain pgx what the per-message consumer does with
-// updateOne as its handler: n transactions (BEGIN; the dedup insert; one
-// UPDATE; COMMIT) on c goroutines, and returns rows/s.
-func (e *benchEnv) rawSingleUpdate(b *testing.B, n, c int) float64 {
-	ctx := context.Background()
-	tag := strconv.FormatInt(e.run.Add(1), 10)
-	var next atomic.Int64
-	start := time.Now()
-	var wg sync.WaitGroup
-	for range c {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for {
-				i := next.Add(1)
-				if i > int64(n) {
-					return
-				}
-				err := pgx.BeginFunc(ctx, e.pool, func(tx pgx.Tx) error {
-					if _, err := tx.Exec(ctx, `INSERT INTO `+e.raw+` (consumer, message_id) VALUES ($1, $2)`, "raw", tag+"-"+strconv.FormatInt(i, 10)); err != nil {
+					if _, err := tx.Exec(ctx, `INSERT INTO `+e.raw+` (consumer, message_id) VALUES ($1, $2)`, "raw", tag+"-"+strconv.FormatInt(i, 10)); err != nil || !update {
 						return err
 					}
 					_, err := tx.Exec(ctx, `UPDATE `+e.accounts+` SET balance = balance + 1 WHERE id = $1`, strconv.FormatInt(i%benchAccounts, 10))
@@ -329,7 +297,7 @@ func BenchmarkPerMessage(b *testing.B) {
 		b.Fatal(err)
 	}
 	report(b, "raw-tx/s",
-		func() float64 { return e.rawSingleUpdate(b, benchMessages, benchConcurrency) },
+		func() float64 { return e.rawSingle(b, benchMessages, benchConcurrency, true) },
 		func() float64 { return e.consume(b, p, benchMessages, benchConcurrency) })
 }
 
@@ -342,7 +310,7 @@ func BenchmarkKeyParallel(b *testing.B) {
 		b.Fatal(err)
 	}
 	report(b, "raw-tx/s",
-		func() float64 { return e.rawSingleUpdate(b, benchMessages, benchConcurrency) },
+		func() float64 { return e.rawSingle(b, benchMessages, benchConcurrency, true) },
 		func() float64 { return e.consume(b, p, benchMessages, 1) })
 }
 
@@ -383,6 +351,6 @@ func BenchmarkPerMessageEmptyHandler(b *testing.B) {
 		b.Fatal(err)
 	}
 	report(b, "raw-tx/s",
-		func() float64 { return e.rawSingle(b, benchMessages, benchConcurrency) },
+		func() float64 { return e.rawSingle(b, benchMessages, benchConcurrency, false) },
 		func() float64 { return e.consume(b, p, benchMessages, benchConcurrency) })
 }
