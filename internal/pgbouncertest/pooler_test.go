@@ -127,27 +127,37 @@ func testConsumer(t *testing.T, url string, plain bool) {
 	topic := k.Topic(t, 2)
 	cl := k.Client(t)
 	ctx := context.Background()
+	ids := make([]string, 80)
+	for i := range ids {
+		ids[i] = fmt.Sprintf("m-%d", i)
+	}
 	for i := range 100 {
 		r := &kgo.Record{Topic: topic, Key: []byte(fmt.Sprint(i % 5)), Value: []byte("v"),
-			Headers: []kgo.RecordHeader{{Key: "message-id", Value: []byte(fmt.Sprintf("m-%d", i%80))}}} // 20 duplicates
+			Headers: []kgo.RecordHeader{{Key: "message-id", Value: []byte(ids[i%80])}}} // 20 duplicates
 		if err := cl.ProduceSync(ctx, r).FirstErr(); err != nil {
 			t.Fatal(err)
 		}
 	}
-	pool := poolFor(t, url)
+	// The sessions show in pg_stat_activity under this name (PgBouncer
+	// sets a client's application_name on the server it lends it).
+	app := "pgbt_" + strings.TrimPrefix(schema, "oftest_")
+	pool := poolFor(t, url+"&application_name="+app)
 	effects := pgx.Identifier{schema, "effects"}.Sanitize()
 	if _, err := pgtest.Pool(t).Exec(ctx, `CREATE TABLE `+effects+` (id text)`); err != nil {
 		t.Fatal(err)
 	}
+	tl := newTestLog(t)
+	seen := newOutcomes(tl)
 	p, err := consumer.New(pool, "pgb", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
 		_, err := tx.Exec(ctx, `INSERT INTO `+effects+` VALUES ($1)`, m.ID)
 		return err
-	}, &consumer.Config{Schema: schema, PlainBegin: plain})
+	}, &consumer.Config{Schema: schema, PlainBegin: plain, Logger: tl.slog(), Hooks: []consumer.Hook{seen}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	c, err := kgoconsumer.New(p, &kgoconsumer.Config{Brokers: k.Brokers, Topics: []string{topic},
-		ClientOpts: []kgo.Opt{kgo.MetadataMinAge(100 * time.Millisecond), kgo.FetchMaxWait(200 * time.Millisecond)}})
+	c, err := kgoconsumer.New(p, &kgoconsumer.Config{Brokers: k.Brokers, Topics: []string{topic}, Logger: tl.slog(),
+		ClientOpts: []kgo.Opt{kgo.MetadataMinAge(100 * time.Millisecond), kgo.FetchMaxWait(200 * time.Millisecond),
+			kgo.WithLogger(kgoLogger{tl})}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -160,16 +170,20 @@ func testConsumer(t *testing.T, url string, plain bool) {
 			t.Errorf("Run: %v", err)
 		}
 	}()
-	waitUntil(t, "80 effects", 90*time.Second, func() bool {
-		var n int
+	n := 0
+	if !waitFor(90*time.Second, func() bool {
 		_ = pgtest.Pool(t).QueryRow(ctx, `SELECT count(*) FROM `+effects).Scan(&n)
 		return n >= 80
-	})
-	var n, distinct int
+	}) {
+		consumerReport(t, schema, app, ids, seen)
+		t.Fatalf("timed out after 90s waiting for 80 effects (%d counted; report above)", n)
+	}
+	var distinct int
 	if err := pgtest.Pool(t).QueryRow(ctx, `SELECT count(*), count(DISTINCT id) FROM `+effects).Scan(&n, &distinct); err != nil {
 		t.Fatal(err)
 	}
 	if n != 80 || distinct != 80 {
+		consumerReport(t, schema, app, ids, seen)
 		t.Fatalf("effects %d (%d distinct), want 80 once each", n, distinct)
 	}
 }
@@ -221,11 +235,19 @@ func TestIdempotencyBehindPgBouncer(t *testing.T) {
 
 func waitUntil(t *testing.T, what string, timeout time.Duration, cond func() bool) {
 	t.Helper()
+	if !waitFor(timeout, cond) {
+		t.Fatalf("timed out after %s waiting for %s", timeout, what)
+	}
+}
+
+// waitFor polls cond until it holds (true) or timeout passes (false).
+func waitFor(timeout time.Duration, cond func() bool) bool {
 	deadline := time.Now().Add(timeout)
 	for !cond() {
 		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %s waiting for %s", timeout, what)
+			return false
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+	return true
 }
