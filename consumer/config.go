@@ -73,8 +73,12 @@ type Config struct {
 	// per-connection prepared statement, a message's COMMIT carries the
 	// next queued message's BEGIN and dedup insert, and a duplicate shows
 	// in the server log as a duplicate-key ERROR. Set it behind PgBouncer
-	// in transaction mode (SQL-level prepared statements do not survive
-	// it) or when those log lines are unwelcome. Defaults to false.
+	// in transaction mode (before 1.21, prepared statements stay on the
+	// server connection that prepared them, and the pooler lends each
+	// transaction another) or when those log lines are unwelcome. Unset
+	// there, the Processor notices the first time its statement is
+	// missing on the server session (or already on it), logs a Warn
+	// once, and behaves as if it were set from then on. Defaults to false.
 	PlainBegin bool
 
 	// Hooks receive metrics events; see Hook. Defaults to none.

@@ -107,9 +107,11 @@ func (p *Processor) commit(ctx context.Context, tx pgx.Tx, msg Message, la *look
 	switch status := conn.PgConn().TxStatus(); {
 	case isPgErr && !conn.IsClosed() && status == 'E':
 		// COMMIT and BEGIN went through and the next message's dedup
-		// insert failed (a duplicate, most likely): msg is committed;
-		// the next message begins afresh when its turn comes.
+		// insert failed (a duplicate, most likely, or the statement is
+		// not on this server session: see lostStatement): msg is
+		// committed; the next message begins afresh when its turn comes.
 		_, _ = conn.Exec(ctx, "ROLLBACK")
+		p.lostStatement(ctx, err)
 		return nil
 	case isPgErr && !conn.IsClosed() && status == 'I':
 		// The COMMIT failed and the server skipped the rest.
@@ -129,7 +131,7 @@ func (p *Processor) pipelinable(tx pgx.Tx, la *lookahead) (Message, string, bool
 	if la == nil || la.next == nil || la.carry != nil {
 		return Message{}, "", false
 	}
-	if _, pooled := p.db.(acquirer); !pooled || p.cfg.PlainBegin {
+	if _, pooled := p.db.(acquirer); !pooled || p.plainBegin() {
 		return Message{}, "", false // the statement is prepared on pooled connections only
 	}
 	// An aborted transaction's COMMIT rolls back without an error; only

@@ -9,6 +9,7 @@ import (
 	"runtime/debug"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
@@ -60,6 +61,9 @@ type Processor struct {
 	stmtName    string
 	strictOne   string
 	beginInsert string
+	// unprepared is set once the dedup statement was found missing on,
+	// or already prepared on, the server (see lostStatement).
+	unprepared atomic.Bool
 }
 
 // New returns a Processor in per-message mode: one transaction per message.
@@ -296,24 +300,13 @@ type acquirer interface {
 // query, saving a round trip per message (a quarter of the cost of a
 // one-statement handler). A duplicate then shows as a unique violation,
 // which PostgreSQL logs as an ERROR; the transaction is rolled back and the
-// connection stays usable. Other Beginners, and Config.PlainBegin, get
+// connection stays usable. Other Beginners, Config.PlainBegin, and a pool
+// whose server sessions do not keep the statement (lostStatement) get
 // BEGIN, then INSERT … ON CONFLICT DO NOTHING.
 func (p *Processor) begin(ctx context.Context, msg Message) (tx pgx.Tx, release func(), dup bool, err error) {
 	pool, ok := p.db.(acquirer)
-	if !ok || p.cfg.PlainBegin {
-		tx, err := p.db.Begin(ctx)
-		if err != nil {
-			return nil, nil, false, fmt.Errorf("consumer %s: begin: %w", p.name, err)
-		}
-		tag, err := tx.Exec(ctx, p.insertOne, p.name, msg.ID)
-		if err != nil || tag.RowsAffected() == 0 {
-			_ = tx.Rollback(ctx)
-			if err != nil {
-				return nil, nil, false, fmt.Errorf("consumer %s: record message %s: %w", p.name, msg.ID, err)
-			}
-			return nil, nil, true, nil
-		}
-		return tx, func() {}, false, nil
+	if !ok || p.plainBegin() {
+		return p.beginPlain(ctx, msg)
 	}
 	c, err := pool.Acquire(ctx)
 	if err != nil {
@@ -323,6 +316,9 @@ func (p *Processor) begin(ctx context.Context, msg Message) (tx pgx.Tx, release 
 	// statement, so the insert is parsed and planned once per connection.
 	if _, err := c.Conn().Prepare(ctx, p.stmtName, p.strictOne); err != nil {
 		c.Release()
+		if p.lostStatement(ctx, err) {
+			return p.beginPlain(ctx, msg)
+		}
 		return nil, nil, false, fmt.Errorf("consumer %s: prepare dedup insert: %w", p.name, err)
 	}
 	tx, err = c.Conn().BeginTx(ctx, pgx.TxOptions{BeginQuery: p.beginInsert + literal(msg.ID) + ")"})
@@ -336,9 +332,60 @@ func (p *Processor) begin(ctx context.Context, msg Message) (tx pgx.Tx, release 
 		}
 		_, _ = c.Conn().Exec(ctx, "ROLLBACK")
 		c.Release()
+		if p.lostStatement(ctx, err) {
+			return p.beginPlain(ctx, msg)
+		}
 		return nil, nil, false, fmt.Errorf("consumer %s: begin and record message %s: %w", p.name, msg.ID, err)
 	}
 	return tx, c.Release, false, nil
+}
+
+// beginPlain is begin in two round trips, BEGIN and then INSERT … ON
+// CONFLICT DO NOTHING, with no statement of the Processor's own on the
+// server.
+func (p *Processor) beginPlain(ctx context.Context, msg Message) (pgx.Tx, func(), bool, error) {
+	tx, err := p.db.Begin(ctx)
+	if err != nil {
+		return nil, nil, false, fmt.Errorf("consumer %s: begin: %w", p.name, err)
+	}
+	tag, err := tx.Exec(ctx, p.insertOne, p.name, msg.ID)
+	if err != nil || tag.RowsAffected() == 0 {
+		_ = tx.Rollback(ctx)
+		if err != nil {
+			return nil, nil, false, fmt.Errorf("consumer %s: record message %s: %w", p.name, msg.ID, err)
+		}
+		return nil, nil, true, nil
+	}
+	return tx, func() {}, false, nil
+}
+
+// plainBegin reports whether messages begin with beginPlain and commit
+// alone: Config.PlainBegin, or the server sessions lost the statement.
+func (p *Processor) plainBegin() bool {
+	return p.cfg.PlainBegin || p.unprepared.Load()
+}
+
+// lostStatement reports whether err says that the dedup statement the
+// connection prepared is not on the server session (SQLSTATE 26000), or
+// that one the connection never prepared is (42P05). Either means that
+// the connection's transactions go to server sessions other than its own:
+// a pooler in transaction mode (PgBouncer before 1.21) lends each
+// transaction whichever server connection is free. Retrying cannot help
+// (the statement is on some server sessions and not others, and a server
+// session that closes takes it along), so from then on every message of
+// the Processor begins with beginPlain, as with Config.PlainBegin; a Warn
+// says so, once.
+func (p *Processor) lostStatement(ctx context.Context, err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || (pgErr.Code != undefinedStatement && pgErr.Code != duplicateStatement) {
+		return false
+	}
+	if p.unprepared.CompareAndSwap(false, true) {
+		p.log.LogAttrs(ctx, slog.LevelWarn, "consumer: beginning every message without its prepared statement from now on, as with Config.PlainBegin: "+
+			"the server session had lost it or had it already, so transactions move between server connections (a pooler in transaction mode, such as PgBouncer); set Config.PlainBegin there",
+			slog.Any("error", err))
+	}
+	return true
 }
 
 // literal quotes s (valid UTF-8, no NUL) as a dollar-quoted string, which
@@ -412,8 +459,13 @@ func sleep(ctx context.Context, stop <-chan struct{}, d time.Duration) bool {
 
 func itoa(n int64) []byte { return strconv.AppendInt(nil, n, 10) }
 
-// uniqueViolation is SQLSTATE unique_violation.
-const uniqueViolation = "23505"
+// SQLSTATEs: unique_violation, invalid_sql_statement_name (a prepared
+// statement does not exist) and duplicate_prepared_statement.
+const (
+	uniqueViolation    = "23505"
+	undefinedStatement = "26000"
+	duplicateStatement = "42P05"
+)
 
 // unavailableError marks a failure to get a working connection: acquiring
 // one, or beginning the transaction and recording the message, failed.
