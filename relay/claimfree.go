@@ -1,8 +1,11 @@
 package relay
 
 import (
+	"cmp"
 	"fmt"
+	"math"
 	"slices"
+	"strings"
 )
 
 // claimFreeMin is the fewest free shards (owned, no blocked key) read by
@@ -81,33 +84,137 @@ const claimFloorOff = 16
 
 // claimFloorQuery reads the free shards ($1) when nearly every shard is
 // free and the last round was whole (a backlog is draining beside a blocked
-// key): the primary key in id order from the floor, the lowest pending id
-// of the free shards (one descent of outbox_shard_id_idx per shard, taken in
-// the same statement, so in the same snapshot: no late-committed row of a
-// free shard lies below it), leaving out the rows of the other shards ($2)
-// and the excluded ids ($3). A blocked key's events below the floor (a key
-// stuck with 300,000 events, the oldest of the table) are never walked; its
-// events above the floor are, and dropped. claimFreeQuery reads a share of
-// every free shard instead (eight events each for 255 shards), about 2.5
-// times the buffers, and sorts twice the round.
+// key): the primary key in id order from the floor, leaving out the rows of
+// the other shards ($2) and the excluded ids ($3). A blocked key's events
+// below the floor (a key stuck with 300,000 events, the oldest of the
+// table) are never walked; its events above the floor are, and dropped.
+// claimFreeQuery reads a share of every free shard instead (eight events
+// each for 255 shards), about 2.5 times the buffers, and sorts twice the
+// round.
+//
+// The floor is found in the same statement, so in the same snapshot: the
+// least of the base ($4) and each free shard's lowest pending id below the
+// base (one descent of outbox_shard_id_idx per shard). Every pending row of
+// a free shard is at or above it, a row that committed late included
+// (below the base, its shard's descent finds it; at or above, the base is
+// no higher), whatever the base: the base only says where the descents may
+// stop. store.floorBase keeps it below the rows the earlier rounds
+// deleted, so the descents stop before their index entries (dead, but
+// marked so only by a scan after every older snapshot ended): walked by
+// each of 255 descents, they cost a heap visit each, a thousand and more a
+// claim; walked once in id order by the read, next to each other.
+//
+// skips is the number of runs of excluded ids (consecutive integers, each
+// wholly excluded: the rounds in flight) the read steps over ($5 on: each
+// run's lowest and highest id) instead of fetching their rows to drop them
+// (two rounds, 2,000 rows, for a read-ahead): the read is one index range
+// of the primary key between each two runs, merged in id order.
 //
 // The walk stops after twice the round of rows not excluded: where the
 // dropped rows are denser than that, the read comes short and the claim
 // reads by claimFreeQuery instead (store.claim). Each key's events in the
 // round are all of its pending ones from the floor up to where the read
 // stopped: a prefix, in id order.
-func claimFloorQuery(outbox string, limit int) string {
-	return fmt.Sprintf(`SELECT id, event_id, topic, key, value, headers, created_at, refused_for, refused_kind, size FROM (
-SELECT `+claimColumns+`, o.shard
+func claimFloorQuery(outbox string, limit, skips int) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, `WITH f AS MATERIALIZED (
+    SELECT coalesce(min(f.id), $4::bigint) AS id FROM unnest($1::int2[]) AS s(shard),
+        LATERAL (SELECT p.id FROM %s p WHERE p.shard = s.shard AND p.id < $4::bigint ORDER BY p.id LIMIT 1) AS f)
+SELECT id, event_id, topic, key, value, headers, created_at, refused_for, refused_kind, size FROM (
+SELECT * FROM (`, outbox)
+	for i := 0; i <= skips; i++ {
+		if i > 0 {
+			b.WriteString(`
+UNION ALL `)
+		}
+		cond := ``
+		if i > 0 {
+			cond += fmt.Sprintf(` AND o.id > $%d::bigint`, 4+2*i)
+		}
+		if i < skips {
+			cond += fmt.Sprintf(` AND o.id < $%d::bigint`, 5+2*i)
+		}
+		fmt.Fprintf(&b, `(SELECT `+claimColumns+`, o.shard
 FROM %s o
-WHERE o.id >= (SELECT min(f.id) FROM unnest($1::int2[]) AS s(shard),
-        LATERAL (SELECT p.id FROM %s p WHERE p.shard = s.shard ORDER BY p.id LIMIT 1) AS f)
+WHERE o.id >= (SELECT f.id FROM f)%s
     AND o.id NOT IN (SELECT unnest($3::bigint[]))
 ORDER BY o.id
+LIMIT %d)`, outbox, cond, 2*limit)
+	}
+	fmt.Fprintf(&b, `
+) AS u
+ORDER BY u.id
 LIMIT %d) AS o
 WHERE o.shard <> ALL($2::int2[])
 ORDER BY o.id
-LIMIT %d`, outbox, outbox, 2*limit, limit)
+LIMIT %d`, 2*limit, limit)
+	return b.String()
+}
+
+// claimFloorSkips is the most runs of excluded ids claimFloorQuery steps
+// over, and claimFloorSkipMin the fewest ids in such a run: shorter ones
+// are walked and dropped.
+const (
+	claimFloorSkips   = 4
+	claimFloorSkipMin = 32
+)
+
+// skipRuns returns the runs of consecutive ids in excluded (sorted in
+// place) that claimFloorQuery steps over, as lowest and highest id each, in
+// id order: the claimFloorSkips longest of at least claimFloorSkipMin ids.
+func skipRuns(excluded []int64) [][2]int64 {
+	slices.Sort(excluded)
+	var runs [][2]int64
+	for i := 0; i < len(excluded); {
+		j := i
+		for j+1 < len(excluded) && excluded[j+1] <= excluded[j]+1 {
+			j++
+		}
+		if excluded[j]-excluded[i]+1 >= claimFloorSkipMin {
+			runs = append(runs, [2]int64{excluded[i], excluded[j]})
+		}
+		i = j + 1
+	}
+	if len(runs) > claimFloorSkips {
+		slices.SortFunc(runs, func(a, b [2]int64) int { return cmp.Compare(b[1]-b[0], a[1]-a[0]) })
+		runs = runs[:claimFloorSkips]
+		slices.SortFunc(runs, func(a, b [2]int64) int { return cmp.Compare(a[0], b[0]) })
+	}
+	return runs
+}
+
+// claimFloorLag is how many floor reads back store.floorBase looks.
+const claimFloorLag = 64
+
+// floorBase returns claimFloorQuery's base: the lowest id the last
+// claimFloorLag floor reads in a row read (a backlog draining beside a
+// blocked key: the first of them), or no base (the descents go to each
+// shard's lowest pending id) for the first of a run of floor reads.
+//
+// The rows deleted since are read past in id order, as claimAllQuery reads
+// past every row deleted since the last vacuum; walked by 255 descents,
+// each whose index entry is not yet marked dead (a scan marks it once no
+// snapshot older than the delete is left, which another session's long
+// transaction holds off) costs a heap visit on a page of its own.
+func (s *store) floorBase() int64 {
+	if len(s.floorFrom) == 0 {
+		return math.MaxInt64
+	}
+	return slices.Min(s.floorFrom)
+}
+
+// noteFloor records where a floor read started (the lowest id it read), or,
+// for a claim that read no rows from the floor (from == 0), that floor
+// reads start over without a base.
+func (s *store) noteFloor(from int64) {
+	if from == 0 {
+		s.floorFrom = s.floorFrom[:0]
+		return
+	}
+	if len(s.floorFrom) == claimFloorLag {
+		s.floorFrom = append(s.floorFrom[:0], s.floorFrom[1:]...)
+	}
+	s.floorFrom = append(s.floorFrom, from)
 }
 
 // floorCameShort reports whether rows, a claimFloorQuery read of a round

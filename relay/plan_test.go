@@ -59,6 +59,12 @@ FROM generate_series(1, 1000000) g`); err != nil {
 		run[i] = firstID + int64(i)
 	}
 	gapped := append(slices.Clone(run[:500]), run[501:]...)
+	// Rounds in flight past the stuck key's events (a read-ahead beside it).
+	pastStuck := make([]int64, 2000)
+	for i := range pastStuck {
+		pastStuck[i] = firstID + 300_000 + int64(i)
+	}
+	gappedPastStuck := append(slices.Clone(pastStuck[:700]), pastStuck[701:]...)
 	// A quarter of the shards, with and without the stuck key's.
 	var quarter, quarterWithStuck []int16
 	for sh := int16(0); sh < NumShards; sh++ {
@@ -78,29 +84,40 @@ FROM generate_series(1, 1000000) g`); err != nil {
 		excluded []int64
 		want     []string // in the plan
 		whole    bool     // the last round was whole (store.lastFull)
+		base     int64    // the lowest id of the earlier floor reads (store.floorFrom), 0 for none
 	}{
-		{"every shard", everyShard(), nil, nil, []string{"Index Scan using outbox_pkey", "hashed SubPlan"}, false},
-		{"every shard, a gapped round in flight", everyShard(), nil, gapped, []string{"Index Scan using outbox_pkey", "hashed SubPlan"}, false},
+		{"every shard", everyShard(), nil, nil, []string{"Index Scan using outbox_pkey", "hashed SubPlan"}, false, 0},
+		{"every shard, a gapped round in flight", everyShard(), nil, gapped, []string{"Index Scan using outbox_pkey", "hashed SubPlan"}, false, 0},
 		{"every shard, a round of consecutive ids in flight", everyShard(), nil, run,
-			[]string{"Merge Append", "Index Cond: (id < $1)", "Index Cond: (id > $3)"}, false},
+			[]string{"Merge Append", "Index Cond: (id < $1)", "Index Cond: (id > $3)"}, false, 0},
 		{"a quarter of the shards, the stuck key's in another relay's", quarter, nil, nil,
-			[]string{"Merge Append", "Index Scan using outbox_shard_id_idx", "hashed SubPlan"}, false},
+			[]string{"Merge Append", "Index Scan using outbox_shard_id_idx", "hashed SubPlan"}, false, 0},
 		{"a quarter of the shards, a round in flight", quarter, nil, run,
-			[]string{"Merge Append", "Index Scan using outbox_shard_id_idx", "hashed SubPlan"}, false},
+			[]string{"Merge Append", "Index Scan using outbox_shard_id_idx", "hashed SubPlan"}, false, 0},
 		{"every shard, the stuck key blocked", everyShard(), stuck, nil,
-			[]string{"Nested Loop", "Index Scan using outbox_shard_id_idx", "hashed SubPlan", "outbox_key_hash_idx"}, false},
+			[]string{"Nested Loop", "Index Scan using outbox_shard_id_idx", "hashed SubPlan", "outbox_key_hash_idx"}, false, 0},
 		{"every shard, the stuck key blocked, a round in flight", everyShard(), stuck, gapped,
-			[]string{"Nested Loop", "Index Scan using outbox_shard_id_idx", "hashed SubPlan", "outbox_key_hash_idx"}, false},
+			[]string{"Nested Loop", "Index Scan using outbox_shard_id_idx", "hashed SubPlan", "outbox_key_hash_idx"}, false, 0},
 		{"a quarter of the shards with the stuck key's, the key blocked, a round in flight", quarterWithStuck, stuck, gapped,
-			[]string{"Merge Append", "outbox_key_hash_idx"}, false},
+			[]string{"Merge Append", "outbox_key_hash_idx"}, false, 0},
 		{"every shard, the stuck key blocked, the last round whole", everyShard(), stuck, nil,
-			[]string{"Index Scan using outbox_pkey", "Index Only Scan using outbox_shard_id_idx", "InitPlan", "outbox_key_hash_idx"}, true},
+			[]string{"Index Scan using outbox_pkey", "Index Only Scan using outbox_shard_id_idx", "InitPlan", "outbox_key_hash_idx"}, true, 0},
 		{"every shard, the stuck key blocked, the last round whole, a round in flight", everyShard(), stuck, gapped,
-			[]string{"Index Scan using outbox_pkey", "InitPlan", "hashed SubPlan", "outbox_key_hash_idx"}, true},
+			[]string{"Index Scan using outbox_pkey", "InitPlan", "hashed SubPlan", "outbox_key_hash_idx"}, true, 0},
+		// The floor's descents stop at the base (the events past the stuck
+		// key's) and the read steps over the rounds in flight.
+		{"every shard, the stuck key blocked, the last rounds whole, a round of consecutive ids in flight", everyShard(), stuck, pastStuck,
+			[]string{"Index Only Scan using outbox_shard_id_idx", "CTE f", "Merge Append", "Index Cond: ((id >= $", "outbox_key_hash_idx"}, true, firstID + 300_000},
+		{"every shard, the stuck key blocked, the last rounds whole, a gapped round in flight", everyShard(), stuck, gappedPastStuck,
+			[]string{"Index Only Scan using outbox_shard_id_idx", "CTE f", "Merge Append", "hashed SubPlan", "outbox_key_hash_idx"}, true, firstID + 300_000},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			var plans []string
 			st.lastFull = c.whole
+			st.floorFrom = nil
+			if c.base != 0 {
+				st.floorFrom = []int64{c.base}
+			}
 			for _, stmt := range st.claimStatements(c.owned, 1000, c.blocked, slices.Clone(c.excluded)) {
 				plans = append(plans, explainGeneric(t, stmt))
 			}

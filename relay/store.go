@@ -49,7 +49,8 @@ type store struct {
 	claimLimit     int
 	claimFreeSQL   string // many free shards (claimFreeQuery), for claimFreeLimit
 	claimFreeLimit int
-	claimFloorSQL  string        // nearly every shard free (claimFloorQuery), for claimFreeLimit
+	claimFloorSQL  [claimFloorSkips + 1]string // nearly every shard free (claimFloorQuery, by runs stepped over), for claimFreeLimit
+	floorFrom      []int64                     // see floorBase
 	floorOff       int           // claims left before claimFloorQuery is tried again
 	freeK          map[int16]int // see freeKs
 	// sweep is, per shard holding blocked keys, the key hash its next read
@@ -339,14 +340,19 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 		}
 	}
 	var adapt *statement
+	var floorFrom int64 // the lowest id a floor read read, 0 if none
 	for i := range stmts {
 		st := &stmts[i]
 		if st.free != nil {
 			adapt = st
 		}
+		if st.floor && read[i][1] > read[i][0] {
+			floorFrom = out[read[i][0]].id // in id order
+		}
 		if st.short == nil || !s.floorCameShort(out[read[i][0]:read[i][1]], limit) {
 			continue
 		}
+		floorFrom = 0
 		// The floor's walk met more rows it may not publish than the
 		// round (claimFloorQuery): read the free shards by their shares.
 		// The next claims do so directly, for a while (at the end of a
@@ -378,6 +384,7 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 		}
 	}
 	s.advanceSweeps(out, blockedKeys)
+	s.noteFloor(floorFrom)
 	if adapt != nil {
 		s.adaptFreeKs(adapt.free, adapt.ks, out)
 	}
@@ -403,6 +410,7 @@ type statement struct {
 	ks   []int32
 	// short: read instead if this read comes short (claimFloorQuery).
 	short *statement
+	floor bool // a claimFloorQuery read
 }
 
 // claimStatements returns the one or two reads of a claim (see claimAllQuery).
@@ -451,14 +459,22 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 		}
 	case len(free) > claimFreeMin:
 		if limit != s.claimFreeLimit || s.claimFreeSQL == "" {
-			s.claimFreeSQL, s.claimFloorSQL = claimFreeQuery(s.outbox, limit), claimFloorQuery(s.outbox, limit)
+			s.claimFreeSQL = claimFreeQuery(s.outbox, limit)
+			for i := range s.claimFloorSQL {
+				s.claimFloorSQL[i] = claimFloorQuery(s.outbox, limit, i)
+			}
 			s.claimFreeLimit = limit
 		}
 		free := slices.Clone(free)
 		ks := s.freeKs(free, limit)
 		shares := statement{sql: s.claimFreeSQL, args: []any{free, ks, excluded}, free: free, ks: ks}
 		if s.lastFull && NumShards-len(free) <= claimFloorMaxOut && s.floorOff == 0 {
-			out = append(out, statement{sql: s.claimFloorSQL, args: []any{free, notIn(free), excluded}, short: &shares})
+			runs := skipRuns(excluded)
+			args := []any{free, notIn(free), excluded, s.floorBase()}
+			for _, r := range runs {
+				args = append(args, r[0], r[1])
+			}
+			out = append(out, statement{sql: s.claimFloorSQL[len(runs)], args: args, short: &shares, floor: true})
 		} else {
 			out = append(out, shares)
 		}

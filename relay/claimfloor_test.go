@@ -1,0 +1,186 @@
+package relay
+
+import (
+	"context"
+	"slices"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// claimFloorCase sets up a store whose claims read the free shards from
+// their floor (claimFloorQuery) beside a blocked key with the oldest
+// events, and returns it, the outbox's name and the blocked key.
+func claimFloorCase(t *testing.T) (context.Context, *store, string, func(execer, string) int64, []keyBlock) {
+	t.Helper()
+	ctx, st, schema, insert := claimSetup(t)
+	outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
+	stuckFirst := insert(st.pool, "stuck")
+	if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key)
+SELECT 't', 'stuck'::bytea FROM generate_series(1, 300)`); err != nil {
+		t.Fatal(err)
+	}
+	st.lastFull = true
+	return ctx, st, outbox, insert, []keyBlock{{key: []byte("stuck"), firstID: stuckFirst}}
+}
+
+// oldestFree returns the ids of the oldest n pending events not of the
+// stuck key and not excluded.
+func oldestFree(t *testing.T, st *store, outbox string, n int, excluded []int64) []int64 {
+	t.Helper()
+	rows, _ := st.pool.Query(context.Background(), `SELECT id FROM `+outbox+`
+WHERE key <> 'stuck' AND id <> ALL($1::bigint[]) ORDER BY id LIMIT $2`, append([]int64{}, excluded...), n)
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ids
+}
+
+// A floor read after the first of a run starts its descents below a base,
+// the lowest id the earlier floor reads read. A row below the base that
+// committed late (its id handed out before the rounds that set the base
+// were read) must still be read, before the later events of its key: the
+// base only says where each shard's descent may stop, never where the read
+// starts.
+func TestClaimFromTheFloorReadsALateCommitBelowItsBase(t *testing.T) {
+	t.Parallel()
+	ctx, st, outbox, insert, blocked := claimFloorCase(t)
+	late, err := st.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer late.Rollback(ctx)
+	lateID := insert(late, "late-key")
+	if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key)
+SELECT 't', ('k' || (g % 40))::bytea FROM generate_series(1, 400) g`); err != nil {
+		t.Fatal(err)
+	}
+	after := insert(st.pool, "late-key") // the late key's next event, committed first
+	deleteIDs := func(ids []int64) {
+		if _, err := st.pool.Exec(ctx, `DELETE FROM `+outbox+` WHERE id = ANY($1)`, ids); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Two floor reads: the second has a base above the late row's id.
+	for round := range 2 {
+		got := claimedIDs(t, st, everyShard(), 100, blocked, nil)
+		if want := oldestFree(t, st, outbox, 100, nil); !slices.Equal(got, want) {
+			t.Fatalf("claim %d read %v, want %v", round, got, want)
+		}
+		deleteIDs(got)
+	}
+	if base := st.floorBase(); base <= lateID {
+		t.Fatalf("floor base %d, want one above the late row %d for this test", base, lateID)
+	}
+	if err := late.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		got := claimedIDs(t, st, everyShard(), 100, blocked, nil)
+		if want := oldestFree(t, st, outbox, 100, nil); !slices.Equal(got, want) {
+			t.Fatalf("claim after the late commit read %v, want %v", got, want)
+		}
+		if slices.Contains(got, after) {
+			if !slices.Contains(got, lateID) {
+				t.Fatalf("claim read the late key's event %d without its earlier one %d", after, lateID)
+			}
+			return
+		}
+		if slices.Contains(got, lateID) {
+			return
+		}
+		if len(got) == 0 {
+			t.Fatal("the late row was never read")
+		}
+		deleteIDs(got)
+	}
+}
+
+// A floor read steps over the runs of ids in flight (a read-ahead's
+// rounds) instead of fetching their rows; the ids between two runs that
+// are not in flight (a row that committed after its neighbours were read)
+// are still read, in id order with the rest.
+func TestClaimFromTheFloorStepsOverTheRoundsInFlightButNotBetweenThem(t *testing.T) {
+	t.Parallel()
+	ctx, st, outbox, insert, blocked := claimFloorCase(t)
+	if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key)
+SELECT 't', ('k' || (g % 40))::bytea FROM generate_series(1, 400) g`); err != nil {
+		t.Fatal(err)
+	}
+	late, err := st.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer late.Rollback(ctx)
+	lateID := insert(late, "k7")
+	if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key)
+SELECT 't', ('k' || (g % 40))::bytea FROM generate_series(1, 400) g`); err != nil {
+		t.Fatal(err)
+	}
+	free := oldestFree(t, st, outbox, 1000, nil)
+	// In flight: the 150 oldest free events, a run of 3 ids, and 200 from
+	// just past the late row (below and above it: its neighbours).
+	var excluded []int64
+	excluded = append(excluded, free[:150]...)
+	excluded = append(excluded, free[200:203]...)
+	at := slices.Index(free, lateID+1)
+	if at < 0 {
+		t.Fatalf("no free event right after the late row %d", lateID)
+	}
+	excluded = append(excluded, free[at-100:at]...) // up to the late row, not including it
+	excluded = append(excluded, free[at:at+100]...)
+	if err := late.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if runs := skipRuns(slices.Clone(excluded)); len(runs) < 2 {
+		t.Fatalf("runs stepped over %v, want at least two for this test", runs)
+	}
+	stmts := st.claimStatements(everyShard(), 100, blocked, slices.Clone(excluded))
+	if !stmts[0].floor {
+		t.Fatal("the free shards are not read from their floor")
+	}
+	got := claimedIDs(t, st, everyShard(), 100, blocked, slices.Clone(excluded))
+	want := oldestFree(t, st, outbox, 100, excluded)
+	if !slices.Equal(got, want) {
+		t.Fatalf("claim read %v, want %v", got, want)
+	}
+	for _, id := range got {
+		if slices.Contains(excluded, id) {
+			t.Fatalf("claim read %d, in flight", id)
+		}
+	}
+	// The late row lies between the runs before it and after it: read
+	// once the claims get there (each claim's rows are taken as read).
+	for !slices.Contains(got, lateID) {
+		excluded = append(excluded, got...)
+		got = claimedIDs(t, st, everyShard(), 100, blocked, slices.Clone(excluded))
+		if want := oldestFree(t, st, outbox, 100, excluded); !slices.Equal(got, want) {
+			t.Fatalf("claim read %v, want %v", got, want)
+		}
+		if len(got) == 0 {
+			t.Fatalf("the late row %d between two runs in flight was never read", lateID)
+		}
+	}
+}
+
+// Whatever the base a relay carries (set while it owned other rows: a
+// shard handed over by a relay that died, or a blocked key released, left
+// events far below it), a floor read reads the oldest pending events.
+func TestClaimFromTheFloorReadsTheOldestEventsWhateverItsBase(t *testing.T) {
+	t.Parallel()
+	ctx, st, outbox, _, blocked := claimFloorCase(t)
+	if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key)
+SELECT 't', ('k' || (g % 40))::bytea FROM generate_series(1, 300) g`); err != nil {
+		t.Fatal(err)
+	}
+	all := oldestFree(t, st, outbox, 300, nil)
+	for _, base := range []int64{all[0], all[1], all[150], all[299], all[299] + 1000} {
+		st.floorFrom = []int64{base}
+		st.lastFull = true
+		got := claimedIDs(t, st, everyShard(), 100, blocked, nil)
+		if !slices.Equal(got, all[:100]) {
+			t.Fatalf("base %d: claim read %v, want %v", base, got, all[:100])
+		}
+	}
+}
