@@ -51,8 +51,8 @@ type store struct {
 	claimFreeLimit int
 	claimFloorSQL  [claimFloorSkips + 1]string // nearly every shard free (claimFloorQuery, by runs stepped over), for claimFreeLimit
 	floorFrom      []int64                     // see floorBase
-	floorOff       int           // claims left before claimFloorQuery is tried again
-	freeK          map[int16]int // see freeKs
+	floorOff       int                         // claims left before claimFloorQuery is tried again
+	freeK          map[int16]int               // see freeKs
 	// sweep is, per shard holding blocked keys, the key hash its next read
 	// starts from (nil: the shard's start); see claimBlockedQuery.
 	sweep            map[int16][]byte
