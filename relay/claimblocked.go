@@ -116,13 +116,14 @@ func heldFirst(segs []segment) []segment {
 // walked, and neither are the other events of its shard beyond the round.
 // Each key's events come in id order, so the events read of each key are a
 // prefix of its pending ones, whatever the cut. Ranges and ids are
-// parameters ($2 on; it returns the arguments with $1 left for the excluded
-// ids): they change as the sweep moves, and a text per claim would be
+// parameters ($10 on): they change as the sweep moves, and a text per claim would be
 // prepared (and planned) per claim; with bitmap scans off, the plan is an
-// ordered index scan per range whatever the estimates.
+// ordered index scan per range whatever the estimates. The excluded ids
+// are $1 to $9 (notExcluded), left for the caller to set.
 func claimBlockedQuery(outbox string, shards [][]segment, limit int) (string, []any) {
 	var b strings.Builder
-	args := []any{nil} // $1: the excluded ids, set by the caller
+	// $1 to $9: the excluded ids, set by the caller (blockedExcluded).
+	args := make([]any, 1+2*claimFloorSkips)
 	param := func(v any) int {
 		args = append(args, v)
 		return len(args)
@@ -154,9 +155,26 @@ LIMIT %d`, limit)
 	return b.String(), args
 }
 
-// notExcluded leaves out the excluded ids ($1) inside each key-hash range,
-// before its limit: a hashed subplan per range (a few per blocked shard).
-const notExcluded = `o.id NOT IN (SELECT unnest($1::bigint[]))`
+// notExcluded leaves out the excluded ids inside each key-hash range,
+// before its limit: the runs of them skipRuns found ($2 to $9: lowest and
+// highest id each, an empty range where there are fewer runs) by
+// comparison, the rest ($1) by a hashed subplan per range (a few per
+// blocked shard).
+const notExcluded = `o.id NOT IN (SELECT unnest($1::bigint[])) AND o.id NOT BETWEEN $2::bigint AND $3::bigint AND o.id NOT BETWEEN $4::bigint AND $5::bigint
+    AND o.id NOT BETWEEN $6::bigint AND $7::bigint AND o.id NOT BETWEEN $8::bigint AND $9::bigint`
+
+// blockedExcluded sets claimBlockedQuery's arguments for the excluded ids:
+// runs and rest as skipRuns returns them.
+func blockedExcluded(args []any, runs [][2]int64, rest []int64) {
+	args[0] = rest
+	for i := range claimFloorSkips {
+		lo, hi := int64(1), int64(0) // empty
+		if i < len(runs) {
+			lo, hi = runs[i][0], runs[i][1]
+		}
+		args[1+2*i], args[2+2*i] = lo, hi
+	}
+}
 
 // keyHash is keyHashSQL for a key (or a keyless event's uuid bytes).
 func keyHash(key []byte) []byte {

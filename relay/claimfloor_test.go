@@ -133,7 +133,7 @@ SELECT 't', ('k' || (g % 40))::bytea FROM generate_series(1, 400) g`); err != ni
 	if err := late.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if runs := skipRuns(slices.Clone(excluded)); len(runs) < 2 {
+	if runs, _ := skipRuns(slices.Clone(excluded)); len(runs) < 2 {
 		t.Fatalf("runs stepped over %v, want at least two for this test", runs)
 	}
 	stmts := st.claimStatements(everyShard(), 100, blocked, slices.Clone(excluded))

@@ -447,6 +447,11 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 	// costs 10-15 ms); the LIMITs cost nothing when not reached.
 	inner := limit + 1<<bits.Len(uint(max(len(excluded), 2*limit)-1))
 	var out []statement
+	var runs [][2]int64
+	var rest []int64
+	if len(blockedShards) > 0 || len(free) > claimFreeMin && len(free) < NumShards {
+		runs, rest = skipRuns(slices.Clone(excluded))
+	}
 	if s.floorOff > 0 {
 		s.floorOff--
 	}
@@ -469,8 +474,7 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 		ks := s.freeKs(free, limit)
 		shares := statement{sql: s.claimFreeSQL, args: []any{free, ks, excluded}, free: free, ks: ks}
 		if s.lastFull && NumShards-len(free) <= claimFloorMaxOut && s.floorOff == 0 {
-			runs := skipRuns(excluded)
-			args := []any{free, notIn(free), excluded, s.floorBase()}
+			args := []any{free, notIn(free), rest, s.floorBase()}
 			for _, r := range runs {
 				args = append(args, r[0], r[1])
 			}
@@ -503,7 +507,7 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 			blockedLimit = min(limit, max(64, 4*limit*len(blockedShards)/len(shards)))
 		}
 		sql, args := claimBlockedQuery(s.outbox, read, blockedLimit)
-		args[0] = excluded
+		blockedExcluded(args, runs, rest)
 		out = append(out, statement{sql: sql, args: args, noBitmap: true})
 	}
 	if s.maxBytes > 0 {
