@@ -2,6 +2,8 @@ package relay
 
 import (
 	"context"
+	"crypto/sha256"
+	"fmt"
 	"slices"
 	"testing"
 
@@ -104,20 +106,27 @@ SELECT 't', ('k' || (g % 40))::bytea FROM generate_series(1, 400) g`); err != ni
 func TestClaimFromTheFloorStepsOverTheRoundsInFlightButNotBetweenThem(t *testing.T) {
 	t.Parallel()
 	ctx, st, outbox, insert, blocked := claimFloorCase(t)
-	if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key)
-SELECT 't', ('k' || (g % 40))::bytea FROM generate_series(1, 400) g`); err != nil {
-		t.Fatal(err)
+	// 40 keys, and one in the blocked key's shard (read by key hash, with
+	// the runs in flight left out there too): the late row's.
+	shared := keysInShard(sha256.Sum256([]byte("stuck"))[0], 1, "stuck")[0]
+	keys := []string{shared}
+	for i := range 40 {
+		keys = append(keys, fmt.Sprintf("k%d", i))
 	}
+	fill := func() {
+		if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key)
+SELECT 't', ($1::text[])[1 + g % 41]::bytea FROM generate_series(1, 400) g`, keys); err != nil {
+			t.Fatal(err)
+		}
+	}
+	fill()
 	late, err := st.pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer late.Rollback(ctx)
-	lateID := insert(late, "k7")
-	if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key)
-SELECT 't', ('k' || (g % 40))::bytea FROM generate_series(1, 400) g`); err != nil {
-		t.Fatal(err)
-	}
+	lateID := insert(late, shared)
+	fill()
 	free := oldestFree(t, st, outbox, 1000, nil)
 	// In flight: the 150 oldest free events, a run of 3 ids, and 200 from
 	// just past the late row (below and above it: its neighbours).
