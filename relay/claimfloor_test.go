@@ -193,3 +193,24 @@ SELECT 't', ('k' || (g % 40))::bytea FROM generate_series(1, 300) g`); err != ni
 		}
 	}
 }
+
+// A floor read short of the round because the backlog ends there (nothing
+// free above what it read) keeps what it read: the claim does not read the
+// shares as well, as it does for a read stopped by its walk's bound
+// (TestClaimReadsByTheFreeShardsSharesWhereABlockedKeyIsDenseAboveTheFloor).
+func TestClaimFromTheFloorAtTheEndOfABacklogKeepsItsShortRead(t *testing.T) {
+	t.Parallel()
+	ctx, st, outbox, _, blocked := claimFloorCase(t)
+	if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key)
+SELECT 't', ('k' || (g % 40))::bytea FROM generate_series(1, 60) g`); err != nil {
+		t.Fatal(err)
+	}
+	inFlight := oldestFree(t, st, outbox, 10, nil)
+	got := claimedIDs(t, st, everyShard(), 100, blocked, slices.Clone(inFlight))
+	if want := oldestFree(t, st, outbox, 100, inFlight); !slices.Equal(got, want) || len(got) != 50 {
+		t.Fatalf("claim read %v, want the 50 events left %v", got, want)
+	}
+	if st.floorOff != 0 {
+		t.Error("a floor read short at the end of the backlog was taken for one stopped by its walk's bound")
+	}
+}

@@ -2,6 +2,7 @@ package relay
 
 import (
 	"cmp"
+	"context"
 	"fmt"
 	"math"
 	"slices"
@@ -246,6 +247,28 @@ func (s *store) floorCameShort(rows []pendingEvent, limit int) bool {
 		largest = max(largest, rows[i].size)
 	}
 	return s.maxBytes == 0 || total+largest <= s.maxBytes
+}
+
+// freeAbove reports whether any of the free shards holds a pending event
+// above id that is not excluded: one descent of outbox_shard_id_idx per
+// shard, stopping at the first such event. A claimFloorQuery read that came
+// short of the round with none read all there is to read from its floor
+// (the end of a backlog); with one, its walk stopped at its bound and the
+// claim reads by the shares instead. Without this, the last round of
+// every backlog drained beside a blocked key paid for the shares read too
+// (claimFreeQuery: 70 ms, a tenth of the drain of 50,000 events).
+func (s *store) freeAbove(ctx context.Context, free []int16, id int64, excluded []int64) (bool, error) {
+	if excluded == nil {
+		excluded = []int64{}
+	}
+	var more bool
+	err := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM unnest($1::int2[]) AS s(shard),
+    LATERAL (SELECT FROM `+s.outbox+` p WHERE p.shard = s.shard AND p.id > $2::bigint
+        AND p.id NOT IN (SELECT unnest($3::bigint[])) LIMIT 1) AS p)`, free, id, excluded).Scan(&more)
+	if err != nil {
+		return false, fmt.Errorf("read past the floor: %w", err)
+	}
+	return more, nil
 }
 
 // notIn returns the shards (of all NumShards) not in sorted.

@@ -352,6 +352,19 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 		if st.short == nil || !s.floorCameShort(out[read[i][0]:read[i][1]], limit) {
 			continue
 		}
+		// Short of the round: at the end of the backlog (nothing free
+		// above what it read), or stopped by its walk's bound.
+		above := int64(0)
+		if read[i][1] > read[i][0] {
+			above = out[read[i][1]-1].id
+		}
+		more, err := s.freeAbove(ctx, st.short.free, above, excluded)
+		if err != nil {
+			return nil, err
+		}
+		if !more {
+			continue
+		}
 		floorFrom = 0
 		// The floor's walk met more rows it may not publish than the
 		// round (claimFloorQuery): read the free shards by their shares.
