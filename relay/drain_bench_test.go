@@ -57,9 +57,18 @@ func envList(name, def string) []string {
 type drainResult struct {
 	rate            float64
 	relayCPU, pgCPU float64
+	// benchCPU is this process's over the same span: kfake's, and for the
+	// loop the loop's own too.
+	benchCPU float64
 }
 
 func (d drainResult) cpuPerEvent(n int) float64 { return (d.relayCPU + d.pgCPU) / float64(n) }
+
+// allCPUPerEvent counts kfake (and the loop) too: the machine's CPU per
+// event, comparable between the loop and the relays.
+func (d drainResult) allCPUPerEvent(n int) float64 {
+	return (d.relayCPU + d.pgCPU + d.benchCPU) / float64(n)
+}
 
 // BenchmarkRelayDrainScale drains backlogs of 300k (and whatever
 // ONCEFLOW_BENCH_DRAIN lists, e.g. 100000,300000,1000000,3000000) of
@@ -109,7 +118,7 @@ func BenchmarkRelayDrainScale(b *testing.B) {
 					held := watchHorizon(b)
 					switch c {
 					case "loop":
-						got[c] = drainResult{rate: plainLoop(b, cl, schema, n)}
+						got[c] = drainLoop(b, cl, schema, n)
 					default:
 						count, bin, _ := strings.Cut(c, "@")
 						relays, err := strconv.Atoi(count)
@@ -138,6 +147,7 @@ func BenchmarkRelayDrainScale(b *testing.B) {
 					if c != "loop" {
 						fmt.Printf("  cpu %.2f µs/event (relays %.2f, postgres %.2f)", 1e6*got[c].cpuPerEvent(n), 1e6*got[c].relayCPU/float64(n), 1e6*got[c].pgCPU/float64(n))
 					}
+					fmt.Printf("  all cpu %.2f µs/event (postgres %.2f, this process %.2f)", 1e6*got[c].allCPUPerEvent(n), 1e6*got[c].pgCPU/float64(n), 1e6*got[c].benchCPU/float64(n))
 					fmt.Println()
 				}
 				if one, ok := got["1"]; ok {
@@ -154,13 +164,15 @@ func BenchmarkRelayDrainScale(b *testing.B) {
 			for _, c := range contenders {
 				rs := make([]float64, len(res[c]))
 				cpus := make([]float64, len(res[c]))
+				alls := make([]float64, len(res[c]))
 				for i, r := range res[c] {
-					rs[i], cpus[i] = r.rate, 1e6*r.cpuPerEvent(n)
+					rs[i], cpus[i], alls[i] = r.rate, 1e6*r.cpuPerEvent(n), 1e6*r.allCPUPerEvent(n)
 				}
 				fmt.Printf("  %-5s %8.0f events/s  (runs: %s)", c, median(rs), rates(rs, 1))
 				if c != "loop" {
 					fmt.Printf("  cpu %.2f µs/event (runs: %s)", median(cpus), strings.Join(fmtFloats(cpus), " "))
 				}
+				fmt.Printf("  all cpu %.2f µs/event (runs: %s)", median(alls), strings.Join(fmtFloats(alls), " "))
 				fmt.Println()
 			}
 			if len(oneRatios) > 0 {
@@ -295,7 +307,7 @@ SET owner = 'bench-' || (shard % $1), lease_until = now() + interval '1 hour'`, 
 	for i, c := range children {
 		apps[i], pids[i] = c.app, c.cmd.Process.Pid
 	}
-	pg0, proc0 := backendTicks(b, apps), procCPU(pids)
+	pg0, proc0, self0 := backendTicks(b, apps), procCPU(pids), statCPU("/proc/self/stat")
 	start := time.Now()
 	for _, c := range children {
 		if _, err := io.WriteString(c.stdin, "go\n"); err != nil {
@@ -308,12 +320,33 @@ SET owner = 'bench-' || (shard % $1), lease_until = now() + interval '1 hour'`, 
 		b.Fatalf("%d relays did not drain %d events in 30 minutes (%d reported)", relays, n, published.Load())
 	}
 	elapsed := time.Since(start)
-	pg1, proc1 := backendTicks(b, apps), procCPU(pids)
+	pg1, proc1, self1 := backendTicks(b, apps), procCPU(pids), statCPU("/proc/self/stat")
+	return drainResult{rate: perSecond(n, elapsed), relayCPU: proc1 - proc0, pgCPU: backendDelta(pg0, pg1), benchCPU: self1 - self0}
+}
+
+// backendDelta sums the CPU the backends used between two backendTicks.
+func backendDelta(before, after map[int32]float64) float64 {
 	var pg float64
-	for pid, t := range pg1 {
-		pg += t - pg0[pid] // a backend started since counts from zero
+	for pid, t := range after {
+		pg += t - before[pid] // a backend started since counts from zero
 	}
-	return drainResult{rate: perSecond(n, elapsed), relayCPU: proc1 - proc0, pgCPU: pg}
+	return pg
+}
+
+// drainLoop drains schema's n events with the plain loop on a pool of its
+// own, so its PostgreSQL backend's CPU is counted like a relay's; the
+// loop's own CPU is this process's (with kfake's).
+func drainLoop(b *testing.B, cl *kgo.Client, schema string, n int) drainResult {
+	app := "drain-loop-" + schema
+	pool := benchPool(b, app, 1)
+	defer pool.Close()
+	if err := pool.Ping(context.Background()); err != nil {
+		b.Fatal(err)
+	}
+	pg0, self0 := backendTicks(b, []string{app}), statCPU("/proc/self/stat")
+	rate := plainLoopOn(b, pool, cl, schema, n)
+	pg1, self1 := backendTicks(b, []string{app}), statCPU("/proc/self/stat")
+	return drainResult{rate: rate, pgCPU: backendDelta(pg0, pg1), benchCPU: self1 - self0}
 }
 
 // watchHorizon samples, every 200 ms until the returned function is called,
@@ -415,6 +448,11 @@ func TestDrainRelayProcess(t *testing.T) {
 		t.Fatal(err)
 	}
 	cfg.ConnConfig.RuntimeParams["application_name"] = c.App
+	if os.Getenv("ONCEFLOW_DRAIN_TRACE") != "" {
+		tr := &stmtTracer{stats: map[string]*stmtStat{}}
+		cfg.ConnConfig.Tracer = tr
+		defer tr.print(os.Stderr, c.App)
+	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -487,3 +525,78 @@ func (o *lineObserver) ObserveBatch(s relay.BatchStats) {
 }
 
 func (o *lineObserver) ObserveShards(int) {}
+
+// stmtTracer counts a relay process's statements and their time
+// (ONCEFLOW_DRAIN_TRACE=1): each statement by its first words, each batch
+// by the statements it holds, timed from send to the last result.
+type stmtTracer struct {
+	mu    sync.Mutex
+	stats map[string]*stmtStat
+}
+
+type stmtStat struct {
+	n    int
+	took time.Duration
+}
+
+type traceKey struct{}
+
+type traceStart struct {
+	name  string
+	start time.Time
+}
+
+func stmtName(sql string) string {
+	f := strings.Fields(sql)
+	if len(f) > 6 {
+		f = f[:6]
+	}
+	return strings.Join(f, " ")
+}
+
+func (t *stmtTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	return context.WithValue(ctx, traceKey{}, &traceStart{name: stmtName(d.SQL), start: time.Now()})
+}
+
+func (t *stmtTracer) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryEndData) {
+	t.end(ctx)
+}
+
+func (t *stmtTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
+	names := make([]string, 0, d.Batch.Len())
+	for _, q := range d.Batch.QueuedQueries {
+		names = append(names, stmtName(q.SQL))
+	}
+	return context.WithValue(ctx, traceKey{}, &traceStart{name: "batch[" + strings.Join(names, " | ") + "]", start: time.Now()})
+}
+
+func (t *stmtTracer) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+
+func (t *stmtTracer) TraceBatchEnd(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchEndData) {
+	t.end(ctx)
+}
+
+func (t *stmtTracer) end(ctx context.Context) {
+	s, ok := ctx.Value(traceKey{}).(*traceStart)
+	if !ok {
+		return
+	}
+	took := time.Since(s.start)
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	st := t.stats[s.name]
+	if st == nil {
+		st = &stmtStat{}
+		t.stats[s.name] = st
+	}
+	st.n++
+	st.took += took
+}
+
+func (t *stmtTracer) print(w io.Writer, app string) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for name, st := range t.stats {
+		fmt.Fprintf(w, "trace %s: %6d × %8.3f ms = %8.0f ms  %s\n", app, st.n, float64(st.took.Microseconds())/1e3/float64(st.n), float64(st.took.Milliseconds()), name)
+	}
+}

@@ -57,8 +57,12 @@ SELECT $1, ('key-' || (g % 1000))::bytea, convert_to(repeat('x', 256), 'UTF8') F
 // plainLoop drains schema's outbox with the plain batch loop (the naive
 // contender every drain benchmark compares the relay with).
 func plainLoop(b *testing.B, cl *kgo.Client, schema string, n int) float64 {
+	return plainLoopOn(b, pgtest.Pool(b), cl, schema, n)
+}
+
+// plainLoopOn is plainLoop on pool.
+func plainLoopOn(b *testing.B, pool *pgxpool.Pool, cl *kgo.Client, schema string, n int) float64 {
 	ctx := context.Background()
-	pool := pgtest.Pool(b)
 	table := pgx.Identifier{schema, "outbox"}.Sanitize()
 	start := time.Now()
 	for {

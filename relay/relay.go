@@ -530,8 +530,9 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 	claimed := len(events)
 	events = oneTopicPerKey(events)
 	records := make([]Record, len(events))
+	msgIDs := make([]Header, len(events)) // the message-id headers
 	for i := range events {
-		records[i] = toRecord(&events[i])
+		records[i] = toRecordIn(&events[i], msgIDs[i:i+1])
 	}
 	// The events of keys whose partition is sick are not sent: they would
 	// make the round wait out PublishTimeout.
@@ -942,7 +943,19 @@ func oneTopicPerKey(events []pendingEvent) []pendingEvent {
 }
 
 func toRecord(e *pendingEvent) Record {
+	return toRecordIn(e, nil)
+}
+
+// toRecordIn is toRecord taking an event without headers of its own (the
+// common case) its message-id header from one[0] (a round's share of one
+// allocation), not a slice allocated per event.
+func toRecordIn(e *pendingEvent, one []Header) Record {
 	rec := Record{Topic: e.topic, Key: e.key, Value: e.value}
+	if len(e.headers) == 0 && len(one) > 0 {
+		one[0] = Header{Key: MessageIDHeader, Value: e.eventID}
+		rec.Headers = one[:1:1]
+		return rec
+	}
 	rec.Headers = make([]Header, 0, len(e.headers)+1)
 	rec.Headers = append(rec.Headers, Header{Key: MessageIDHeader, Value: e.eventID})
 	names := make([]string, 0, len(e.headers))

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -330,4 +331,66 @@ func TestClaimBoundsARoundByBytes(t *testing.T) {
 		}
 	}
 	t.Logf("round sizes: %v", sizes)
+}
+
+// One relay's claim (every shard, the primary key) bounds a round by bytes
+// without the window aggregate that spooled every row through PostgreSQL
+// (guardBytes): it reads the keys, values and headers of events within a
+// round's share of the bound, withholds larger ones, and cuts the round on
+// the client. A withheld event the bound keeps is read again exactly, with
+// its value, and the next claims are exact for a while. Rounds are the
+// same as boundBytes makes them.
+func TestGuardedClaimBoundsBytesAndReadsWithheldEventsExactly(t *testing.T) {
+	t.Parallel()
+	ctx, st, schema, _ := claimSetup(t)
+	table := pgx.Identifier{schema, "outbox"}.Sanitize()
+	insert := func(key string, size int) int64 {
+		t.Helper()
+		var id int64
+		if err := st.pool.QueryRow(ctx, `INSERT INTO `+table+` (topic, key, value) VALUES ('t', $1::bytea, $2) RETURNING id`,
+			key, make([]byte, size)).Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		return id
+	}
+	var small []int64
+	for i := range 3 {
+		small = append(small, insert(fmt.Sprint("k", i), 100))
+	}
+	big := insert("k0", 30_000)                                   // above the bound
+	small = append(small, insert("k1", 100), insert("k2", 5_000)) // the second above a round's share
+	st.maxBytes = 20_000                                          // a share of 2,000 bytes in a round of 10
+	stmts := st.claimStatements(everyShard(), 10, nil, nil)
+	if len(stmts) != 1 || stmts[0].exact == nil || strings.Contains(stmts[0].sql, "OVER") {
+		t.Fatalf("one relay's claim is not guarded: %+v", stmts)
+	}
+	for _, c := range []struct {
+		name      string
+		excluded  []int64
+		want      []int64
+		wantSizes []int
+		exactOff  int
+	}{
+		{"small events, cut before one above the bound, on the client", nil, small[:3], []int{100, 100, 100}, 0},
+		{"the event above the bound alone, read again exactly", small[:3], []int64{big}, []int{30_000}, claimExactOff},
+		{"then exactly for a while", append(slices.Clone(small[:3]), big), small[3:], []int{100, 5_000}, claimExactOff - 1},
+	} {
+		events, err := st.claim(ctx, "me", everyShard(), 10, nil, c.excluded)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids, sizes := make([]int64, len(events)), make([]int, len(events))
+		for i, e := range events {
+			ids[i], sizes[i] = e.id, len(e.value)
+			if e.withheld || len(e.key) == 0 {
+				t.Errorf("%s: event %d came without its key or value", c.name, e.id)
+			}
+		}
+		if !slices.Equal(ids, c.want) || !slices.Equal(sizes, c.wantSizes) {
+			t.Errorf("%s: read %v of sizes %v, want %v of sizes %v", c.name, ids, sizes, c.want, c.wantSizes)
+		}
+		if st.exactOff != c.exactOff {
+			t.Errorf("%s: %d exact claims to go, want %d", c.name, st.exactOff, c.exactOff)
+		}
+	}
 }
