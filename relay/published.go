@@ -53,7 +53,7 @@ func (r *Relay) observeAcked(events []pendingEvent, acked []int64, start, now ti
 
 // eventIDString returns the event id's text without copying it, so that
 // observing an event allocates nothing: an event id's bytes are written once
-// by formatUUID and never modified after (the published record's message-id
+// by putUUID and never modified after (the published record's message-id
 // header shares them, read-only).
 func eventIDString(id []byte) string {
 	if len(id) == 0 {

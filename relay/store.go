@@ -13,6 +13,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -645,18 +646,38 @@ func scanEvents(rows pgx.Rows, out []pendingEvent) ([]pendingEvent, error) {
 	// Scanned in place, into the slice's next element and into variables
 	// shared by the rows: a pendingEvent of its own per row escaped to the
 	// heap (Scan takes pointers as any) and was copied into out.
+	// The topic is read as the driver's bytes and shared by the events of
+	// one topic, and the event ids' text is cut from slabs: not one
+	// allocation per row each.
 	var headers []byte
 	var eventID [16]byte
+	var topic pgtype.DriverBytes
+	var topics map[string]string
+	var slab []byte
 	for rows.Next() {
 		out = append(out, pendingEvent{})
 		e := &out[len(out)-1]
-		if err := rows.Scan(&e.id, &eventID, &e.topic, &e.key, &e.value, &headers, &e.createdAt, &e.refusedFor, &e.refusedKind, &e.size); err != nil {
+		if err := rows.Scan(&e.id, &eventID, &topic, &e.key, &e.value, &headers, &e.createdAt, &e.refusedFor, &e.refusedKind, &e.size); err != nil {
 			return out[:len(out)-1], err
 		}
+		if t, ok := topics[string(topic)]; ok {
+			e.topic = t
+		} else {
+			if topics == nil {
+				topics = map[string]string{}
+			}
+			e.topic = string(topic)
+			topics[e.topic] = e.topic
+		}
+		if len(slab)+uuidLen > cap(slab) {
+			slab = make([]byte, 0, 256*uuidLen)
+		}
+		slab = slab[:len(slab)+uuidLen]
+		e.eventID = slab[len(slab)-uuidLen : len(slab) : len(slab)]
+		putUUID(e.eventID, eventID)
 		if e.size < 0 {
 			e.size, e.withheld = -e.size, true
 		}
-		e.eventID = formatUUID(eventID)
 		if len(headers) > 0 {
 			if err := json.Unmarshal(headers, &e.headers); err != nil {
 				// The table's CHECK makes this unreachable for valid
@@ -686,7 +707,16 @@ func oneRun(ids []int64) (lo, hi int64, ok bool) {
 // formatUUID writes u in the canonical 8-4-4-4-12 form, as PostgreSQL's
 // uuid::text does (without asking the server to format every row).
 func formatUUID(u [16]byte) []byte {
-	b := make([]byte, 36)
+	b := make([]byte, uuidLen)
+	putUUID(b, u)
+	return b
+}
+
+// uuidLen is the length of a UUID's canonical text.
+const uuidLen = 36
+
+// putUUID writes u's canonical text into b (uuidLen bytes).
+func putUUID(b []byte, u [16]byte) {
 	hex.Encode(b[0:8], u[0:4])
 	b[8] = '-'
 	hex.Encode(b[9:13], u[4:6])
@@ -696,7 +726,6 @@ func formatUUID(u [16]byte) []byte {
 	hex.Encode(b[19:23], u[8:10])
 	b[23] = '-'
 	hex.Encode(b[24:], u[10:])
-	return b
 }
 
 // finish records one round's outcome in one round trip: deletes the
