@@ -651,15 +651,17 @@ func scanEvents(rows pgx.Rows, out []pendingEvent) ([]pendingEvent, error) {
 	// allocation per row each.
 	var headers []byte
 	var eventID [16]byte
-	var topic pgtype.DriverBytes
+	var topic, key, value pgtype.DriverBytes
 	var topics map[string]string
-	var slab []byte
+	var slab, data []byte
 	for rows.Next() {
 		out = append(out, pendingEvent{})
 		e := &out[len(out)-1]
-		if err := rows.Scan(&e.id, &eventID, &topic, &e.key, &e.value, &headers, &e.createdAt, &e.refusedFor, &e.refusedKind, &e.size); err != nil {
+		if err := rows.Scan(&e.id, &eventID, &topic, &key, &value, &headers, &e.createdAt, &e.refusedFor, &e.refusedKind, &e.size); err != nil {
 			return out[:len(out)-1], err
 		}
+		e.key, data = copyOut(key, data)
+		e.value, data = copyOut(value, data)
 		if t, ok := topics[string(topic)]; ok {
 			e.topic = t
 		} else {
@@ -687,6 +689,31 @@ func scanEvents(rows pgx.Rows, out []pendingEvent) ([]pendingEvent, error) {
 		}
 	}
 	return out, rows.Err()
+}
+
+// dataSlab is the size of the slabs a claim's keys and values are copied
+// into; a larger one gets an allocation of its own.
+const dataSlab = 64 << 10
+
+// copyOut copies b (the driver's bytes, valid until the next row) into the
+// slab data, or into an allocation of its own if larger than a quarter of a
+// slab, and returns the copy (nil for nil: SQL NULL) and the slab.
+func copyOut(b pgtype.DriverBytes, data []byte) ([]byte, []byte) {
+	if b == nil {
+		return nil, data
+	}
+	n := len(b)
+	if n == 0 {
+		return []byte{}, data // empty, not NULL
+	}
+	if n > dataSlab/4 {
+		return append([]byte(nil), b...), data
+	}
+	if len(data)+n > cap(data) {
+		data = make([]byte, 0, dataSlab)
+	}
+	data = append(data, b...)
+	return data[len(data)-n : len(data) : len(data)], data
 }
 
 // oneRun reports whether ids, in any order, are exactly the consecutive

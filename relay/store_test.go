@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"slices"
@@ -392,5 +393,42 @@ func TestGuardedClaimBoundsBytesAndReadsWithheldEventsExactly(t *testing.T) {
 		if st.exactOff != c.exactOff {
 			t.Errorf("%s: %d exact claims to go, want %d", c.name, st.exactOff, c.exactOff)
 		}
+	}
+}
+
+// A claim copies keys and values out of the driver's buffers into slabs
+// shared by the round: a NULL key or value stays nil (a keyless event, a
+// tombstone), an empty one stays empty, a large one is whole, and no two
+// events share bytes.
+func TestClaimKeepsNullEmptyAndLargeKeysAndValuesApart(t *testing.T) {
+	t.Parallel()
+	ctx, st, schema, _ := claimSetup(t)
+	table := pgx.Identifier{schema, "outbox"}.Sanitize()
+	large := bytes.Repeat([]byte("v"), 40_000)
+	rows := []struct{ key, value []byte }{
+		{nil, nil}, {[]byte{}, []byte{}}, {[]byte("k1"), large}, {[]byte("k2"), []byte("v2")},
+	}
+	for _, r := range rows {
+		if _, err := st.pool.Exec(ctx, `INSERT INTO `+table+` (topic, key, value) VALUES ('t', $1, $2)`, r.key, r.value); err != nil {
+			t.Fatal(err)
+		}
+	}
+	events, err := st.claim(ctx, "me", everyShard(), 10, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(events) != len(rows) {
+		t.Fatalf("read %d events, want %d", len(events), len(rows))
+	}
+	for i, r := range rows {
+		e := events[i]
+		if (e.key == nil) != (r.key == nil) || (e.value == nil) != (r.value == nil) || !bytes.Equal(e.key, r.key) || !bytes.Equal(e.value, r.value) {
+			t.Errorf("event %d: key %q (nil %v) value of %d bytes (nil %v), want key %q (nil %v) value of %d bytes (nil %v)",
+				i, e.key, e.key == nil, len(e.value), e.value == nil, r.key, r.key == nil, len(r.value), r.value == nil)
+		}
+	}
+	events[3].key = append(events[3].key, 'x') // capped: must not write into the bytes after it
+	if string(events[3].value) != "v2" {
+		t.Errorf("appending to an event's key changed its value to %q", events[3].value)
 	}
 }
