@@ -308,6 +308,7 @@ SET owner = 'bench-' || (shard % $1), lease_until = now() + interval '1 hour'`, 
 		apps[i], pids[i] = c.app, c.cmd.Process.Pid
 	}
 	pg0, proc0, self0 := backendTicks(b, apps), procCPU(pids), statCPU("/proc/self/stat")
+	defer perfBackends(b, pg0, apps[0])()
 	start := time.Now()
 	for _, c := range children {
 		if _, err := io.WriteString(c.stdin, "go\n"); err != nil {
@@ -344,7 +345,9 @@ func drainLoop(b *testing.B, cl *kgo.Client, schema string, n int) drainResult {
 		b.Fatal(err)
 	}
 	pg0, self0 := backendTicks(b, []string{app}), statCPU("/proc/self/stat")
+	stop := perfBackends(b, pg0, app)
 	rate := plainLoopOn(b, pool, cl, schema, n)
+	stop()
 	pg1, self1 := backendTicks(b, []string{app}), statCPU("/proc/self/stat")
 	return drainResult{rate: rate, pgCPU: backendDelta(pg0, pg1), benchCPU: self1 - self0}
 }
@@ -525,6 +528,29 @@ func (o *lineObserver) ObserveBatch(s relay.BatchStats) {
 }
 
 func (o *lineObserver) ObserveShards(int) {}
+
+// perfBackends records, when ONCEFLOW_DRAIN_PERF names a directory, the
+// PostgreSQL backends' samples (perf record -g) into <dir>/<name>.data
+// until the returned function is called.
+func perfBackends(b *testing.B, backends map[int32]float64, name string) func() {
+	dir := os.Getenv("ONCEFLOW_DRAIN_PERF")
+	if dir == "" || len(backends) == 0 {
+		return func() {}
+	}
+	var pids []string
+	for pid := range backends {
+		pids = append(pids, strconv.Itoa(int(pid)))
+	}
+	cmd := exec.Command("perf", "record", "-q", "-g", "-o", filepath.Join(dir, name+".data"), "-p", strings.Join(pids, ","))
+	if err := cmd.Start(); err != nil {
+		b.Logf("perf: %v", err)
+		return func() {}
+	}
+	return func() {
+		_ = cmd.Process.Signal(os.Interrupt)
+		_ = cmd.Wait()
+	}
+}
 
 // stmtTracer counts a relay process's statements and their time
 // (ONCEFLOW_DRAIN_TRACE=1): each statement by its first words, each batch
