@@ -308,7 +308,7 @@ SET owner = 'bench-' || (shard % $1), lease_until = now() + interval '1 hour'`, 
 		apps[i], pids[i] = c.app, c.cmd.Process.Pid
 	}
 	pg0, proc0, self0 := backendTicks(b, apps), procCPU(pids), statCPU("/proc/self/stat")
-	defer perfBackends(b, pg0, apps[0])()
+	stopPerf := perfBackends(b, apps[0])
 	start := time.Now()
 	for _, c := range children {
 		if _, err := io.WriteString(c.stdin, "go\n"); err != nil {
@@ -322,6 +322,7 @@ SET owner = 'bench-' || (shard % $1), lease_until = now() + interval '1 hour'`, 
 	}
 	elapsed := time.Since(start)
 	pg1, proc1, self1 := backendTicks(b, apps), procCPU(pids), statCPU("/proc/self/stat")
+	stopPerf(pg1)
 	return drainResult{rate: perSecond(n, elapsed), relayCPU: proc1 - proc0, pgCPU: backendDelta(pg0, pg1), benchCPU: self1 - self0}
 }
 
@@ -345,10 +346,10 @@ func drainLoop(b *testing.B, cl *kgo.Client, schema string, n int) drainResult {
 		b.Fatal(err)
 	}
 	pg0, self0 := backendTicks(b, []string{app}), statCPU("/proc/self/stat")
-	stop := perfBackends(b, pg0, app)
+	stopPerf := perfBackends(b, app)
 	rate := plainLoopOn(b, pool, cl, schema, n)
-	stop()
 	pg1, self1 := backendTicks(b, []string{app}), statCPU("/proc/self/stat")
+	stopPerf(pg1)
 	return drainResult{rate: rate, pgCPU: backendDelta(pg0, pg1), benchCPU: self1 - self0}
 }
 
@@ -530,25 +531,27 @@ func (o *lineObserver) ObserveBatch(s relay.BatchStats) {
 func (o *lineObserver) ObserveShards(int) {}
 
 // perfBackends records, when ONCEFLOW_DRAIN_PERF names a directory, the
-// PostgreSQL backends' samples (perf record -g) into <dir>/<name>.data
-// until the returned function is called.
-func perfBackends(b *testing.B, backends map[int32]float64, name string) func() {
+// whole machine's samples (perf record -a -g) into <dir>/<name>.data until
+// the returned function is called with the contender's backends, whose
+// pids it writes to <dir>/<name>.pids (perf report --pid).
+func perfBackends(b *testing.B, name string) func(backends map[int32]float64) {
 	dir := os.Getenv("ONCEFLOW_DRAIN_PERF")
-	if dir == "" || len(backends) == 0 {
-		return func() {}
+	if dir == "" {
+		return func(map[int32]float64) {}
 	}
-	var pids []string
-	for pid := range backends {
-		pids = append(pids, strconv.Itoa(int(pid)))
-	}
-	cmd := exec.Command("perf", "record", "-q", "-g", "-o", filepath.Join(dir, name+".data"), "-p", strings.Join(pids, ","))
+	cmd := exec.Command("perf", "record", "-q", "-a", "-g", "-o", filepath.Join(dir, name+".data"))
 	if err := cmd.Start(); err != nil {
 		b.Logf("perf: %v", err)
-		return func() {}
+		return func(map[int32]float64) {}
 	}
-	return func() {
+	return func(backends map[int32]float64) {
 		_ = cmd.Process.Signal(os.Interrupt)
 		_ = cmd.Wait()
+		var pids []string
+		for pid := range backends {
+			pids = append(pids, strconv.Itoa(int(pid)))
+		}
+		_ = os.WriteFile(filepath.Join(dir, name+".pids"), []byte(strings.Join(pids, ",")), 0o644)
 	}
 }
 
