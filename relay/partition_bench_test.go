@@ -168,7 +168,7 @@ SELECT 'bench', ('key-' || (g % 1000))::bytea, convert_to(repeat('x', 256), 'UTF
 		lo, hi := w*per, (w+1)*per
 		switch {
 		case !partitioned && workers == 1:
-			return claimAllQuery(outbox, false)
+			return claimAllQuery(outbox, false, 1000)
 		case !partitioned:
 			var shards []int16
 			for sh := lo; sh < hi; sh++ {
@@ -198,9 +198,6 @@ SELECT 'bench', ('key-' || (g % 1000))::bytea, convert_to(repeat('x', 256), 'UTF
 			defer wg.Done()
 			c, q := conns[w], claimSQL(w)
 			args := []any{[]int64{}} // $1: the excluded ids
-			if !partitioned && workers == 1 {
-				args = append(args, 1000) // $2: the limit
-			}
 			for {
 				rows, _ := c.Query(ctx, q, args...)
 				events, err := scanEvents(rows, nil)

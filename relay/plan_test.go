@@ -89,7 +89,7 @@ FROM generate_series(1, 1000000) g`); err != nil {
 		{"every shard", everyShard(), nil, nil, []string{"Index Scan using outbox_pkey", "hashed SubPlan"}, false, 0},
 		{"every shard, a gapped round in flight", everyShard(), nil, gapped, []string{"Index Scan using outbox_pkey", "hashed SubPlan"}, false, 0},
 		{"every shard, a round of consecutive ids in flight", everyShard(), nil, run,
-			[]string{"Merge Append", "Index Cond: (id < $1)", "Index Cond: (id > $3)"}, false, 0},
+			[]string{"Merge Append", "Index Cond: (id < $1)", "Index Cond: (id > $2)"}, false, 0},
 		{"a quarter of the shards, the stuck key's in another relay's", quarter, nil, nil,
 			[]string{"Merge Append", "Index Scan using outbox_shard_id_idx", "hashed SubPlan"}, false, 0},
 		{"a quarter of the shards, a round in flight", quarter, nil, run,
