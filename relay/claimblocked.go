@@ -116,13 +116,13 @@ func heldFirst(segs []segment) []segment {
 // walked, and neither are the other events of its shard beyond the round.
 // Each key's events come in id order, so the events read of each key are a
 // prefix of its pending ones, whatever the cut. Ranges and ids are
-// parameters ($10 on): they change as the sweep moves, and a text per claim would be
+// parameters ($34 on): they change as the sweep moves, and a text per claim would be
 // prepared (and planned) per claim; with bitmap scans off, the plan is an
 // ordered index scan per range whatever the estimates. The excluded ids
-// are $1 to $9 (notExcluded), left for the caller to set.
+// are $1 to $33 (notExcluded), left for the caller to set.
 func claimBlockedQuery(outbox string, shards [][]segment, limit int) (string, []any) {
 	var b strings.Builder
-	// $1 to $9: the excluded ids, set by the caller (blockedExcluded).
+	// $1 to $33: the excluded ids, set by the caller (blockedExcluded).
 	args := make([]any, 1+2*claimFloorSkips)
 	param := func(v any) int {
 		args = append(args, v)
@@ -156,12 +156,18 @@ LIMIT %d`, limit)
 }
 
 // notExcluded leaves out the excluded ids inside each key-hash range,
-// before its limit: the runs of them skipRuns found ($2 to $9: lowest and
+// before its limit: the runs of them skipRuns found ($2 to $33: lowest and
 // highest id each, an empty range where there are fewer runs) by
 // comparison, the rest ($1) by a hashed subplan per range (a few per
 // blocked shard).
-const notExcluded = `o.id NOT IN (SELECT unnest($1::bigint[])) AND o.id NOT BETWEEN $2::bigint AND $3::bigint AND o.id NOT BETWEEN $4::bigint AND $5::bigint
-    AND o.id NOT BETWEEN $6::bigint AND $7::bigint AND o.id NOT BETWEEN $8::bigint AND $9::bigint`
+var notExcluded = func() string {
+	var b strings.Builder
+	b.WriteString(`o.id NOT IN (SELECT unnest($1::bigint[]))`)
+	for i := range claimFloorSkips {
+		fmt.Fprintf(&b, ` AND o.id NOT BETWEEN $%d::bigint AND $%d::bigint`, 2+2*i, 3+2*i)
+	}
+	return b.String()
+}()
 
 // blockedExcluded sets claimBlockedQuery's arguments for the excluded ids:
 // runs and rest as skipRuns returns them.

@@ -157,18 +157,20 @@ LIMIT %d`, 2*limit, limit)
 // over, and claimFloorSkipMin the fewest ids in such a run: shorter ones
 // are walked and dropped.
 const (
-	claimFloorSkips   = 4
-	claimFloorSkipMin = 32
+	claimFloorSkips   = 16
+	claimFloorSkipMin = 16
 )
 
 // skipRuns returns the runs of consecutive ids in excluded (sorted in
 // place) that claimFloorQuery steps over, as lowest and highest id each, in
 // id order: the claimFloorSkips longest of at least claimFloorSkipMin ids;
 // and rest, the excluded ids outside them, which the reads leave out by
-// their NOT IN. A NOT IN's hash is built per index range read (five for
-// the floor read with four runs, one per key-hash range for a blocked
+// their NOT IN. A NOT IN's hash is built per index range read (one more
+// than the runs for the floor read, one per key-hash range for a blocked
 // shard's read): on the 2,000 ids of a read-ahead's rounds, 4 ms a claim
-// for a blocked shard's read of 64 events.
+// for a blocked shard's read of 64 events. Up to 16 runs: the rounds in
+// flight beside a blocked key are split every few hundred ids by the
+// blocked shard's events they did not take.
 func skipRuns(excluded []int64) (runs [][2]int64, rest []int64) {
 	slices.Sort(excluded)
 	for i := 0; i < len(excluded); {
