@@ -34,6 +34,18 @@ func claimSetup(t *testing.T) (context.Context, *store, string, func(execer, str
 	return context.Background(), newStore(pgtest.Pool(t), schema), schema, insert
 }
 
+// insertSized writes an event of key with a value of size zero bytes into
+// schema's outbox and returns its id.
+func insertSized(t *testing.T, st *store, schema, key string, size int) int64 {
+	t.Helper()
+	var id int64
+	if err := st.pool.QueryRow(context.Background(), `INSERT INTO `+pgx.Identifier{schema, "outbox"}.Sanitize()+` (topic, key, value) VALUES ('t', $1::bytea, $2) RETURNING id`,
+		key, make([]byte, size)).Scan(&id); err != nil {
+		t.Fatal(err)
+	}
+	return id
+}
+
 func everyShard() []int16 {
 	out := make([]int16, NumShards)
 	for i := range out {
@@ -281,16 +293,7 @@ func TestRoundRecordsSharingALowestIDAreForgottenByTheirOwnRound(t *testing.T) {
 func TestClaimBoundsARoundByBytes(t *testing.T) {
 	t.Parallel()
 	ctx, st, schema, _ := claimSetup(t)
-	table := pgx.Identifier{schema, "outbox"}.Sanitize()
-	insert := func(key string, size int) int64 {
-		t.Helper()
-		var id int64
-		if err := st.pool.QueryRow(ctx, `INSERT INTO `+table+` (topic, key, value) VALUES ('t', $1::bytea, $2) RETURNING id`,
-			key, make([]byte, size)).Scan(&id); err != nil {
-			t.Fatal(err)
-		}
-		return id
-	}
+	insert := func(key string, size int) int64 { return insertSized(t, st, schema, key, size) }
 	big := insert("k0", 400_000) // larger than the bound
 	var small []int64
 	for i := range 6 {
@@ -344,16 +347,7 @@ func TestClaimBoundsARoundByBytes(t *testing.T) {
 func TestGuardedClaimBoundsBytesAndReadsWithheldEventsExactly(t *testing.T) {
 	t.Parallel()
 	ctx, st, schema, _ := claimSetup(t)
-	table := pgx.Identifier{schema, "outbox"}.Sanitize()
-	insert := func(key string, size int) int64 {
-		t.Helper()
-		var id int64
-		if err := st.pool.QueryRow(ctx, `INSERT INTO `+table+` (topic, key, value) VALUES ('t', $1::bytea, $2) RETURNING id`,
-			key, make([]byte, size)).Scan(&id); err != nil {
-			t.Fatal(err)
-		}
-		return id
-	}
+	insert := func(key string, size int) int64 { return insertSized(t, st, schema, key, size) }
 	var small []int64
 	for i := range 3 {
 		small = append(small, insert(fmt.Sprint("k", i), 100))
