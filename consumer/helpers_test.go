@@ -64,6 +64,30 @@ func (b *bundle) processedRows(t *testing.T, name string) int {
 	return n
 }
 
+// ownPool returns a pool of the test's own, configured by configure, so
+// the test can trace its queries or tamper with its sessions and see that
+// it holds no connection at the end.
+func ownPool(t *testing.T, configure func(*pgxpool.Config)) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(pgtest.URL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	configure(cfg)
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		// Close waits for every connection to come back: a test that
+		// found one kept has failed already and must not hang here.
+		if pool.Stat().AcquiredConns() == 0 {
+			pool.Close()
+		}
+	})
+	return pool
+}
+
 // memTransport records marks and dead letters in memory: the core tests
 // exercise PostgreSQL for real and leave Kafka to the adapter tests.
 type memTransport struct {

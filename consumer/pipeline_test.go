@@ -13,7 +13,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/consumer"
-	"github.com/onceflow/onceflow/internal/pgtest"
 )
 
 // seatTaken creates a table whose one seat is taken, under a deferred
@@ -45,27 +44,10 @@ func (pt *pipelineTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pg
 
 func (pt *pipelineTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
-// ownPool returns a pool of the test's own, so the test can trace its
-// queries and see that it holds no connection at the end.
-func ownPool(t *testing.T, tracer pgx.QueryTracer) *pgxpool.Pool {
+// tracedPool returns a pool of the test's own whose queries tracer sees.
+func tracedPool(t *testing.T, tracer pgx.QueryTracer) *pgxpool.Pool {
 	t.Helper()
-	cfg, err := pgxpool.ParseConfig(pgtest.URL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.ConnConfig.Tracer = tracer
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		// Close waits for every connection to come back: a test that
-		// found one kept has failed already and must not hang here.
-		if pool.Stat().AcquiredConns() == 0 {
-			pool.Close()
-		}
-	})
-	return pool
+	return ownPool(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.Tracer = tracer })
 }
 
 // Messages queued behind one another are committed in pipeline (each
@@ -77,7 +59,7 @@ func TestPipelinedCommitsKeepEffectsExactlyOnce(t *testing.T) {
 		t.Run(fmt.Sprintf("concurrency %d", concurrency), func(t *testing.T) {
 			b := setup(t)
 			tracer := &pipelineTracer{}
-			pool := ownPool(t, tracer)
+			pool := tracedPool(t, tracer)
 			p, err := consumer.New(pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
 				return b.record(ctx, tx, "ledger", m)
 			}, &consumer.Config{Schema: b.schema, Concurrency: concurrency})
@@ -122,7 +104,7 @@ func TestPipelinedCommitsKeepEffectsExactlyOnce(t *testing.T) {
 func TestFailedPipelinedCommitRetriesItsMessageAndKeepsTheNext(t *testing.T) {
 	b := setup(t)
 	tracer := &pipelineTracer{}
-	pool := ownPool(t, tracer)
+	pool := tracedPool(t, tracer)
 	takeSeat := b.seatTaken(t)
 	p, err := consumer.New(pool, "booking", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
 		if string(m.Key) == "taken" {
@@ -177,7 +159,7 @@ func (bt *blockingTransport) MarkDone(m consumer.Message) {
 func TestStopRollsBackACarriedTransaction(t *testing.T) {
 	b := setup(t)
 	tracer := &pipelineTracer{}
-	pool := ownPool(t, tracer)
+	pool := tracedPool(t, tracer)
 	var ran atomic.Int32
 	p, err := consumer.New(pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
 		ran.Add(1)

@@ -14,7 +14,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/consumer"
-	"github.com/onceflow/onceflow/internal/pgtest"
 )
 
 // A pooler in transaction mode (PgBouncer before 1.21) lends each
@@ -57,22 +56,10 @@ func dedupStatement(ctx context.Context, tx pgx.Tx, schema string) (string, erro
 // server session the test tampered with), after run on each new connection.
 func poolOf(t *testing.T, after func(context.Context, *pgx.Conn) error) *pgxpool.Pool {
 	t.Helper()
-	cfg, err := pgxpool.ParseConfig(pgtest.URL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.MaxConns = 1
-	cfg.AfterConnect = after
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if pool.Stat().AcquiredConns() == 0 {
-			pool.Close()
-		}
+	return ownPool(t, func(cfg *pgxpool.Config) {
+		cfg.MaxConns = 1
+		cfg.AfterConnect = after
 	})
-	return pool
 }
 
 // processAll runs msgs through one partition of p, all queued at once
