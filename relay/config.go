@@ -40,11 +40,13 @@ type Config struct {
 	// a round that found events, the relay reads its shards at once, and it
 	// keeps reading every ProbeInterval for 20 intervals after new ids
 	// appear, since the transactions that took them may commit a little
-	// later. Defaults to 5ms.
+	// later; the newest id committing later still wakes it too. Defaults
+	// to 5ms.
 	ProbeInterval time.Duration
 	// PollInterval is how often an idle relay reads its shards whatever the
 	// probe says: the backstop for an event whose transaction committed
-	// long after it was inserted. Defaults to 250ms.
+	// long after it was inserted, behind a newer event (the probe watches
+	// the newest id only). Defaults to 250ms.
 	PollInterval time.Duration
 	// LeaseDuration is how long a shard lease lasts without renewal; leases
 	// are renewed every third of it. A killed relay's shards are taken over

@@ -30,8 +30,8 @@
 // an idle relay probes every Config.ProbeInterval (5 ms) with one read of
 // the outbox's id sequence, reads its shards when new ids appeared (and on
 // every probe for the next 20, while the transactions that took them
-// commit), and reads them every Config.PollInterval (250 ms) whatever the
-// probe says. Needing no LISTEN, the relay can run behind a transaction-mode
+// commit, and whenever the newest commits later), and reads them every
+// Config.PollInterval (250 ms) whatever the probe says. Needing no LISTEN, the relay can run behind a transaction-mode
 // pooler.
 //
 // A round waits at most Config.PublishTimeout for its acknowledgements. A

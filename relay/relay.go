@@ -41,11 +41,13 @@ type Relay struct {
 	beat   atomic.Int64 // unix nanoseconds of the publish loop's last pass
 
 	// The wake-up (publish loop only): the last value the probe read from
-	// the outbox's id sequence, until when the relay keeps reading after
-	// seeing it move, and the highest id it has read.
-	lastSeq  int64
-	hotUntil time.Time
-	seenID   int64
+	// the outbox's id sequence and whether that id was visible (committed
+	// and pending), until when the relay keeps reading after seeing it
+	// move, and the highest id it has read.
+	lastSeq     int64
+	lastVisible bool
+	hotUntil    time.Time
+	seenID      int64
 
 	// Owned by the publish loop.
 	blocked map[string]*keyState
@@ -430,6 +432,7 @@ func (r *Relay) probe(ctx context.Context) bool {
 	if err := r.pool.QueryRow(ctx, r.st.probeSQL).Scan(&v, &visible); err != nil {
 		return false
 	}
+	r.lastVisible = visible
 	if v != r.lastSeq {
 		r.lastSeq = v
 		r.hotUntil = time.Now().Add(hotProbes * r.cfg.ProbeInterval)
@@ -510,10 +513,12 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		}
 		r.forgetLostRetries(start, events, nil)
 		r.saw(events)
-		if len(events) == 0 && seq > r.seenID {
-			// Nothing this relay may read up to the last id probed (what
-			// is pending is held keys' later events): the probe must not
-			// wake the relay for those ids again, only for newer ones.
+		if len(events) == 0 && seq > r.seenID && r.lastVisible {
+			// Nothing this relay may read up to the last id probed, though
+			// it was visible (what is pending is held keys' later events):
+			// the probe must not wake the relay for those ids again, only
+			// for newer ones. An id not visible yet may still commit: the
+			// probe wakes the relay when it does.
 			r.seenID = seq
 		}
 		if len(events) > 0 {

@@ -223,31 +223,58 @@ func TestRelayPublishesInOrderWithMessageID(t *testing.T) {
 
 // A commit wakes the relay at once: with a one-minute poll interval, only
 // the probe (a read of the outbox's id sequence every few milliseconds) can
-// deliver within seconds.
+// deliver within seconds. So also when the commit lands well after the
+// INSERT took its id (a slow WAL flush under load): an earlier version,
+// once a read in the probe's hot window (20 intervals after the id
+// appeared) found nothing, stopped looking at that id and left the event
+// to the poll.
 func TestCommitWakesRelay(t *testing.T) {
-	t.Parallel()
-	b := setup(t)
-	topic := b.kafka.Topic(t, 1)
-	b.startRelay(t, relay.Config{PollInterval: time.Minute})
-	waitFor(t, "the relay to own its shards", 10*time.Second, func() bool {
-		st, err := relay.ReadStatus(context.Background(), b.pool, b.schema)
-		return err == nil && st.UnownedShards == 0
-	})
-	time.Sleep(200 * time.Millisecond) // let the first poll pass, so only the probe can help
-	start := time.Now()
-	b.write(t, outbox.Message{Topic: topic, Value: []byte("wake up")})
-	got := b.kafka.ReadAll(t, topic, 1, 10*time.Second)
-	if len(got) != 1 {
-		t.Fatal("event not published")
-	}
-	if d := time.Since(start); d > 5*time.Second {
-		t.Fatalf("event took %s: the relay waited for its poll, not the probe", d)
+	for _, c := range []struct {
+		name string
+		hold time.Duration // between the INSERT and the COMMIT
+	}{
+		{"commit at once", 0},
+		{"commit after the hot window", 500 * time.Millisecond}, // 100 probe intervals
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			topic := b.kafka.Topic(t, 1)
+			b.startRelay(t, relay.Config{PollInterval: time.Minute, ProbeInterval: 5 * time.Millisecond})
+			waitFor(t, "the relay to own its shards", 10*time.Second, func() bool {
+				st, err := relay.ReadStatus(context.Background(), b.pool, b.schema)
+				return err == nil && st.UnownedShards == 0
+			})
+			time.Sleep(200 * time.Millisecond) // let the first poll pass, so only the probe can help
+			ctx := context.Background()
+			tx, err := b.pool.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer tx.Rollback(ctx)
+			if err := b.writer.Write(ctx, tx, outbox.Message{Topic: topic, Value: []byte("wake up")}); err != nil {
+				t.Fatal(err)
+			}
+			time.Sleep(c.hold)
+			start := time.Now()
+			if err := tx.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
+			got := b.kafka.ReadAll(t, topic, 1, 10*time.Second)
+			if len(got) != 1 {
+				t.Fatalf("event not published within %s of its commit", time.Since(start).Round(time.Millisecond))
+			}
+			if d := time.Since(start); d > 5*time.Second {
+				t.Fatalf("event took %s after its commit: the relay waited for its poll, not the probe", d)
+			}
+		})
 	}
 }
 
-// An event whose transaction commits long after its INSERT took an id (the
-// probe saw the id handed out, the relay read and found nothing, and its
-// reads on every probe stopped) is still read by the poll.
+// An event whose transaction commits long after its INSERT took an id,
+// behind a newer event that committed and was published meanwhile (the
+// probe watches the newest id only: it is gone, and nothing wakes the
+// relay), is still read by the poll.
 func TestLateCommitIsReadByThePoll(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -262,11 +289,15 @@ func TestLateCommitIsReadByThePoll(t *testing.T) {
 	if err := b.writer.Write(ctx, tx, outbox.Message{Topic: topic, Value: []byte("late")}); err != nil {
 		t.Fatal(err)
 	}
+	b.write(t, outbox.Message{Topic: topic, Value: []byte("newer")})
+	if got := b.kafka.ReadAll(t, topic, 1, 20*time.Second); len(got) != 1 || string(got[0].Value) != "newer" {
+		t.Fatalf("the newer event was not published alone first: %d records", len(got))
+	}
 	time.Sleep(time.Second) // the commit comes well after the id was handed out
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if got := b.kafka.ReadAll(t, topic, 1, 20*time.Second); len(got) != 1 {
+	if got := b.kafka.ReadAll(t, topic, 2, 20*time.Second); len(got) != 2 || string(got[1].Value) != "late" {
 		t.Fatal("late-committed event not published")
 	}
 }
