@@ -5,6 +5,7 @@ import (
 	"errors"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -36,6 +37,21 @@ type Partition struct {
 	once   sync.Once
 	cancel context.CancelFunc
 	done   chan struct{}
+	// of is the topic and partition of the first message queued, for
+	// Stop's log; nil until then.
+	of atomic.Pointer[topicPartition]
+}
+
+type topicPartition struct {
+	topic     string
+	partition int32
+}
+
+// note remembers m's topic and partition, once.
+func (w *Partition) note(m *Message) {
+	if w.of.Load() == nil {
+		w.of.CompareAndSwap(nil, &topicPartition{topic: m.Topic, partition: m.Partition})
+	}
 }
 
 // StartPartition starts processing a partition. Canceling ctx abandons the
@@ -75,6 +91,7 @@ func (w *Partition) Add(ctx context.Context, msgs ...Message) error {
 			return ErrStopped
 		default:
 		}
+		w.note(&m)
 		select {
 		case w.in <- m:
 		case <-w.stop:
@@ -109,6 +126,7 @@ func (w *Partition) TryAdd(msgs []Message) int {
 			return i
 		default:
 		}
+		w.note(&m)
 		select {
 		case w.in <- m:
 		default:
@@ -129,7 +147,7 @@ const abandonAfter = 500 * time.Millisecond
 // canceled, which rolls its transaction back. Stop returns once nothing of
 // the partition runs any more, or, if a handler ignores its canceled
 // context, half a second after the cancel: that handler is abandoned (an
-// Error is logged) and runs on, but its transaction can no longer commit
+// Error naming the topic and partition is logged) and runs on, but its transaction can no longer commit
 // (COMMIT is sent with the canceled context) and nothing of the partition
 // is marked done any more. After Stop returns, MarkDone is not called
 // again. Stop is idempotent.
@@ -147,8 +165,13 @@ func (w *Partition) Stop(ctx context.Context) {
 	select {
 	case <-w.done:
 	case <-t.C:
+		var attrs []slog.Attr
+		if tp := w.of.Load(); tp != nil {
+			attrs = []slog.Attr{slog.String("topic", tp.topic), slog.Int("partition", int(tp.partition))}
+		}
 		w.p.log.LogAttrs(context.Background(), slog.LevelError,
-			"consumer: a handler ignored its canceled context; abandoning it: its transaction cannot commit and its message will be delivered again")
+			"consumer: a handler ignored its canceled context; abandoning it: its transaction cannot commit and its message will be delivered again",
+			attrs...)
 	}
 }
 

@@ -2,10 +2,13 @@ package consumer_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"hash/crc32"
+	"log/slog"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -345,12 +348,13 @@ func TestStopDropsQueuedAndNeverMarksUnfinished(t *testing.T) {
 }
 
 // A handler that ignores its canceled context does not hold Stop (and so a
-// rebalance) hostage: Stop abandons it, and the abandoned work neither
-// commits nor marks anything done; delivered again, the message has one
-// effect.
+// rebalance) hostage: Stop abandons it, logging an Error that names the
+// topic and partition, and the abandoned work neither commits nor marks
+// anything done; delivered again, the message has one effect.
 func TestStopAbandonsHandlerIgnoringCancel(t *testing.T) {
 	b := setup(t)
 	entered, release, returned := make(chan struct{}, 2), make(chan struct{}), make(chan struct{}, 2)
+	var logs syncBuffer
 	p, _ := consumer.New(b.pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
 		if m.Offset == 1 {
 			entered <- struct{}{}
@@ -358,11 +362,17 @@ func TestStopAbandonsHandlerIgnoringCancel(t *testing.T) {
 			defer func() { returned <- struct{}{} }()
 		}
 		return b.record(ctx, tx, "ledger", m)
-	}, &consumer.Config{Schema: b.schema})
+	}, &consumer.Config{Schema: b.schema, Logger: slog.New(slog.NewJSONHandler(&logs, nil))})
 	tr := &memTransport{}
 	ctx := context.Background()
 	w := p.StartPartition(ctx, tr)
-	if err := w.Add(ctx, msg(0, "m0", ""), msg(1, "m1", ""), msg(2, "m2", "")); err != nil {
+	var msgs []consumer.Message
+	for i, id := range []string{"m0", "m1", "m2"} {
+		m := msg(int64(i), id, "")
+		m.Partition = 3
+		msgs = append(msgs, m)
+	}
+	if err := w.Add(ctx, msgs...); err != nil {
 		t.Fatal(err)
 	}
 	<-entered
@@ -378,6 +388,19 @@ func TestStopAbandonsHandlerIgnoringCancel(t *testing.T) {
 	}
 	close(release)
 	<-returned
+	var abandoned []map[string]any
+	for _, line := range strings.Split(strings.TrimSpace(logs.String()), "\n") {
+		var rec map[string]any
+		if err := json.Unmarshal([]byte(line), &rec); err != nil {
+			t.Fatalf("log line %q: %v", line, err)
+		}
+		if s, _ := rec["msg"].(string); strings.Contains(s, "ignored its canceled context") {
+			abandoned = append(abandoned, rec)
+		}
+	}
+	if len(abandoned) != 1 || abandoned[0]["level"] != "ERROR" || abandoned[0]["topic"] != "orders" || abandoned[0]["partition"] != float64(3) {
+		t.Errorf("abandonment logged as %v, want one Error with topic orders and partition 3; log:\n%s", abandoned, logs.String())
+	}
 	// Delivered again (to the partition's next owner): its dedup insert
 	// waits for the abandoned transaction, which rolls back.
 	tr2 := &memTransport{}
