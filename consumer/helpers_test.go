@@ -1,7 +1,6 @@
 package consumer_test
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"sync"
@@ -87,24 +86,6 @@ func ownPool(t *testing.T, configure func(*pgxpool.Config)) *pgxpool.Pool {
 		}
 	})
 	return pool
-}
-
-// syncBuffer is a log sink safe for concurrent writes.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 // memTransport records marks and dead letters in memory: the core tests

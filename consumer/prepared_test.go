@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/consumer"
+	"github.com/onceflow/onceflow/internal/proctest"
 )
 
 // A pooler in transaction mode (PgBouncer before 1.21) lends each
@@ -92,7 +93,7 @@ func TestDedupStatementMissingOnTheServerFallsBackToPlainBegin(t *testing.T) {
 		t.Run(fmt.Sprintf("queued=%v", queued), func(t *testing.T) {
 			b := setup(t)
 			pool := poolOf(t, nil)
-			var logs syncBuffer
+			var logs proctest.Buffer
 			p, err := consumer.New(pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
 				if m.ID == "id-0" {
 					// The next transaction lands on a server session
@@ -142,7 +143,7 @@ func TestDedupStatementAlreadyOnTheServerFallsBackToPlainBegin(t *testing.T) {
 		_, err := c.Exec(ctx, `PREPARE `+pgx.Identifier{name}.Sanitize()+` AS SELECT 1`, pgx.QueryExecModeSimpleProtocol)
 		return err
 	})
-	var logs syncBuffer
+	var logs proctest.Buffer
 	p, err := consumer.New(pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
 		return b.record(ctx, tx, "ledger", m)
 	}, &consumer.Config{Schema: b.schema, Logger: slog.New(slog.NewTextHandler(&logs, nil))})

@@ -17,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/consumer"
+	"github.com/onceflow/onceflow/internal/proctest"
 )
 
 func TestDuplicateDeliveryHasOneEffect(t *testing.T) {
@@ -354,7 +355,7 @@ func TestStopDropsQueuedAndNeverMarksUnfinished(t *testing.T) {
 func TestStopAbandonsHandlerIgnoringCancel(t *testing.T) {
 	b := setup(t)
 	entered, release, returned := make(chan struct{}, 2), make(chan struct{}), make(chan struct{}, 2)
-	var logs syncBuffer
+	var logs proctest.Buffer
 	p, _ := consumer.New(b.pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
 		if m.Offset == 1 {
 			entered <- struct{}{}

@@ -1,37 +1,21 @@
 package relay_test
 
 import (
-	"bytes"
 	"fmt"
 	"log/slog"
 	"regexp"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
+	"github.com/onceflow/onceflow/internal/proctest"
 	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/relay"
 )
 
 // logBuffer collects a relay's log lines (text handler); safe for
 // concurrent use.
-type logBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (l *logBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.Write(p)
-}
-
-func (l *logBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.String()
-}
+type logBuffer struct{ proctest.Buffer }
 
 // lines returns the lines matching re.
 func (l *logBuffer) lines(re string) []string {

@@ -120,6 +120,22 @@ func (b *bundle) write(t *testing.T, msgs ...outbox.Message) {
 	}
 }
 
+// writeOpen writes msgs in a transaction it leaves open for the test to
+// commit (it is rolled back when the test ends otherwise).
+func (b *bundle) writeOpen(t *testing.T, msgs ...outbox.Message) pgx.Tx {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := b.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback(ctx) })
+	if err := b.writer.Write(ctx, tx, msgs...); err != nil {
+		t.Fatal(err)
+	}
+	return tx
+}
+
 func (b *bundle) count(t *testing.T, table string) int {
 	t.Helper()
 	var n int
@@ -246,18 +262,10 @@ func TestCommitWakesRelay(t *testing.T) {
 				return err == nil && st.UnownedShards == 0
 			})
 			time.Sleep(200 * time.Millisecond) // let the first poll pass, so only the probe can help
-			ctx := context.Background()
-			tx, err := b.pool.Begin(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer tx.Rollback(ctx)
-			if err := b.writer.Write(ctx, tx, outbox.Message{Topic: topic, Value: []byte("wake up")}); err != nil {
-				t.Fatal(err)
-			}
+			tx := b.writeOpen(t, outbox.Message{Topic: topic, Value: []byte("wake up")})
 			time.Sleep(c.hold)
 			start := time.Now()
-			if err := tx.Commit(ctx); err != nil {
+			if err := tx.Commit(context.Background()); err != nil {
 				t.Fatal(err)
 			}
 			got := b.kafka.ReadAll(t, topic, 1, 10*time.Second)
@@ -280,21 +288,13 @@ func TestLateCommitIsReadByThePoll(t *testing.T) {
 	b := setup(t)
 	topic := b.kafka.Topic(t, 1)
 	b.startRelay(t, relay.Config{PollInterval: 300 * time.Millisecond, ProbeInterval: 5 * time.Millisecond})
-	ctx := context.Background()
-	tx, err := b.pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback(ctx)
-	if err := b.writer.Write(ctx, tx, outbox.Message{Topic: topic, Value: []byte("late")}); err != nil {
-		t.Fatal(err)
-	}
+	tx := b.writeOpen(t, outbox.Message{Topic: topic, Value: []byte("late")})
 	b.write(t, outbox.Message{Topic: topic, Value: []byte("newer")})
 	if got := b.kafka.ReadAll(t, topic, 1, 20*time.Second); len(got) != 1 || string(got[0].Value) != "newer" {
 		t.Fatalf("the newer event was not published alone first: %d records", len(got))
 	}
 	time.Sleep(time.Second) // the commit comes well after the id was handed out
-	if err := tx.Commit(ctx); err != nil {
+	if err := tx.Commit(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 	if got := b.kafka.ReadAll(t, topic, 2, 20*time.Second); len(got) != 2 || string(got[1].Value) != "late" {

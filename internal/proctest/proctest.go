@@ -104,7 +104,7 @@ func (p *Proc) Output() string { return p.out.String() }
 // Printed reports whether the output so far contains s.
 func (p *Proc) Printed(s string) bool { return strings.Contains(p.out.String(), s) }
 
-// Buffer is a bytes.Buffer safe for one writer and concurrent readers.
+// Buffer is a bytes.Buffer safe for concurrent writers and readers.
 type Buffer struct {
 	mu sync.Mutex
 	b  bytes.Buffer
