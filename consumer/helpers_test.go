@@ -156,14 +156,22 @@ func msg(offset int64, id string, key string) consumer.Message {
 // done.
 func run(t *testing.T, p *consumer.Processor, tr *memTransport, msgs ...consumer.Message) {
 	t.Helper()
-	ctx := context.Background()
-	w := p.StartPartition(ctx, tr)
-	defer w.Stop(ctx)
-	if err := w.Add(ctx, msgs...); err != nil {
-		t.Fatal(err)
-	}
+	w := start(t, p, tr, msgs...)
+	defer w.Stop(context.Background())
 	last := msgs[len(msgs)-1].Offset
 	waitFor(t, 30*time.Second, fmt.Sprintf("offset %d marked done", last), func() bool { return tr.lastMark() == last })
+}
+
+// start starts a partition of p on tr and queues msgs; the caller stops it.
+func start(t *testing.T, p *consumer.Processor, tr consumer.Transport, msgs ...consumer.Message) *consumer.Partition {
+	t.Helper()
+	ctx := context.Background()
+	w := p.StartPartition(ctx, tr)
+	if err := w.Add(ctx, msgs...); err != nil {
+		w.Stop(ctx)
+		t.Fatal(err)
+	}
+	return w
 }
 
 type counter struct {

@@ -59,12 +59,18 @@ type HookDone interface {
 type RetryEvent struct {
 	Consumer string
 	Message  Message
-	Attempt  int
-	Err      error
-	Backoff  time.Duration
+	// Attempt is how many times the handler has run for the message so
+	// far; an attempt that failed before the handler ran (the database
+	// unavailable) does not count.
+	Attempt int
+	Err     error
+	Backoff time.Duration
 }
 
-// HookRetry is called after every failed attempt that will be retried.
+// HookRetry is called after every failed attempt that will be retried: a
+// handler error, a connection lost in the transaction, and a database
+// that could not be reached or begin the transaction (waited out without
+// spending any budget).
 type HookRetry interface {
 	OnRetry(RetryEvent)
 }

@@ -170,10 +170,7 @@ func TestStopRollsBackACarriedTransaction(t *testing.T) {
 	}
 	tr := &blockingTransport{at: 0, entered: make(chan struct{}), released: make(chan struct{})}
 	ctx := context.Background()
-	w := p.StartPartition(ctx, tr)
-	if err := w.Add(ctx, msg(0, "m0", ""), msg(1, "m1", "")); err != nil {
-		t.Fatal(err)
-	}
+	w := start(t, p, tr, msg(0, "m0", ""), msg(1, "m1", ""))
 	<-tr.entered // m0 committed, with m1's BEGIN in the same round trip
 	stopped := make(chan struct{})
 	go func() { w.Stop(ctx); close(stopped) }()
@@ -234,11 +231,7 @@ func TestFailedCommitHandsTheTakenMessageBack(t *testing.T) {
 	}
 	goodDoneFirst := make(chan bool, 1)
 	tr := &dlqProbe{check: func() { goodDoneFirst <- b.count(t, "message_id = 'good'") == 1 }}
-	w := p.StartPartition(ctx, tr)
-	defer w.Stop(ctx)
-	if err := w.Add(ctx, msg(0, "slow", "slow"), msg(1, "bad", "bad"), msg(2, "good", "good")); err != nil {
-		t.Fatal(err)
-	}
+	defer start(t, p, tr, msg(0, "slow", "slow"), msg(1, "bad", "bad"), msg(2, "good", "good")).Stop(ctx)
 	waitFor(t, 30*time.Second, "offset 2 marked done", func() bool { return tr.lastMark() == 2 })
 	if !<-goodDoneFirst {
 		t.Fatal(`"good" was processed only after "bad" was dead-lettered: it waited behind bad's retries`)
@@ -293,11 +286,7 @@ func TestKeysNextMessageDoesNotWaitBehindATakenMessage(t *testing.T) {
 	a2DoneFirst := make(chan bool, 1)
 	tr := &dlqProbe{check: func() { a2DoneFirst <- b.count(t, "message_id = 'a2'") == 1 }}
 	ctx := context.Background()
-	w := p.StartPartition(ctx, tr)
-	defer w.Stop(ctx)
-	if err := w.Add(ctx, msg(0, "s", "slow"), msg(1, "a1", "A"), msg(2, "bad", "bad"), msg(3, "a2", "A")); err != nil {
-		t.Fatal(err)
-	}
+	defer start(t, p, tr, msg(0, "s", "slow"), msg(1, "a1", "A"), msg(2, "bad", "bad"), msg(3, "a2", "A")).Stop(ctx)
 	waitFor(t, 30*time.Second, "offset 3 marked done", func() bool { return tr.lastMark() == 3 })
 	if !<-a2DoneFirst {
 		t.Fatal(`a2 was processed only after "bad" was dead-lettered: it waited behind bad's retries`)

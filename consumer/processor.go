@@ -180,14 +180,9 @@ func (p *Processor) run(ctx context.Context, stop <-chan struct{}, msg Message, 
 		case errors.As(err, &unavailable):
 			// The database, not the message, failed: wait for it
 			// without spending the message's budgets.
-			wait := bo.NextBackOff()
-			p.log.LogAttrs(ctx, slog.LevelWarn, "consumer: database unavailable; retrying",
-				slog.String("topic", msg.Topic), slog.Int("partition", int(msg.Partition)), slog.Int64("offset", msg.Offset),
-				slog.Duration("backoff", wait), slog.Any("error", err))
-			if !sleep(ctx, stop, wait) {
+			if !p.retryAfter(ctx, stop, msg, bo, runs, err, "consumer: database unavailable; retrying") {
 				return errAbandoned
 			}
-			continue
 		case errors.As(err, &lostConn):
 			lost++
 			lastErr = err

@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"hash/crc32"
 	"log/slog"
+	"net"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -15,6 +17,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/consumer"
 	"github.com/onceflow/onceflow/internal/proctest"
@@ -275,19 +278,14 @@ func TestKeyParallelKeepsKeyOrderAndCommitsBelowLowestUnfinished(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	tr := &memTransport{}
-	ctx := context.Background()
-	w := p.StartPartition(ctx, tr)
-	defer w.Stop(ctx)
 	var msgs []consumer.Message
 	msgs = append(msgs, msg(0, "m0", "slow"))
 	keys := []string{"a", "b", "c", "slow"}
 	for i := int64(1); i < 200; i++ {
 		msgs = append(msgs, msg(i, "m"+strconv.FormatInt(i, 10), keys[i%int64(len(keys))]))
 	}
-	if err := w.Add(ctx, msgs...); err != nil {
-		t.Fatal(err)
-	}
+	tr := &memTransport{}
+	defer start(t, p, tr, msgs...).Stop(context.Background())
 	// Other keys finish while offset 0 is held, but nothing is marked.
 	waitFor(t, 20*time.Second, "other keys to be processed", func() bool { return b.count(t, "") >= 100 })
 	if got := tr.lastMark(); got != -1 {
@@ -329,10 +327,7 @@ func TestStopDropsQueuedAndNeverMarksUnfinished(t *testing.T) {
 	}, &consumer.Config{Schema: b.schema})
 	tr := &memTransport{}
 	ctx := context.Background()
-	w := p.StartPartition(ctx, tr)
-	if err := w.Add(ctx, msg(0, "m0", ""), msg(1, "m1", ""), msg(2, "m2", "")); err != nil {
-		t.Fatal(err)
-	}
+	w := start(t, p, tr, msg(0, "m0", ""), msg(1, "m1", ""), msg(2, "m2", ""))
 	<-entered
 	stopCtx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
 	defer cancel()
@@ -364,18 +359,15 @@ func TestStopAbandonsHandlerIgnoringCancel(t *testing.T) {
 		}
 		return b.record(ctx, tx, "ledger", m)
 	}, &consumer.Config{Schema: b.schema, Logger: slog.New(slog.NewJSONHandler(&logs, nil))})
-	tr := &memTransport{}
-	ctx := context.Background()
-	w := p.StartPartition(ctx, tr)
 	var msgs []consumer.Message
 	for i, id := range []string{"m0", "m1", "m2"} {
 		m := msg(int64(i), id, "")
 		m.Partition = 3
 		msgs = append(msgs, m)
 	}
-	if err := w.Add(ctx, msgs...); err != nil {
-		t.Fatal(err)
-	}
+	tr := &memTransport{}
+	ctx := context.Background()
+	w := start(t, p, tr, msgs...)
 	<-entered
 	stopCtx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
 	defer cancel()
@@ -556,5 +548,68 @@ func TestDatabaseOutageDoesNotDeadLetter(t *testing.T) {
 	}
 	if b.count(t, "") != 1 {
 		t.Fatalf("effects = %d, want 1", b.count(t, ""))
+	}
+}
+
+// retryRecorder records the RetryEvents it is given.
+type retryRecorder struct {
+	mu     sync.Mutex
+	events []consumer.RetryEvent
+}
+
+func (r *retryRecorder) OnRetry(e consumer.RetryEvent) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.events = append(r.events, e)
+}
+
+func (r *retryRecorder) get() []consumer.RetryEvent {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.events)
+}
+
+// HookRetry promises a call after every failed attempt that will be
+// retried: so also while the database is unreachable (here the pool dials
+// a closed port), where the attempt fails before the handler runs. Once
+// the database answers, the message is processed once.
+func TestDatabaseOutageRetriesReachHookRetry(t *testing.T) {
+	b := setup(t)
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := uint16(l.Addr().(*net.TCPAddr).Port)
+	l.Close()
+	var down atomic.Bool
+	down.Store(true)
+	pool := ownPool(t, func(cfg *pgxpool.Config) {
+		cfg.BeforeConnect = func(_ context.Context, cc *pgx.ConnConfig) error {
+			if down.Load() {
+				cc.Host, cc.Port, cc.Fallbacks = "127.0.0.1", closed, nil
+			}
+			return nil
+		}
+	})
+	retries := &retryRecorder{}
+	p, err := consumer.New(pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		return b.record(ctx, tx, "ledger", m)
+	}, &consumer.Config{Schema: b.schema, MinBackoff: time.Millisecond, MaxBackoff: 20 * time.Millisecond, Hooks: []consumer.Hook{retries}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := &memTransport{}
+	defer start(t, p, tr, msg(0, "id-0", "")).Stop(context.Background())
+	waitFor(t, 10*time.Second, "three retries while the database is unreachable", func() bool { return len(retries.get()) >= 3 })
+	down.Store(false)
+	waitFor(t, 30*time.Second, "offset 0 marked done once the database answers", func() bool { return tr.lastMark() == 0 })
+	for _, e := range retries.get() {
+		var dial *net.OpError
+		if e.Consumer != "ledger" || e.Message.Offset != 0 || e.Message.ID != "id-0" || e.Attempt != 0 || !errors.As(e.Err, &dial) || e.Backoff <= 0 {
+			t.Errorf("retry event %+v, want one of ledger's message id-0 (offset 0), before any handler run, with the dial error and a backoff", e)
+		}
+	}
+	if got := b.count(t, ""); got != 1 {
+		t.Fatalf("effects = %d, want 1", got)
 	}
 }

@@ -7,7 +7,12 @@ import "time"
 // must not block. The binary wires a Prometheus Observer; this package
 // imports no metrics library.
 type Observer interface {
-	// ObserveBatch is called after each publish round.
+	// ObserveBatch is called after each publish round that read events,
+	// once its outcome is recorded (or recording it failed). A round whose
+	// read fails (the database unreachable) is not observed: it is logged
+	// at Warn and retried with backoff. A database outage longer than
+	// Config.LeaseDuration shows through ObserveShards instead: the leases
+	// lapse, 0 owned shards.
 	ObserveBatch(BatchStats)
 	// ObserveShards is called when the set of owned shards changes.
 	ObserveShards(owned int)
