@@ -90,8 +90,9 @@
 // slow call or a lock thus holds a rebalance up for the grace, not until it
 // returns. A handler that ignores its canceled ctx is abandoned half a
 // second later, with an Error log: it runs on, but its COMMIT is sent with
-// the canceled ctx, so it cannot commit, and it marks nothing done (see
-// Partition.Stop).
+// the canceled ctx, so it cannot commit, and it marks nothing done. Until it
+// returns it holds its connection and its message's uncommitted dedup
+// record, on which the message delivered again waits (see Partition.Stop).
 //
 // # Retention
 //

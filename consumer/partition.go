@@ -142,15 +142,20 @@ const abandonAfter = 500 * time.Millisecond
 
 // Stop stops the partition: queued messages that have not started are
 // dropped (their offsets stay uncommitted, so they are delivered again),
-// retries waiting for their backoff are abandoned, and work in a
-// transaction is given until ctx ends to finish before its context is
-// canceled, which rolls its transaction back. Stop returns once nothing of
-// the partition runs any more, or, if a handler ignores its canceled
-// context, half a second after the cancel: that handler is abandoned (an
-// Error naming the topic and partition is logged) and runs on, but its transaction can no longer commit
-// (COMMIT is sent with the canceled context) and nothing of the partition
-// is marked done any more. After Stop returns, MarkDone is not called
-// again. Stop is idempotent.
+// retries waiting for their backoff are abandoned, and work in a transaction
+// is given until ctx ends to finish before its context is canceled, which
+// rolls its transaction back. Stop returns once nothing of the partition
+// runs any more, or, if a handler ignores its canceled context, half a
+// second after the cancel: that handler is abandoned (an Error naming the
+// topic and partition is logged) and runs on, but its transaction can no
+// longer commit (its COMMIT carries the canceled context: pgx never sends
+// it) and nothing of the partition is marked done any more. Until that
+// handler returns it keeps its connection and its transaction open, with its
+// message's dedup record inserted and not committed: the message delivered
+// again (to the partition's next owner) waits on that record, its dedup
+// insert blocked, until the handler returns and its connection is closed
+// (the server's idle_in_transaction_session_timeout bounds the wait). After
+// Stop returns, MarkDone is not called again. Stop is idempotent.
 func (w *Partition) Stop(ctx context.Context) {
 	w.once.Do(func() { close(w.stop) })
 	defer w.t.close()
