@@ -29,7 +29,7 @@ func (p *Processor) runBatch(ctx context.Context, stop <-chan struct{}, msgs []M
 		good = append(good, m)
 	}
 	if len(good) > 0 {
-		if err := p.attemptBatch(ctx, good); err != nil {
+		if err := p.attemptBatch(ctx, stop, good); err != nil {
 			if ctx.Err() != nil {
 				return errAbandoned
 			}
@@ -63,15 +63,15 @@ func (p *Processor) runBatch(ctx context.Context, stop <-chan struct{}, msgs []M
 // the batch's error if the batch failed (its messages are then processed
 // one at a time, each in a trace of its own). The BatchHandler runs under
 // ctx: its messages belong to many traces.
-func (p *Processor) attemptBatch(ctx context.Context, msgs []Message) error {
+func (p *Processor) attemptBatch(ctx context.Context, stop <-chan struct{}, msgs []Message) error {
 	if len(p.hooks.trace) == 0 {
-		return p.batchTx(ctx, msgs, nil)
+		return p.batchTx(ctx, stop, msgs, nil)
 	}
 	traces := make([]context.Context, len(msgs))
 	for i, m := range msgs {
 		traces[i] = p.traceStart(ctx, m)
 	}
-	err := p.batchTx(ctx, msgs, traces)
+	err := p.batchTx(ctx, stop, msgs, traces)
 	for _, tctx := range traces {
 		p.traceEnd(tctx, err)
 	}
@@ -80,7 +80,7 @@ func (p *Processor) attemptBatch(ctx context.Context, msgs []Message) error {
 
 // batchTx is attemptBatch's transaction. traces, when not nil, are the
 // messages' trace contexts, in which their outcomes are recorded.
-func (p *Processor) batchTx(ctx context.Context, msgs []Message, traces []context.Context) error {
+func (p *Processor) batchTx(ctx context.Context, stop <-chan struct{}, msgs []Message, traces []context.Context) error {
 	start := time.Now()
 	ids := make([]string, len(msgs))
 	for i, m := range msgs {
@@ -119,7 +119,10 @@ func (p *Processor) batchTx(ctx context.Context, msgs []Message, traces []contex
 		}
 	}
 	if len(todo) > 0 {
-		if err := p.call(ctx, func() error { return p.batch(ctx, tx, todo) }); err != nil {
+		pc := p.handlerStarts(stop, tx)
+		err := p.call(ctx, func() error { return p.batch(ctx, tx, todo) })
+		p.handlerEnded(stop, pc)
+		if err != nil {
 			return err
 		}
 		if err := tx.Commit(ctx); err != nil {

@@ -90,9 +90,9 @@
 // slow call or a lock thus holds a rebalance up for the grace, not until it
 // returns. A handler that ignores its canceled ctx is abandoned half a
 // second later, with an Error log: it runs on, but its COMMIT is sent with
-// the canceled ctx, so it cannot commit, and it marks nothing done. Until it
-// returns it holds its connection and its message's uncommitted dedup
-// record, on which the message delivered again waits (see Partition.Stop).
+// the canceled ctx, so it cannot commit, and it marks nothing done; its
+// connection is closed, so the server rolls its transaction back at once and
+// the message delivered again does not wait for it (see Partition.Stop).
 //
 // # Retention
 //

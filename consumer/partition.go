@@ -7,6 +7,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // Transport is what an adapter gives the Processor for one partition.
@@ -67,6 +69,9 @@ func (p *Processor) StartPartition(ctx context.Context, t Transport) *Partition 
 		cancel: cancel,
 		done:   make(chan struct{}),
 	}
+	p.runningMu.Lock()
+	p.running[w.stop] = map[*pgconn.PgConn]struct{}{}
+	p.runningMu.Unlock()
 	var wg sync.WaitGroup
 	switch {
 	case p.batch != nil:
@@ -78,7 +83,14 @@ func (p *Processor) StartPartition(ctx context.Context, t Transport) *Partition 
 	default:
 		w.startLanes(ctx, &wg)
 	}
-	go func() { wg.Wait(); cancel(); close(w.done) }()
+	go func() {
+		wg.Wait()
+		cancel()
+		p.runningMu.Lock()
+		delete(p.running, w.stop)
+		p.runningMu.Unlock()
+		close(w.done)
+	}()
 	return w
 }
 
@@ -149,12 +161,11 @@ const abandonAfter = 500 * time.Millisecond
 // second after the cancel: that handler is abandoned (an Error naming the
 // topic and partition is logged) and runs on, but its transaction can no
 // longer commit (its COMMIT carries the canceled context: pgx never sends
-// it) and nothing of the partition is marked done any more. Until that
-// handler returns it keeps its connection and its transaction open, with its
-// message's dedup record inserted and not committed: the message delivered
-// again (to the partition's next owner) waits on that record, its dedup
-// insert blocked, until the handler returns and its connection is closed
-// (the server's idle_in_transaction_session_timeout bounds the wait). After
+// it) and nothing of the partition is marked done any more. Stop closes that
+// handler's connection (the pool gets it back once the handler returns): the
+// server rolls its transaction back at once, with its message's dedup
+// record, so the message delivered again (to the partition's next owner)
+// need not wait for the handler; the handler's later statements fail. After
 // Stop returns, MarkDone is not called again. Stop is idempotent.
 func (w *Partition) Stop(ctx context.Context) {
 	w.once.Do(func() { close(w.stop) })
@@ -174,6 +185,7 @@ func (w *Partition) Stop(ctx context.Context) {
 		if tp := w.of.Load(); tp != nil {
 			attrs = []slog.Attr{slog.String("topic", tp.topic), slog.Int("partition", int(tp.partition))}
 		}
+		w.p.closeRunning(w.stop)
 		w.p.log.LogAttrs(context.Background(), slog.LevelError,
 			"consumer: a handler ignored its canceled context; abandoning it: its transaction cannot commit and its message will be delivered again",
 			attrs...)

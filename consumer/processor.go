@@ -9,6 +9,7 @@ import (
 	"runtime/debug"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -64,6 +65,10 @@ type Processor struct {
 	// unprepared is set once the dedup statement was found missing on,
 	// or already prepared on, the server (see lostStatement).
 	unprepared atomic.Bool
+	// running holds, per partition (its stop channel), the connections of
+	// the handlers running, so that Stop can close those it abandons.
+	runningMu sync.Mutex
+	running   map[<-chan struct{}]map[*pgconn.PgConn]struct{}
 }
 
 // New returns a Processor in per-message mode: one transaction per message.
@@ -119,6 +124,7 @@ func newProcessor(db Beginner, name string, h Handler, bh BatchHandler, cfg *Con
 		stmtName:    stmt,
 		strictOne:   `INSERT INTO ` + table + ` (consumer, message_id) VALUES ($1, $2)`,
 		beginInsert: `BEGIN; EXECUTE ` + stmt + `(` + literal(name) + `, `,
+		running:     map[<-chan struct{}]map[*pgconn.PgConn]struct{}{},
 	}, nil
 }
 
@@ -163,7 +169,7 @@ func (p *Processor) run(ctx context.Context, stop <-chan struct{}, msg Message, 
 		// Once the lost-connection budget is spent, the next attempt only
 		// learns whether the last lost COMMIT went through.
 		resolve := lost >= p.cfg.MaxLostConnections
-		outcome, dur, ran, err := p.attempt(ctx, msg, batchMode, la, resolve)
+		outcome, dur, ran, err := p.attempt(ctx, stop, msg, batchMode, la, resolve)
 		if ran {
 			runs++
 		}
@@ -235,7 +241,7 @@ func (p *Processor) messageID(msg Message) (string, error) {
 // be handed the next message's (see commit). With resolve, the handler does
 // not run: attempt reports Duplicate if msg's dedup record is in, else
 // errNotCommitted.
-func (p *Processor) attempt(ctx context.Context, msg Message, batchMode bool, la *lookahead, resolve bool) (Outcome, time.Duration, bool, error) {
+func (p *Processor) attempt(ctx context.Context, stop <-chan struct{}, msg Message, batchMode bool, la *lookahead, resolve bool) (Outcome, time.Duration, bool, error) {
 	start := time.Now()
 	var tx pgx.Tx
 	var release func()
@@ -263,11 +269,13 @@ func (p *Processor) attempt(ctx context.Context, msg Message, batchMode bool, la
 		return 0, 0, false, errNotCommitted
 	}
 	var err error
+	pc := p.handlerStarts(stop, tx)
 	if batchMode {
 		err = p.call(ctx, func() error { return p.batch(ctx, tx, []Message{msg}) })
 	} else {
 		err = p.call(ctx, func() error { return p.handler(ctx, tx, msg) })
 	}
+	p.handlerEnded(stop, pc)
 	if err != nil {
 		if tx.Conn().IsClosed() {
 			err = &lostError{err}
@@ -404,6 +412,47 @@ func (p *Processor) call(ctx context.Context, fn func() error) (err error) {
 		}
 	}()
 	return fn()
+}
+
+// handlerStarts registers tx's connection as the one of a handler running
+// in the partition of stop, and returns it (nil if tx has none).
+func (p *Processor) handlerStarts(stop <-chan struct{}, tx pgx.Tx) *pgconn.PgConn {
+	c := tx.Conn()
+	if c == nil {
+		return nil
+	}
+	pc := c.PgConn()
+	p.runningMu.Lock()
+	defer p.runningMu.Unlock()
+	m := p.running[stop]
+	if m == nil {
+		return nil // not a partition's (nothing can abandon it)
+	}
+	m[pc] = struct{}{}
+	return pc
+}
+
+// handlerEnded undoes handlerStarts once the handler returned.
+func (p *Processor) handlerEnded(stop <-chan struct{}, pc *pgconn.PgConn) {
+	if pc == nil {
+		return
+	}
+	p.runningMu.Lock()
+	defer p.runningMu.Unlock()
+	delete(p.running[stop], pc)
+}
+
+// closeRunning closes the connections of the handlers still running in
+// the partition of stop, which Stop abandons: the server rolls their
+// transactions back (their dedup records go too), instead of keeping them
+// open until the handlers return. A connection is closed only while its
+// handler runs, so never one back in the pool.
+func (p *Processor) closeRunning(stop <-chan struct{}) {
+	p.runningMu.Lock()
+	defer p.runningMu.Unlock()
+	for pc := range p.running[stop] {
+		_ = pc.Conn().Close() // net.Conn: safe beside the handler's use
+	}
 }
 
 func (p *Processor) finished(ctx context.Context, msg Message, o Outcome, attempts int, dur time.Duration, batch int) {

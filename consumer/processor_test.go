@@ -394,19 +394,27 @@ func TestStopAbandonsHandlerIgnoringCancel(t *testing.T) {
 	if len(abandoned) != 1 || abandoned[0]["level"] != "ERROR" || abandoned[0]["topic"] != "orders" || abandoned[0]["partition"] != float64(3) {
 		t.Errorf("abandonment logged as %v, want one Error with topic orders and partition 3; log:\n%s", abandoned, logs.String())
 	}
-	// Delivered again (to the partition's next owner): its dedup insert
-	// waits for the abandoned transaction, which rolls back.
+	// Delivered again (to the partition's next owner): the abandoned
+	// transaction was rolled back when Stop closed its connection.
 	tr2 := &memTransport{}
 	run(t, p, tr2, msg(1, "m1", ""), msg(2, "m2", ""))
 	<-returned
+	checkAbandonedOnce(t, b, tr, 3)
+}
+
+// checkAbandonedOnce checks the end of a test whose stopped partition (tr)
+// abandoned m1 at offset 1: nothing past offset 0 marked, m1's effect once,
+// and dedup records in all.
+func checkAbandonedOnce(t *testing.T, b *bundle, tr *memTransport, records int) {
+	t.Helper()
 	if got := tr.lastMark(); got != 0 {
-		t.Fatalf("last mark of the stopped partition = %d, want 0", got)
+		t.Errorf("last mark of the stopped partition = %d, want 0", got)
 	}
 	if got := b.count(t, "message_id = 'm1'"); got != 1 {
-		t.Fatalf("effects of m1 = %d, want 1", got)
+		t.Errorf("effects of m1 = %d, want 1", got)
 	}
-	if got := b.processedRows(t, "ledger"); got != 3 {
-		t.Fatalf("dedup records = %d, want 3", got)
+	if got := b.processedRows(t, "ledger"); got != records {
+		t.Errorf("dedup records = %d, want %d", got, records)
 	}
 }
 
@@ -614,99 +622,93 @@ func TestDatabaseOutageRetriesReachHookRetry(t *testing.T) {
 	}
 }
 
-// What an abandoned handler (one that ignores its canceled ctx past Stop)
-// holds until it returns: its pool connection, and on the server its
-// transaction, idle, with the message's dedup record inserted and not
-// committed. The message delivered again (to the partition's next owner)
-// waits on that record: its dedup insert blocks on the unique index and
-// nothing of it is marked, for as long as the abandoned handler runs. When
-// the handler returns, its statements fail (canceled ctx), COMMIT is never
-// sent, the pool destroys the connection (the server rolls the transaction
-// back), and the waiting delivery goes ahead, with one effect.
-func TestAbandonedHandlerHoldsItsConnectionAndDedupRecordUntilItReturns(t *testing.T) {
-	b := setup(t)
-	pool := ownPool(t, func(*pgxpool.Config) {})
-	pid, release, returned := make(chan uint32, 1), make(chan struct{}), make(chan error, 1)
-	p, err := consumer.New(pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
-		if m.Offset == 1 {
-			var backend uint32
-			if err := tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&backend); err != nil {
-				return err
+// A handler abandoned by Stop (it ignores its canceled ctx) keeps its pool
+// connection until it returns, but Stop closes that connection: the server
+// rolls its transaction back at once, with the message's dedup record, so
+// the message delivered again (to the partition's next owner) is processed
+// while the abandoned handler still runs, and once. An earlier version left
+// the transaction open, idle, until the handler returned: the redelivery's
+// dedup insert waited on the uncommitted record all that time.
+func TestStopClosesTheConnectionOfAnAbandonedHandler(t *testing.T) {
+	for _, batch := range []bool{false, true} {
+		t.Run(fmt.Sprintf("batch=%v", batch), func(t *testing.T) {
+			b := setup(t)
+			pool := ownPool(t, func(*pgxpool.Config) {})
+			pid, release, returned := make(chan uint32, 1), make(chan struct{}), make(chan error, 1)
+			handle := func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+				if m.Offset == 1 {
+					var backend uint32
+					if err := tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&backend); err != nil {
+						return err
+					}
+					pid <- backend
+					<-release // a lock that takes no context
+					_, err := tx.Exec(context.Background(), `SELECT 1`)
+					returned <- err
+					return err
+				}
+				return b.record(ctx, tx, "ledger", m)
 			}
-			pid <- backend
-			<-release // a lock that takes no context
-			err := b.record(ctx, tx, "ledger", m)
-			returned <- err
-			return err
-		}
-		return b.record(ctx, tx, "ledger", m)
-	}, &consumer.Config{Schema: b.schema})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() {
-		select {
-		case <-release:
-		default:
+			var p *consumer.Processor
+			var err error
+			if batch {
+				p, err = consumer.NewBatch(pool, "ledger", func(ctx context.Context, tx pgx.Tx, ms []consumer.Message) error {
+					for _, m := range ms {
+						if err := handle(ctx, tx, m); err != nil {
+							return err
+						}
+					}
+					return nil
+				}, &consumer.Config{Schema: b.schema})
+			} else {
+				p, err = consumer.New(pool, "ledger", handle, &consumer.Config{Schema: b.schema})
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() {
+				select {
+				case <-release:
+				default:
+					close(release)
+				}
+			}()
+			ctx := context.Background()
+			tr := &memTransport{}
+			w := start(t, p, tr, msg(0, "m0", ""))
+			waitFor(t, 10*time.Second, "offset 0 marked done", func() bool { return tr.lastMark() == 0 })
+			if err := w.Add(ctx, msg(1, "m1", "")); err != nil {
+				t.Fatal(err)
+			}
+			backend := <-pid
+			stopCtx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+			defer cancel()
+			w.Stop(stopCtx) // returns half a second after the cancel, the handler still running
+
+			waitFor(t, 10*time.Second, "the abandoned handler's backend gone", func() bool {
+				var n int
+				_ = b.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE pid = $1`, backend).Scan(&n)
+				return n == 0
+			})
+			// Delivered again: a Processor of the same name on another pool.
+			p2, err := consumer.New(b.pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+				return b.record(ctx, tx, "ledger", m)
+			}, &consumer.Config{Schema: b.schema})
+			if err != nil {
+				t.Fatal(err)
+			}
+			tr2 := &memTransport{}
+			defer start(t, p2, tr2, msg(1, "m1", "")).Stop(ctx)
+			waitFor(t, 10*time.Second, "the redelivery marked done while the abandoned handler runs", func() bool { return tr2.lastMark() == 1 })
+			if n := pool.Stat().AcquiredConns(); n != 1 {
+				t.Errorf("connections held = %d, want 1 (the abandoned handler's, until it returns)", n)
+			}
 			close(release)
-		}
-	}()
-	ctx := context.Background()
-	tr := &memTransport{}
-	w := start(t, p, tr, msg(0, "m0", ""), msg(1, "m1", ""))
-	backend := <-pid
-	stopCtx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
-	defer cancel()
-	w.Stop(stopCtx) // returns half a second after the cancel, the handler still running
-
-	var state string
-	if err := b.pool.QueryRow(ctx, `SELECT state FROM pg_stat_activity WHERE pid = $1`, backend).Scan(&state); err != nil {
-		t.Fatal(err)
-	}
-	if state != "idle in transaction" {
-		t.Errorf("abandoned handler's backend is %q, want idle in transaction", state)
-	}
-	if n := pool.Stat().AcquiredConns(); n != 1 {
-		t.Errorf("connections held after Stop = %d, want 1 (the abandoned handler's)", n)
-	}
-	if got := tr.lastMark(); got != 0 {
-		t.Errorf("last mark of the stopped partition = %d, want 0", got)
-	}
-
-	// Delivered again: a Processor of the same name on another pool.
-	p2, err := consumer.New(b.pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
-		return b.record(ctx, tx, "ledger", m)
-	}, &consumer.Config{Schema: b.schema})
-	if err != nil {
-		t.Fatal(err)
-	}
-	tr2 := &memTransport{}
-	defer start(t, p2, tr2, msg(1, "m1", "")).Stop(ctx)
-	waitFor(t, 10*time.Second, "the redelivery's dedup insert to wait on the abandoned transaction", func() bool {
-		var n int
-		_ = b.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-WHERE wait_event_type = 'Lock' AND $1 = ANY(pg_blocking_pids(pid))`, backend).Scan(&n)
-		return n == 1
-	})
-	time.Sleep(300 * time.Millisecond) // it keeps waiting (a duration, not a condition)
-	if got := tr2.lastMark(); got != -1 {
-		t.Fatalf("the redelivery was marked done (offset %d) while the abandoned handler ran", got)
-	}
-
-	close(release)
-	if err := <-returned; !errors.Is(err, context.Canceled) {
-		t.Errorf("the abandoned handler's statement after its return = %v, want context canceled", err)
-	}
-	waitFor(t, 10*time.Second, "the abandoned handler's connection destroyed", func() bool {
-		var n int
-		_ = b.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE pid = $1`, backend).Scan(&n)
-		return n == 0 && pool.Stat().AcquiredConns() == 0
-	})
-	waitFor(t, 10*time.Second, "the redelivery marked done", func() bool { return tr2.lastMark() == 1 })
-	if got := b.count(t, "message_id = 'm1'"); got != 1 {
-		t.Fatalf("effects of m1 = %d, want 1", got)
-	}
-	if got := b.processedRows(t, "ledger"); got != 2 {
-		t.Fatalf("dedup records = %d, want 2", got)
+			if err := <-returned; err == nil {
+				t.Error("the abandoned handler's statement after its return succeeded: its connection was not closed")
+			}
+			waitFor(t, 10*time.Second, "the abandoned handler's connection back", func() bool { return pool.Stat().AcquiredConns() == 0 })
+			checkAbandonedOnce(t, b, tr, 2)
+		})
 	}
 }
