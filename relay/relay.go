@@ -62,10 +62,12 @@ type Relay struct {
 	// The previous round's outcome is recorded while the next round is
 	// published; finishing is closed once it is, and finishingIDs are the
 	// events that outcome deletes (acknowledged or dead-lettered), which
-	// reads must leave out until then.
-	finishing    chan struct{}
-	finishingIDs []int64
-	stopRun      func(error) // ends Run (its context) with a cause
+	// reads must leave out until then. finishingFailed are the keys whose
+	// events failed in it (their rows' attempts and errors being written).
+	finishing       chan struct{}
+	finishingIDs    []int64
+	finishingFailed map[string]bool
+	stopRun         func(error) // ends Run (its context) with a cause
 	// sideDone delivers the side retry in flight, nil if none (sideretry.go).
 	sideDone chan sideResult
 	sideSQL  string
@@ -504,14 +506,29 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 			r.forgetRound(ctx, round)
 		}
 	} else {
-		r.waitFinish() // a fresh read must not see the last round's rows
+		// A fresh read must not see the rows the last round's outcome is
+		// recording. It leaves out those it deletes, as a read-ahead does,
+		// rather than wait for them: after a round that failed whole for
+		// a key not yet known to be stuck, that wait (an UPDATE of a
+		// round of rows) was on every other key's path. The failed rows
+		// cannot be read while their keys are held back (exclusions, at
+		// the same instant); if one is not, the read waits, so that a
+		// retry reads its event with this failure recorded (attempts,
+		// refusal run).
+		if !r.finishingHeld(start) {
+			r.waitFinish()
+		}
+		excluded := ids
+		if len(r.finishingIDs) > 0 {
+			excluded = append(slices.Clip(ids), r.finishingIDs...)
+		}
 		seq := r.lastSeq
 		var err error
-		events, err = r.st.claim(ctx, r.cfg.InstanceID, shards, r.cfg.BatchSize, keys, ids)
+		events, err = r.st.claim(ctx, r.cfg.InstanceID, shards, r.cfg.BatchSize, keys, excluded)
 		if err != nil {
 			return roundResult{}, nil, fmt.Errorf("relay: read pending events: %w", err)
 		}
-		r.forgetLostRetries(start, events, nil)
+		r.forgetLostRetries(start, events, excluded)
 		r.saw(events)
 		if len(events) == 0 && seq > r.seenID && r.lastVisible {
 			// Nothing this relay may read up to the last id probed, though
@@ -629,7 +646,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 	// is recorded at a time, in round order.
 	r.waitFinish()
 	done := make(chan struct{})
-	r.finishing, r.finishingIDs = done, gone
+	r.finishing, r.finishingIDs, r.finishingFailed = done, gone, failedKeys
 	go func() {
 		defer close(done)
 		r.record(ctx, start, o, shards, round)
@@ -826,8 +843,20 @@ func (r *Relay) forgetRound(ctx context.Context, round roundKey) {
 func (r *Relay) waitFinish() {
 	if r.finishing != nil {
 		<-r.finishing
-		r.finishing, r.finishingIDs = nil, nil
+		r.finishing, r.finishingIDs, r.finishingFailed = nil, nil, nil
 	}
+}
+
+// finishingHeld reports whether every key that failed in the round whose
+// outcome is being recorded is held back at now (its retry not due), so
+// that a read at now cannot meet the rows that outcome is still writing.
+func (r *Relay) finishingHeld(now time.Time) bool {
+	for bk := range r.finishingFailed {
+		if k := r.blocked[bk]; k == nil || !now.Before(k.retryAt) {
+			return false
+		}
+	}
+	return true
 }
 
 // raiseCeiling stops, instead of holding e's key (Config.MaxHeldKeys is
