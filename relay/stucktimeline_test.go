@@ -1,0 +1,223 @@
+package relay_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceflow/onceflow/internal/pgtest"
+	"github.com/onceflow/onceflow/relay"
+)
+
+// timeline records each statement's start and end from t0.
+type timeline struct {
+	mu    sync.Mutex
+	t0    time.Time
+	lines []string
+}
+
+type tlKey struct{}
+
+type tlStart struct {
+	name  string
+	start time.Time
+}
+
+func (t *timeline) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	return context.WithValue(ctx, tlKey{}, &tlStart{name: stmtName(d.SQL), start: time.Now()})
+}
+
+func (t *timeline) TraceQueryEnd(ctx context.Context, c *pgx.Conn, d pgx.TraceQueryEndData) {
+	t.end(ctx, c, d.CommandTag.String())
+}
+
+func (t *timeline) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
+	names := make([]string, 0, d.Batch.Len())
+	for _, q := range d.Batch.QueuedQueries {
+		names = append(names, stmtName(q.SQL))
+	}
+	return context.WithValue(ctx, tlKey{}, &tlStart{name: "batch[" + strings.Join(names, " | ") + "]", start: time.Now()})
+}
+
+func (t *timeline) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+
+func (t *timeline) TraceBatchEnd(ctx context.Context, c *pgx.Conn, _ pgx.TraceBatchEndData) {
+	t.end(ctx, c, "")
+}
+
+func (t *timeline) end(ctx context.Context, c *pgx.Conn, tag string) {
+	s, ok := ctx.Value(tlKey{}).(*tlStart)
+	if !ok {
+		return
+	}
+	now := time.Now()
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.lines = append(t.lines, fmt.Sprintf("%8.1f %8.1f %6.1f ms pid %d %s %s", ms(s.start.Sub(t.t0)), ms(now.Sub(t.t0)), ms(now.Sub(s.start)), c.PgConn().PID(), tag, s.name))
+}
+
+func (t *timeline) note(s string) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.lines = append(t.lines, fmt.Sprintf("%8.1f %s", ms(time.Since(t.t0)), s))
+}
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1e3 }
+
+type tlWriter struct{ t *timeline }
+
+func (w tlWriter) Write(p []byte) (int, error) {
+	w.t.note(strings.TrimSpace(string(p)))
+	return len(p), nil
+}
+
+type tlObserver struct {
+	drainObserver
+	t *timeline
+}
+
+func (o *tlObserver) ObserveBatch(s relay.BatchStats) {
+	o.t.note(fmt.Sprintf("batch published=%d failed=%d took=%s", s.Published, s.Failed, s.Duration))
+	o.drainObserver.ObserveBatch(s)
+}
+
+// BenchmarkStuckKeyTimeline runs BenchmarkRelayStuckKey's drain (300,000
+// events of a stuck key, then 50,000 of 1,000 other keys), with and without
+// the stuck key, ONCEFLOW_BENCH_TIMELINE times each, alternating, on a pool
+// of its own whose statements are traced. It prints, per run, the drain
+// time and when the first event of the other keys was acknowledged (the
+// first round's cost), then their medians; with ONCEFLOW_TIMELINE_MS it
+// prints each run's statements (start, end, duration, backend, tag) and the
+// relay's debug log up to that many ms from the relay's start.
+//
+//	ONCEFLOW_BENCH_TIMELINE=3 ONCEFLOW_TIMELINE_MS=150 go test -run '^$' -bench StuckKeyTimeline -benchtime 1x ./relay/
+func BenchmarkStuckKeyTimeline(b *testing.B) {
+	const stuck, others = 300_000, 50_000
+	ctx := context.Background()
+	pairs, _ := strconv.Atoi(os.Getenv("ONCEFLOW_BENCH_TIMELINE"))
+	if pairs <= 0 {
+		b.Skip("ONCEFLOW_BENCH_TIMELINE (runs with and without the stuck key) not set: a profiling aid")
+	}
+	var upto float64
+	if v := os.Getenv("ONCEFLOW_TIMELINE_MS"); v != "" {
+		if _, err := fmt.Sscan(v, &upto); err != nil {
+			b.Fatalf("ONCEFLOW_TIMELINE_MS: %v", err)
+		}
+	}
+	bu := setupBench(b)
+	topic := bu.kafka.Topic(b, 8)
+	var order []bool
+	for range pairs {
+		order = append(order, true, false)
+	}
+	firstAck := map[bool][]float64{}
+	drain := map[bool][]float64{}
+	for _, withStuck := range order {
+		bu.schema = pgtest.Schema(b)
+		table := pgx.Identifier{bu.schema, "outbox"}.Sanitize()
+		if withStuck {
+			if _, err := pgtest.Pool(b).Exec(ctx, `INSERT INTO `+table+` (topic, key, value)
+SELECT 'stuck', 'stuck'::bytea, convert_to(repeat('x', 256), 'UTF8') FROM generate_series(1, $1)`, stuck); err != nil {
+				b.Fatal(err)
+			}
+		}
+		fillN(b, bu.schema, topic, others)
+		tl := &timeline{}
+		cfg, err := pgxpool.ParseConfig(pgtest.URL(b))
+		if err != nil {
+			b.Fatal(err)
+		}
+		cfg.ConnConfig.Tracer = tl
+		pool, err := pgxpool.NewWithConfig(ctx, cfg)
+		if err != nil {
+			b.Fatal(err)
+		}
+		// Connected before the clock starts, as the shared pool the
+		// benchmark's relay uses is.
+		var conns []*pgxpool.Conn
+		for range 3 {
+			c, err := pool.Acquire(ctx)
+			if err != nil {
+				b.Fatal(err)
+			}
+			conns = append(conns, c)
+		}
+		for _, c := range conns {
+			c.Release()
+		}
+		drained := &tlObserver{drainObserver: drainObserver{want: others, done: make(chan struct{})}, t: tl}
+		pub := &firstPub{Publisher: &refusingPublisher{Publisher: bu.publisher(b), topic: "stuck"}, t0: &tl.t0}
+		logger := slog.New(slog.NewTextHandler(tlWriter{tl}, &slog.HandlerOptions{Level: slog.LevelDebug, ReplaceAttr: func(_ []string, a slog.Attr) slog.Attr {
+			if a.Key == slog.TimeKey || a.Key == "instance" {
+				return slog.Attr{}
+			}
+			return a
+		}}))
+		tl.t0 = time.Now()
+		_, stop := bu.startRelayWith(b, pool, pub, relay.Config{Observer: drained, Logger: logger})
+		select {
+		case <-drained.done:
+		case <-time.After(10 * time.Minute):
+			b.Fatal("the other keys did not drain in 10 minutes")
+		}
+		took := time.Since(tl.t0)
+		stop()
+		pool.Close()
+		var out bytes.Buffer
+		first := ms(time.Duration(pub.first.Load()))
+		firstAck[withStuck] = append(firstAck[withStuck], first)
+		drain[withStuck] = append(drain[withStuck], ms(took))
+		fmt.Fprintf(&out, "== stuck key %-5v  drained in %6.1f ms, first other event acknowledged at %5.1f ms  (load %s)\n", withStuck, ms(took), first, loadavg())
+		tl.mu.Lock()
+		for _, l := range tl.lines {
+			var at float64
+			fmt.Sscan(l, &at)
+			if at <= upto && upto > 0 {
+				out.WriteString(l + "\n")
+			}
+		}
+		tl.mu.Unlock()
+		os.Stdout.Write(out.Bytes())
+		pgtest.DropSchema(b, bu.schema)
+	}
+	fmt.Printf("medians of %d: with the stuck key: drained in %.1f ms, first acknowledged at %.1f ms; without: %.1f ms, %.1f ms\n",
+		pairs, median(drain[true]), median(firstAck[true]), median(drain[false]), median(firstAck[false]))
+}
+
+// firstPub notes when a Publish call first acknowledged a record.
+type firstPub struct {
+	relay.Publisher
+	t0    *time.Time
+	first atomic.Int64
+}
+
+func (p *firstPub) Publish(ctx context.Context, records []relay.Record) []error {
+	errs := p.Publisher.Publish(ctx, records)
+	for _, err := range errs {
+		if err == nil {
+			p.first.CompareAndSwap(0, int64(time.Since(*p.t0)))
+			break
+		}
+	}
+	return errs
+}
+
+func loadavg() string {
+	b, _ := os.ReadFile("/proc/loadavg")
+	f := strings.Fields(string(b))
+	if len(f) < 3 {
+		return "?"
+	}
+	return strings.Join(f[:3], " ")
+}
