@@ -442,14 +442,31 @@ func (p *Processor) handlerEnded(stop <-chan struct{}, pc *pgconn.PgConn) {
 	delete(p.running[stop], pc)
 }
 
-// closeRunning closes the connections of the handlers still running in
-// the partition of stop, which Stop abandons: the server rolls their
-// transactions back (their dedup records go too), instead of keeping them
-// open until the handlers return. A connection is closed only while its
-// handler runs, so never one back in the pool.
+// closeRunning ends the transactions of the handlers still running in the
+// partition of stop, which Stop abandons, instead of leaving them open
+// until the handlers return: it cancels the statement each may be running
+// (a backend busy in a statement, such as a lock wait, notices a closed
+// socket only once the statement ends; and behind PgBouncer the cancel
+// pgx sends on its own, after the socket closed, no longer finds the
+// client), then closes each connection, so the server rolls the
+// transactions back with their dedup records. The lock is held
+// throughout, so a connection is cancelled and closed only while its
+// handler runs, never once back in the pool; the cancels go out together
+// and take at most a second.
 func (p *Processor) closeRunning(stop <-chan struct{}) {
 	p.runningMu.Lock()
 	defer p.runningMu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	var wg sync.WaitGroup
+	for pc := range p.running[stop] {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_ = pc.CancelRequest(ctx)
+		}()
+	}
+	wg.Wait()
 	for pc := range p.running[stop] {
 		_ = pc.Conn().Close() // net.Conn: safe beside the handler's use
 	}
