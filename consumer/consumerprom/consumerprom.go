@@ -8,7 +8,8 @@
 //
 //   - onceflow_consumer_messages_total{topic,outcome="processed|duplicate|dead-lettered"}
 //   - onceflow_consumer_retries_total{topic}: failed attempts that will be
-//     retried
+//     retried (handler errors, connections lost in a transaction, and
+//     waits for an unreachable database, which spend no budget)
 //   - onceflow_consumer_dead_letters_total{topic}: messages of topic
 //     published to its dead-letter topic
 //   - onceflow_consumer_lag_seconds{topic,partition}: age of the record
@@ -62,7 +63,7 @@ func NewHook(reg prometheus.Registerer) *Hook {
 		messages: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "onceflow_consumer_messages_total",
 			Help: "Messages finished, by outcome: processed (handler committed), duplicate (skipped), dead-lettered."}, []string{"consumer", "topic", "outcome"}),
 		retries: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "onceflow_consumer_retries_total",
-			Help: "Failed handler attempts that will be retried."}, []string{"consumer", "topic"}),
+			Help: "Failed attempts that will be retried: handler errors, connections lost in a transaction, and waits for an unreachable database."}, []string{"consumer", "topic"}),
 		dead: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "onceflow_consumer_dead_letters_total",
 			Help: "Messages published to their dead-letter topic, by the topic they came from."}, []string{"consumer", "topic"}),
 		lag: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "onceflow_consumer_lag_seconds",

@@ -61,7 +61,7 @@ func TestHookCountsOutcomes(t *testing.T) {
 onceflow_consumer_messages_total{consumer="ledger",outcome="dead-lettered",topic="t"} 1
 onceflow_consumer_messages_total{consumer="ledger",outcome="duplicate",topic="t"} 1
 onceflow_consumer_messages_total{consumer="ledger",outcome="processed",topic="t"} 1
-# HELP onceflow_consumer_retries_total Failed handler attempts that will be retried.
+# HELP onceflow_consumer_retries_total Failed attempts that will be retried: handler errors, connections lost in a transaction, and waits for an unreachable database.
 # TYPE onceflow_consumer_retries_total counter
 onceflow_consumer_retries_total{consumer="ledger",topic="t"} 1
 # HELP onceflow_consumer_dead_letters_total Messages published to their dead-letter topic, by the topic they came from.
