@@ -1,0 +1,183 @@
+package relay
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/internal/pgtest"
+)
+
+// An event's id is handed out before its transaction commits, and the
+// transaction may take it long before: a long transaction, a BEFORE
+// trigger that waits (the id default is evaluated first), or nextval
+// called early and the row inserted later with that id. Whatever the floor
+// reads carried from claim to claim (their base, or anything proved about
+// the rows below it), an event that commits late below it is read, before
+// every later event of its key, and the claims read exactly the oldest
+// pending events not blocked, claim after claim.
+func TestClaimFromTheFloorReadsAnIdTakenEarlyThatCommitsLate(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		name string
+		// take starts a transaction holding an id of the late key and
+		// returns what commits it (returning the id).
+		take func(t *testing.T, ctx context.Context, schema, outbox string) (commit func() int64)
+	}{
+		{"a long transaction", func(t *testing.T, ctx context.Context, _, outbox string) func() int64 {
+			conn := pgtest.Conn(t)
+			tx, err := conn.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var id int64
+			if err := tx.QueryRow(ctx, `INSERT INTO `+outbox+` (topic, key) VALUES ('t', 'late-key') RETURNING id`).Scan(&id); err != nil {
+				t.Fatal(err)
+			}
+			return func() int64 {
+				if err := tx.Commit(ctx); err != nil {
+					t.Fatal(err)
+				}
+				return id
+			}
+		}},
+		{"a BEFORE trigger that waits after the id was taken", func(t *testing.T, ctx context.Context, schema, outbox string) func() int64 {
+			// The trigger waits for an advisory lock this test holds: the
+			// writer's transaction has its id and no xid yet (nothing
+			// written), for as long as the test likes.
+			holder, writer := pgtest.Conn(t), pgtest.Conn(t)
+			var lockKey int64
+			if err := holder.QueryRow(ctx, `SELECT hashtext($1)::bigint`, schema).Scan(&lockKey); err != nil {
+				t.Fatal(err)
+			}
+			fn := pgx.Identifier{schema, "hold_late"}.Sanitize()
+			if _, err := holder.Exec(ctx, fmt.Sprintf(`CREATE FUNCTION %s() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.value = 'hold' THEN PERFORM pg_advisory_xact_lock(%d); END IF;
+    RETURN NEW;
+END $$`, fn, lockKey)); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := holder.Exec(ctx, `CREATE TRIGGER hold_late BEFORE INSERT ON `+outbox+` FOR EACH ROW EXECUTE FUNCTION `+fn+`()`); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := holder.Exec(ctx, `SELECT pg_advisory_lock($1)`, lockKey); err != nil {
+				t.Fatal(err)
+			}
+			type result struct {
+				id  int64
+				err error
+			}
+			done := make(chan result, 1)
+			go func() {
+				var id int64
+				err := writer.QueryRow(ctx, `INSERT INTO `+outbox+` (topic, key, value) VALUES ('t', 'late-key', 'hold') RETURNING id`).Scan(&id)
+				done <- result{id, err}
+			}()
+			for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+				var waiting bool
+				if err := holder.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity
+WHERE pid = $1 AND wait_event_type = 'Lock' AND wait_event = 'advisory')`, writer.PgConn().PID()).Scan(&waiting); err != nil {
+					t.Fatal(err)
+				}
+				if waiting {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("the writer did not come to wait in its trigger within 10s")
+				}
+			}
+			return func() int64 {
+				if _, err := holder.Exec(ctx, `SELECT pg_advisory_unlock($1)`, lockKey); err != nil {
+					t.Fatal(err)
+				}
+				r := <-done
+				if r.err != nil {
+					t.Fatal(r.err)
+				}
+				return r.id
+			}
+		}},
+		{"nextval, then the row inserted with that id", func(t *testing.T, ctx context.Context, _, outbox string) func() int64 {
+			conn := pgtest.Conn(t)
+			tx, err := conn.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var id int64
+			if err := tx.QueryRow(ctx, `SELECT nextval(pg_get_serial_sequence($1, 'id'))`, outbox).Scan(&id); err != nil {
+				t.Fatal(err)
+			}
+			return func() int64 {
+				if _, err := tx.Exec(ctx, `INSERT INTO `+outbox+` (id, topic, key) OVERRIDING SYSTEM VALUE VALUES ($1, 't', 'late-key')`, id); err != nil {
+					t.Fatal(err)
+				}
+				if err := tx.Commit(ctx); err != nil {
+					t.Fatal(err)
+				}
+				return id
+			}
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			ctx, st, outbox, insert, blocked := claimFloorCase(t)
+			schema := outboxSchema(t, st, outbox)
+			commit := c.take(t, ctx, schema, outbox)
+			if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key)
+SELECT 't', ('k' || (g % 40))::bytea FROM generate_series(1, 2000) g`); err != nil {
+				t.Fatal(err)
+			}
+			after := insert(st.pool, "late-key") // the late key's next event, committed first
+			claim := func(what string) []int64 {
+				t.Helper()
+				if stmts := st.claimStatements(everyShard(), 50, blocked, nil); !stmts[0].floor {
+					t.Fatalf("%s: the free shards are not read from their floor", what)
+				}
+				got := claimedIDs(t, st, everyShard(), 50, blocked, nil)
+				if want := oldestFree(t, st, outbox, 50, nil); !slices.Equal(got, want) {
+					t.Fatalf("%s read %v, want %v", what, got, want)
+				}
+				if slices.Contains(got, after) {
+					t.Fatalf("%s read the late key's event %d before its earlier one", what, after)
+				}
+				if _, err := st.pool.Exec(ctx, `DELETE FROM `+outbox+` WHERE id = ANY($1)`, got); err != nil {
+					t.Fatal(err)
+				}
+				return got
+			}
+			// Floor reads while the late id is held, long enough for
+			// anything carried from claim to claim to settle (a claim a
+			// few milliseconds apart, as a relay draining a backlog).
+			for i := range 24 {
+				claim(fmt.Sprintf("claim %d", i))
+				time.Sleep(2 * time.Millisecond)
+			}
+			lateID := commit()
+			if base := st.floorBase(); base <= lateID {
+				t.Fatalf("floor base %d, want one above the late id %d for this test", base, lateID)
+			}
+			got := claimedIDs(t, st, everyShard(), 50, blocked, nil)
+			if want := oldestFree(t, st, outbox, 50, nil); !slices.Equal(got, want) {
+				t.Fatalf("claim after the late commit read %v, want %v", got, want)
+			}
+			if len(got) == 0 || got[0] != lateID {
+				t.Fatalf("claim after the late commit read %v, want the late event %d first", got, lateID)
+			}
+		})
+	}
+}
+
+// outboxSchema returns the schema of the store's outbox.
+func outboxSchema(t *testing.T, st *store, outbox string) string {
+	t.Helper()
+	var schema string
+	if err := st.pool.QueryRow(context.Background(), `SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = $1::regclass`, outbox).Scan(&schema); err != nil {
+		t.Fatal(err)
+	}
+	return schema
+}
