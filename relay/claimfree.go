@@ -227,6 +227,7 @@ func (s *store) floorBase() int64 {
 func (s *store) noteFloor(from int64) {
 	if from == 0 {
 		s.floorFrom = s.floorFrom[:0]
+		s.proof, s.proving = floorProof{}, nil
 		return
 	}
 	if len(s.floorFrom) == claimFloorLag {

@@ -2,6 +2,7 @@ package relay
 
 import (
 	"context"
+	"crypto/sha256"
 	"fmt"
 	"slices"
 	"testing"
@@ -180,4 +181,79 @@ func outboxSchema(t *testing.T, st *store, outbox string) string {
 		t.Fatal(err)
 	}
 	return schema
+}
+
+// Once no transaction that took an id below the floor reads' base is left,
+// the floor reads stop descending the shards found with nothing pending
+// below it (claimproof.go), and read the same rounds. A shard that had
+// events pending below it when that was found keeps its descent, so the
+// claims read its old events first whenever it comes free: a blocked
+// key's shard once the key is released, a shard taken over from another
+// relay, and events a round had in flight that come back for a retry.
+func TestClaimFromTheFloorDescendsOnlyWhatANewFloorProofLeavesOpen(t *testing.T) {
+	t.Parallel()
+	ctx, st, outbox, insert, blocked := claimFloorCase(t)
+	used := map[byte]bool{sha256.Sum256([]byte("stuck"))[0]: true}
+	key := func(prefix string) (string, int16) {
+		for i := 0; ; i++ {
+			k := fmt.Sprintf("%s-%d", prefix, i)
+			if sh := sha256.Sum256([]byte(k))[0]; !used[sh] {
+				used[sh] = true
+				return k, int16(sh)
+			}
+		}
+	}
+	heldKey, _ := key("held")
+	movedKey, movedShard := key("moved")
+	flightKey, flightShard := key("flight")
+	var inFlight []int64
+	held := keyBlock{key: []byte(heldKey), firstID: insert(st.pool, heldKey)}
+	insert(st.pool, heldKey)
+	insert(st.pool, movedKey)
+	insert(st.pool, movedKey)
+	inFlight = append(inFlight, insert(st.pool, flightKey), insert(st.pool, flightKey))
+	if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key)
+SELECT 't', ('k' || (g % 40))::bytea FROM generate_series(1, 2000) g`); err != nil {
+		t.Fatal(err)
+	}
+	owned := slices.DeleteFunc(everyShard(), func(sh int16) bool { return sh == movedShard })
+	before := append(slices.Clone(blocked), held)
+	for i := 0; st.proof.below == 0; i++ {
+		if i == 40 {
+			t.Fatal("no floor proof after 40 floor reads with no transaction holding an id")
+		}
+		if stmts := st.claimStatements(owned, 50, before, slices.Clone(inFlight)); !stmts[0].floor {
+			t.Fatalf("claim %d: the free shards are not read from their floor", i)
+		}
+		got := claimedIDs(t, st, owned, 50, before, slices.Clone(inFlight))
+		if len(got) == 0 {
+			t.Fatal("the backlog ran out before a floor proof")
+		}
+		if _, err := st.pool.Exec(ctx, `DELETE FROM `+outbox+` WHERE id = ANY($1)`, got); err != nil {
+			t.Fatal(err)
+		}
+	}
+	stmts := st.claimStatements(owned, 50, before, slices.Clone(inFlight))
+	// Of the free shards only the one with events in flight below the
+	// proof's id (pending) is descended.
+	if descend := stmts[0].args[0].([]int16); !slices.Equal(descend, []int16{flightShard}) {
+		t.Errorf("with a floor proof, the floor read descends %v, want only the shard with events in flight below it (%d)", descend, flightShard)
+	}
+	// The held key released, the moved shard taken over, the events in
+	// flight back for a retry: their shards were not in the proof.
+	st.lastFull = true
+	stmts = st.claimStatements(everyShard(), 50, blocked, nil)
+	if !stmts[0].floor {
+		t.Fatal("the free shards are not read from their floor")
+	}
+	if descend := stmts[0].args[0].([]int16); len(descend) != 3 {
+		t.Errorf("the floor read descends %v, want the three shards that had events below the proof's id", descend)
+	}
+	got := claimedIDs(t, st, everyShard(), 50, blocked, nil)
+	if want := oldestFree(t, st, outbox, 50, nil); !slices.Equal(got, want) {
+		t.Fatalf("claim read %v, want %v", got, want)
+	}
+	if len(got) < 6 || !slices.Contains(got[:6], held.firstID) || !slices.Contains(got[:6], inFlight[0]) {
+		t.Fatalf("claim read %v, want the six old events of the shards come free first", got)
+	}
 }

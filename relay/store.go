@@ -57,6 +57,12 @@ type store struct {
 	claimFreeLimit int
 	claimFloorSQL  [claimFloorSkips + 1]string // nearly every shard free (claimFloorQuery, by runs stepped over), for claimFreeLimit
 	floorFrom      []int64                     // see floorBase
+	proof          floorProof                  // see floorProof
+	proving        *proving                    // a floor proof under way
+	proofWait      int                         // floor reads before another proof may start
+	seqChecked     bool                        // proofSequence ran
+	seqName        string                      // the outbox's id sequence (quoted), "" if none
+	seqOID, dbOID  uint32                      // its oid, and the database's
 	floorOff       int                         // claims left before claimFloorQuery is tried again
 	exactOff       int                         // claims left before claimAllQuery is guarded again (guardBytes)
 	freeK          map[int16]int               // see freeKs
@@ -336,6 +342,7 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 		}
 	}
 	read := make([][2]int, len(stmts)) // each statement's rows in out
+	floor := false
 	for i, st := range stmts {
 		b.Queue(st.sql, st.args...).Query(func(rows pgx.Rows) error {
 			var err error
@@ -344,6 +351,13 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 			read[i][1] = len(out)
 			return err
 		})
+		floor = floor || st.floor
+	}
+	if floor {
+		if err := s.proofSequence(ctx); err != nil {
+			return nil, err
+		}
+		s.queueFloorProof(b)
 	}
 	if b.Len() > 0 {
 		if err := s.pool.SendBatch(ctx, b).Close(); err != nil {
@@ -530,7 +544,8 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 		ks := s.freeKs(free, limit)
 		shares := statement{sql: s.claimFreeSQL, args: []any{free, ks, excluded}, free: free, ks: ks}
 		if s.lastFull && NumShards-len(free) <= claimFloorMaxOut && s.floorOff == 0 {
-			args := []any{free, notIn(free), rest, s.floorBase()}
+			descend, base := s.descents(free, s.floorBase())
+			args := []any{descend, notIn(free), rest, base}
 			for _, r := range runs {
 				args = append(args, r[0], r[1])
 			}
