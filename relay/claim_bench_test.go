@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"fmt"
+	"os"
 	"slices"
 	"strings"
 	"testing"
@@ -178,4 +179,92 @@ WHERE m.id NOT IN (SELECT unnest($1::bigint[])) ORDER BY m.id LIMIT 1000`, args:
 	slices.Sort(sortedTimes)
 	fmt.Printf("      its blocked shard's read: by key hash %.2f ms (%d buffers), whole and sorted %.2f ms (%d buffers)\n",
 		sweepTimes[len(sweepTimes)/2], topBuffers(explainGeneric(b, sweep)), sortedTimes[len(sortedTimes)/2], topBuffers(explainGeneric(b, sorted)))
+}
+
+// BenchmarkClaimBesideAStuckKey times the claims of a drain beside a stuck
+// key (BenchmarkRelayStuckKey's data: 300,000 events of one key, blocked,
+// then 50,000 of 1,000 other keys, 256-byte values), each round claimed
+// and deleted at once, with and without floor proofs (claimproof.go;
+// without is the claim before them: every floor read descends every free
+// shard), on two copies of the data, claim for claim in turn. It prints,
+// per pass, the median of the floor reads' claim times, how many floor
+// reads had a proof, and the proof's own steps beside.
+//
+//	go test -run '^$' -bench ClaimBesideAStuckKey -benchtime 1x ./relay/
+func BenchmarkClaimBesideAStuckKey(b *testing.B) {
+	ctx := context.Background()
+	pool := pgtest.Pool(b)
+	for range b.N {
+		fmt.Printf("\nfloor claims of 1,000 beside a stuck key of 300,000 (50,000 others), median per pass (ms):\n")
+		for pass := range 3 {
+			type side struct {
+				st     *store
+				schema string
+				outbox string
+				times  []float64
+				proved int
+			}
+			var sides [2]*side // 0: every descent, 1: with proofs
+			for i := range sides {
+				schema := pgtest.Schema(b)
+				outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
+				if _, err := pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key, value)
+SELECT 'bench', CASE WHEN g <= 300000 THEN 'stuck' ELSE 'key-' || (g % 1000) END::bytea, convert_to(repeat('x', 256), 'UTF8')
+FROM generate_series(1, 350000) g`); err != nil {
+					b.Fatal(err)
+				}
+				st := newStore(pool, schema)
+				st.maxBytes = 16 << 20
+				if i == 0 {
+					st.seqChecked = true // no sequence known: no proof
+				}
+				sides[i] = &side{st: st, schema: schema, outbox: outbox}
+			}
+			var firstID [2]int64
+			for i, s := range sides {
+				if err := pool.QueryRow(ctx, `SELECT min(id) FROM `+s.outbox).Scan(&firstID[i]); err != nil {
+					b.Fatal(err)
+				}
+			}
+			for done := 0; done < 2; {
+				done = 0
+				for i, s := range sides {
+					proved := s.st.proof.below > 0
+					start := time.Now()
+					events, err := s.st.claim(ctx, "bench", everyShard(), 1000, []keyBlock{{key: []byte("stuck"), firstID: firstID[i]}}, nil)
+					if err != nil {
+						b.Fatal(err)
+					}
+					took := float64(time.Since(start).Microseconds()) / 1000
+					if len(events) == 0 {
+						done++
+						continue
+					}
+					if len(s.st.floorFrom) > 0 { // a floor read
+						s.times = append(s.times, took)
+						if proved {
+							s.proved++
+						}
+					}
+					ids := make([]int64, len(events))
+					for j := range events {
+						ids[j] = events[j].id
+					}
+					if _, err := pool.Exec(ctx, `DELETE FROM `+s.outbox+` WHERE id = ANY($1)`, ids); err != nil {
+						b.Fatal(err)
+					}
+				}
+			}
+			med := func(xs []float64) float64 {
+				slices.Sort(xs)
+				return xs[len(xs)/2]
+			}
+			load, _ := os.ReadFile("/proc/loadavg")
+			fmt.Printf("  pass %d: every descent %.2f (%d floor reads), with proofs %.2f (%d floor reads, %d with a proof)  load %s",
+				pass+1, med(sides[0].times), len(sides[0].times), med(sides[1].times), len(sides[1].times), sides[1].proved, load)
+			for _, s := range sides {
+				pgtest.DropSchema(b, s.schema)
+			}
+		}
+	}
 }

@@ -3,7 +3,6 @@ package relay
 import (
 	"context"
 	"fmt"
-	"math"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -68,6 +67,8 @@ type proving struct {
 	state  int      // proofHolders, proofWaiting or proofConfirm
 	below  int64    // the candidate C
 	vxids  []string // the transactions that may still commit an id below C
+	checks int      // checks of vxids so far
+	skip   int      // floor reads to let pass before the next check
 	usable bool     // the sequence allows a proof (CACHE 1, increment > 0, no CYCLE)
 }
 
@@ -80,6 +81,13 @@ const (
 // claimProofEvery is how many floor reads at least separate the starts of
 // two floor proofs.
 const claimProofEvery = 8
+
+// claimProofBack is how many floor reads before the last one a proof's
+// candidate C comes from: the lowest id that read read. The rounds read
+// since are above it; the ones before have landed (been deleted) by the
+// time the proof is confirmed, a few claims on, unless they failed, and
+// a row left pending below C only keeps its shard out of the proof.
+const claimProofBack = 1
 
 // proofSequence finds the outbox's id sequence, once.
 func (s *store) proofSequence(ctx context.Context) error {
@@ -117,11 +125,15 @@ func (s *store) queueFloorProof(b *pgx.Batch) {
 	}
 	switch {
 	case p == nil:
-		base := s.floorBase()
-		if base == math.MaxInt64 || s.proofWait > 0 || (s.proof.below > 0 && base <= s.proof.below) {
+		n := len(s.floorFrom)
+		if n == 0 || s.proofWait > 0 {
 			return
 		}
-		p = &proving{state: proofHolders, below: base}
+		from := s.floorFrom[max(0, n-1-claimProofBack)]
+		if from <= s.proof.below {
+			return
+		}
+		p = &proving{state: proofHolders, below: from}
 		s.proving = p
 		s.proofWait = claimProofEvery
 		b.Queue(`SELECT CASE WHEN s.is_called THEN s.last_value + 1 ELSE s.last_value END,
@@ -157,6 +169,15 @@ WHERE h.locktype = 'relation' AND h.database = $1 AND h.relation = $2 AND h.mode
 			return nil
 		})
 	case p.state == proofWaiting:
+		// A transaction that keeps its id long (the writer's, or one
+		// waiting in a trigger) is checked at longer intervals: 1, 2, 4
+		// ... up to claimProofEvery floor reads apart.
+		if p.skip > 0 {
+			p.skip--
+			return
+		}
+		p.checks++
+		p.skip = min(claimProofEvery, 1<<min(p.checks, 8)/2)
 		b.Queue(`SELECT NOT EXISTS (SELECT FROM pg_locks l
 WHERE l.locktype = 'virtualxid' AND l.virtualxid = ANY($1::text[])
     OR l.locktype = 'relation' AND l.database = $2 AND l.relation = $3 AND l.pid IS NULL)`, p.vxids, s.dbOID, s.seqOID).QueryRow(func(row pgx.Row) error {
@@ -170,8 +191,18 @@ WHERE l.locktype = 'virtualxid' AND l.virtualxid = ANY($1::text[])
 			return nil
 		})
 	case p.state == proofConfirm:
+		// A shard the last proof holds has nothing pending below its C:
+		// its descent starts there, past the rows deleted before (which
+		// each cost a heap visit until a scan marks them dead).
+		from := make([]int64, NumShards)
+		for sh := range from {
+			if s.proof.holds(int16(sh)) {
+				from[sh] = s.proof.below
+			}
+		}
 		b.Queue(`SELECT coalesce(array_agg(s.shard), '{}') FROM generate_series(0, `+fmt.Sprint(NumShards-1)+`) AS s(shard)
-WHERE NOT EXISTS (SELECT FROM `+s.outbox+` p WHERE p.shard = s.shard AND p.id < $1::bigint)`, p.below).QueryRow(func(row pgx.Row) error {
+WHERE NOT EXISTS (SELECT FROM `+s.outbox+` p
+    WHERE p.shard = s.shard AND p.id >= ($2::bigint[])[s.shard + 1] AND p.id < $1::bigint)`, p.below, from).QueryRow(func(row pgx.Row) error {
 			var sure []int16
 			if err := row.Scan(&sure); err != nil {
 				return err
@@ -187,10 +218,13 @@ WHERE NOT EXISTS (SELECT FROM `+s.outbox+` p WHERE p.shard = s.shard AND p.id < 
 }
 
 // descents returns the free shards a floor read must descend, and its
-// base: those the proof does not hold, below base and the proof's C (or
-// every free shard, when there is no base or no proof).
+// base: with a proof, the free shards it does not hold, below its C (the
+// shards it holds have nothing pending below C, so the floor is the least
+// of C and those descents, as with every descent; and C, unlike the base,
+// follows the rounds: the read walks past fewer deleted rows); without,
+// every free shard, below base.
 func (s *store) descents(free []int16, base int64) ([]int16, int64) {
-	if s.proof.below == 0 || base == math.MaxInt64 {
+	if s.proof.below == 0 {
 		return free, base
 	}
 	out := make([]int16, 0, len(free))
@@ -199,5 +233,5 @@ func (s *store) descents(free []int16, base int64) ([]int16, int64) {
 			out = append(out, sh)
 		}
 	}
-	return out, min(base, s.proof.below)
+	return out, s.proof.below
 }

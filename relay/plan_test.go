@@ -85,31 +85,35 @@ FROM generate_series(1, 1000000) g`); err != nil {
 		want     []string // in the plan
 		whole    bool     // the last round was whole (store.lastFull)
 		base     int64    // the lowest id of the earlier floor reads (store.floorFrom), 0 for none
+		proof    bool     // a floor proof (claimproof.go) at base holds every shard but the stuck key's
 	}{
-		{"every shard", everyShard(), nil, nil, []string{"Index Scan using outbox_pkey", "hashed SubPlan"}, false, 0},
-		{"every shard, a gapped round in flight", everyShard(), nil, gapped, []string{"Index Scan using outbox_pkey", "hashed SubPlan"}, false, 0},
+		{"every shard", everyShard(), nil, nil, []string{"Index Scan using outbox_pkey", "hashed SubPlan"}, false, 0, false},
+		{"every shard, a gapped round in flight", everyShard(), nil, gapped, []string{"Index Scan using outbox_pkey", "hashed SubPlan"}, false, 0, false},
 		{"every shard, a round of consecutive ids in flight", everyShard(), nil, run,
-			[]string{"Merge Append", "Index Cond: (id < $1)", "Index Cond: (id > $2)"}, false, 0},
+			[]string{"Merge Append", "Index Cond: (id < $1)", "Index Cond: (id > $2)"}, false, 0, false},
 		{"a quarter of the shards, the stuck key's in another relay's", quarter, nil, nil,
-			[]string{"Merge Append", "Index Scan using outbox_shard_id_idx", "hashed SubPlan"}, false, 0},
+			[]string{"Merge Append", "Index Scan using outbox_shard_id_idx", "hashed SubPlan"}, false, 0, false},
 		{"a quarter of the shards, a round in flight", quarter, nil, run,
-			[]string{"Merge Append", "Index Scan using outbox_shard_id_idx", "hashed SubPlan"}, false, 0},
+			[]string{"Merge Append", "Index Scan using outbox_shard_id_idx", "hashed SubPlan"}, false, 0, false},
 		{"every shard, the stuck key blocked", everyShard(), stuck, nil,
-			[]string{"Nested Loop", "Index Scan using outbox_shard_id_idx", "hashed SubPlan", "outbox_key_hash_idx"}, false, 0},
+			[]string{"Nested Loop", "Index Scan using outbox_shard_id_idx", "hashed SubPlan", "outbox_key_hash_idx"}, false, 0, false},
 		{"every shard, the stuck key blocked, a round in flight", everyShard(), stuck, gapped,
-			[]string{"Nested Loop", "Index Scan using outbox_shard_id_idx", "hashed SubPlan", "outbox_key_hash_idx"}, false, 0},
+			[]string{"Nested Loop", "Index Scan using outbox_shard_id_idx", "hashed SubPlan", "outbox_key_hash_idx"}, false, 0, false},
 		{"a quarter of the shards with the stuck key's, the key blocked, a round in flight", quarterWithStuck, stuck, gapped,
-			[]string{"Merge Append", "outbox_key_hash_idx"}, false, 0},
+			[]string{"Merge Append", "outbox_key_hash_idx"}, false, 0, false},
 		{"every shard, the stuck key blocked, the last round whole", everyShard(), stuck, nil,
-			[]string{"Index Scan using outbox_pkey", "Index Only Scan using outbox_shard_id_idx", "InitPlan", "outbox_key_hash_idx"}, true, 0},
+			[]string{"Index Scan using outbox_pkey", "Index Only Scan using outbox_shard_id_idx", "InitPlan", "outbox_key_hash_idx"}, true, 0, false},
 		{"every shard, the stuck key blocked, the last round whole, a round in flight", everyShard(), stuck, gapped,
-			[]string{"Index Scan using outbox_pkey", "InitPlan", "hashed SubPlan", "outbox_key_hash_idx"}, true, 0},
+			[]string{"Index Scan using outbox_pkey", "InitPlan", "hashed SubPlan", "outbox_key_hash_idx"}, true, 0, false},
 		// The floor's descents stop at the base (the events past the stuck
 		// key's) and the read steps over the rounds in flight.
 		{"every shard, the stuck key blocked, the last rounds whole, a round of consecutive ids in flight", everyShard(), stuck, pastStuck,
-			[]string{"Index Only Scan using outbox_shard_id_idx", "CTE f", "Merge Append", "Index Cond: ((id >= $", "outbox_key_hash_idx"}, true, firstID + 300_000},
+			[]string{"Index Only Scan using outbox_shard_id_idx", "CTE f", "Merge Append", "Index Cond: ((id >= $", "outbox_key_hash_idx"}, true, firstID + 300_000, false},
 		{"every shard, the stuck key blocked, the last rounds whole, a gapped round in flight", everyShard(), stuck, gappedPastStuck,
-			[]string{"Index Only Scan using outbox_shard_id_idx", "CTE f", "Merge Append", "hashed SubPlan", "outbox_key_hash_idx"}, true, firstID + 300_000},
+			[]string{"Index Only Scan using outbox_shard_id_idx", "CTE f", "Merge Append", "hashed SubPlan", "outbox_key_hash_idx"}, true, firstID + 300_000, false},
+		// With a floor proof the descents are not run at all.
+		{"every shard, the stuck key blocked, the last rounds whole, a floor proof, a round of consecutive ids in flight", everyShard(), stuck, pastStuck,
+			[]string{"CTE f", "Merge Append", "Index Cond: ((id >= $", "outbox_key_hash_idx"}, true, firstID + 300_000, true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			var plans []string
@@ -117,6 +121,15 @@ FROM generate_series(1, 1000000) g`); err != nil {
 			st.floorFrom = nil
 			if c.base != 0 {
 				st.floorFrom = []int64{c.base}
+			}
+			st.proof = floorProof{}
+			if c.proof {
+				st.proof.below = c.base
+				for sh := int16(0); sh < NumShards; sh++ {
+					if sh != stuckShard {
+						st.proof.sure[sh/64] |= 1 << (sh % 64)
+					}
+				}
 			}
 			for _, stmt := range st.claimStatements(c.owned, 1000, c.blocked, slices.Clone(c.excluded)) {
 				plans = append(plans, explainGeneric(t, stmt))
@@ -127,6 +140,12 @@ FROM generate_series(1, 1000000) g`); err != nil {
 				if strings.Contains(text, bad) {
 					t.Errorf("claim plan has %q with a 1M backlog", bad)
 				}
+			}
+			// Under a floor proof no shard is descended: the descents'
+			// index scan is in the plan but never runs.
+			descents := regexp.MustCompile(`Index Only Scan using outbox_shard_id_idx on outbox p .*\(never executed\)`)
+			if c.proof != descents.MatchString(text) {
+				t.Errorf("the floor's descents run: %v, want %v", !descents.MatchString(text), !c.proof)
 			}
 			for _, g := range c.want {
 				if !strings.Contains(text, g) {
