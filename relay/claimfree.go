@@ -94,16 +94,21 @@ const claimFloorOff = 16
 // round.
 //
 // The floor is found in the same statement, so in the same snapshot: the
-// least of the base ($4) and each free shard's lowest pending id below the
-// base (one descent of outbox_shard_id_idx per shard). Every pending row of
-// a free shard is at or above it, a row that committed late included
-// (below the base, its shard's descent finds it; at or above, the base is
-// no higher), whatever the base: the base only says where the descents may
-// stop. store.floorBase keeps it below the rows the earlier rounds
-// deleted, so the descents stop before their index entries (dead, but
-// marked so only by a scan after every older snapshot ended): walked by
-// each of 255 descents, they cost a heap visit each, a thousand and more a
-// claim; walked once in id order by the read, next to each other.
+// least of the base ($4) and the lowest pending id below the base of each
+// shard in $1 (one descent of outbox_shard_id_idx per shard). $1 holds every
+// free shard but those a floor proof (claimproof.go) holds, which have
+// nothing pending below the base and never will: the proof's C is then the
+// base (store.descents). Every pending row of a free shard is at or above
+// the floor, a row that committed late included (below the base, its
+// shard's descent finds it, or the proof showed none can exist; at or
+// above, the base is no higher): the base only says where the descents may
+// stop. Without a proof, store.floorBase keeps it below the rows the earlier
+// rounds deleted, so the descents stop before their index entries (dead,
+// but marked so only by a scan after every older snapshot ended): walked
+// by each of 255 descents, they cost a heap visit each, a thousand and more
+// a claim; walked once in id order by the read, next to each other. With
+// one, the base follows the rounds (a proof is renewed every few floor
+// reads), and the read walks past fewer of them.
 //
 // skips is the number of runs of excluded ids (consecutive integers, each
 // wholly excluded: the rounds in flight) the read steps over ($5 on: each
@@ -204,10 +209,12 @@ func skipRuns(excluded []int64) (runs [][2]int64, rest []int64) {
 // claimFloorLag is how many floor reads back store.floorBase looks.
 const claimFloorLag = 64
 
-// floorBase returns claimFloorQuery's base: the lowest id the last
-// claimFloorLag floor reads in a row read (a backlog draining beside a
-// blocked key: the first of them), or no base (the descents go to each
-// shard's lowest pending id) for the first of a run of floor reads.
+// floorBase returns claimFloorQuery's base when no floor proof holds
+// (store.descents): the lowest id the last claimFloorLag floor reads in a
+// row read (a backlog draining beside a blocked key: the first of them), or
+// no base (the descents go to each shard's lowest pending id) for the first
+// of a run of floor reads. Such a run also ends the floor proof
+// (noteFloor).
 //
 // The rows deleted since are read past in id order, as claimAllQuery reads
 // past every row deleted since the last vacuum; walked by 255 descents,
