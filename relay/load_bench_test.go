@@ -99,10 +99,15 @@ func plainLoopOn(b *testing.B, pool *pgxpool.Pool, cl *kgo.Client, schema string
 // every write with a retriable error, then 50,000 events of 1,000 other
 // keys. Reports how fast the other keys drain beside the same 50,000 events
 // without the stuck key (alternating, benchRounds times).
+// ONCEFLOW_BENCH_STUCK_OTHERS sets the other keys' events (default 50000).
 //
 //	go test -run '^$' -bench RelayStuckKey -benchtime 1x ./relay/
 func BenchmarkRelayStuckKey(b *testing.B) {
-	const stuck, others = 300_000, 50_000
+	const stuck = 300_000
+	others := 50_000
+	if n, err := strconv.Atoi(os.Getenv("ONCEFLOW_BENCH_STUCK_OTHERS")); err == nil && n > 0 {
+		others = n
+	}
 	ctx := context.Background()
 	for range b.N {
 		bu := setupBench(b)
@@ -120,7 +125,7 @@ SELECT 'stuck', 'stuck'::bytea, convert_to(repeat('x', 256), 'UTF8') FROM genera
 					}
 				}
 				fillN(b, bu.schema, topic, others)
-				drained := &drainObserver{want: others, done: make(chan struct{})}
+				drained := &drainObserver{want: int64(others), done: make(chan struct{})}
 				pub := &refusingPublisher{Publisher: bu.publisher(b), topic: "stuck"}
 				start := time.Now()
 				_, stop := bu.startRelayWith(b, bu.pool, pub, relay.Config{Observer: drained})
