@@ -97,9 +97,9 @@ func (s *store) proofSequence(ctx context.Context) error {
 		return nil
 	}
 	var seq *string
-	var seqOID, dbOID uint32
-	err := s.pool.QueryRow(ctx, `SELECT s.name, s.name::regclass::oid, d.oid
-FROM (SELECT pg_get_serial_sequence($1, 'id') AS name) s, pg_database d WHERE d.datname = current_database()`, s.outbox).Scan(&seq, &seqOID, &dbOID)
+	var dbOID uint32
+	err := s.pool.QueryRow(ctx, `SELECT pg_get_serial_sequence($1, 'id'), d.oid
+FROM pg_database d WHERE d.datname = current_database()`, s.outbox).Scan(&seq, &dbOID)
 	if err != nil {
 		return fmt.Errorf("find the id sequence: %w", err)
 	}
@@ -107,7 +107,7 @@ FROM (SELECT pg_get_serial_sequence($1, 'id') AS name) s, pg_database d WHERE d.
 	if seq == nil {
 		return nil // no proof: the floor reads descend every shard
 	}
-	s.seqName, s.seqOID, s.dbOID = *seq, seqOID, dbOID
+	s.seqName, s.dbOID = *seq, dbOID
 	return nil
 }
 
@@ -140,7 +140,7 @@ func (s *store) queueFloorProof(b *pgx.Batch) {
 		s.proofWait = claimProofEvery
 		b.Queue(`SELECT CASE WHEN s.is_called THEN s.last_value + 1 ELSE s.last_value END,
     p.seqcache = 1 AND p.seqincrement > 0 AND NOT p.seqcycle
-FROM `+s.seqName+` s, pg_sequence p WHERE p.seqrelid = $1`, s.seqOID).QueryRow(func(row pgx.Row) error {
+FROM `+s.seqName+` s, pg_sequence p WHERE p.seqrelid = $1::text::regclass`, s.seqName).QueryRow(func(row pgx.Row) error {
 			var next int64
 			if err := row.Scan(&next, &p.usable); err != nil {
 				return err
@@ -154,8 +154,8 @@ FROM `+s.seqName+` s, pg_sequence p WHERE p.seqrelid = $1`, s.seqOID).QueryRow(f
 SELECT coalesce(array_agg(DISTINCT v.virtualxid) FILTER (WHERE v.virtualxid IS NOT NULL), '{}'),
     coalesce(bool_or(h.pid IS NULL), false)
 FROM l h LEFT JOIN l v ON v.locktype = 'virtualxid' AND v.pid = h.pid
-WHERE h.locktype = 'relation' AND h.database = $1 AND h.relation = $2 AND h.mode = 'RowExclusiveLock'
-    AND h.pid IS DISTINCT FROM pg_backend_pid()`, s.dbOID, s.seqOID).QueryRow(func(row pgx.Row) error {
+WHERE h.locktype = 'relation' AND h.database = $1 AND h.relation = $2::text::regclass AND h.mode = 'RowExclusiveLock'
+    AND h.pid IS DISTINCT FROM pg_backend_pid()`, s.dbOID, s.seqName).QueryRow(func(row pgx.Row) error {
 			var prepared bool
 			if err := row.Scan(&p.vxids, &prepared); err != nil {
 				return err
@@ -182,7 +182,7 @@ WHERE h.locktype = 'relation' AND h.database = $1 AND h.relation = $2 AND h.mode
 		p.skip = min(claimProofEvery, 1<<min(p.checks, 8)/2)
 		b.Queue(`SELECT NOT EXISTS (SELECT FROM pg_locks l
 WHERE l.locktype = 'virtualxid' AND l.virtualxid = ANY($1::text[])
-    OR l.locktype = 'relation' AND l.database = $2 AND l.relation = $3 AND l.pid IS NULL)`, p.vxids, s.dbOID, s.seqOID).QueryRow(func(row pgx.Row) error {
+    OR l.locktype = 'relation' AND l.database = $2 AND l.relation = $3::text::regclass AND l.pid IS NULL)`, p.vxids, s.dbOID, s.seqName).QueryRow(func(row pgx.Row) error {
 			var ended bool
 			if err := row.Scan(&ended); err != nil {
 				return err

@@ -62,7 +62,7 @@ type store struct {
 	proofWait      int                         // floor reads before another proof may start
 	seqChecked     bool                        // proofSequence ran
 	seqName        string                      // the outbox's id sequence (quoted), "" if none
-	seqOID, dbOID  uint32                      // its oid, and the database's
+	dbOID          uint32                      // the database's oid (pg_locks.database)
 	floorOff       int                         // claims left before claimFloorQuery is tried again
 	exactOff       int                         // claims left before claimAllQuery is guarded again (guardBytes)
 	freeK          map[int16]int               // see freeKs
