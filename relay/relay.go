@@ -578,6 +578,13 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 
 	var next *prefetch
 	if claimed == r.cfg.BatchSize {
+		// Nor may the read ahead meet an event that failed in the last
+		// round before that failure is recorded (see the fresh read): a
+		// key of it may be due already if the last round's end waited
+		// for the record before it past the key's backoff.
+		if !r.finishingHeld(start) {
+			r.waitFinish()
+		}
 		inFlight := make([]int64, 0, len(ids)+len(events)+len(r.finishingIDs))
 		inFlight = append(append(inFlight, ids...), r.finishingIDs...)
 		for i := range events {

@@ -72,6 +72,16 @@ func (r *Relay) startSideRetry(ctx context.Context) {
 	if len(due) > r.cfg.BatchSize {
 		due = due[:r.cfg.BatchSize]
 	}
+	for _, bk := range due {
+		if r.finishingFailed[bk] {
+			// Its timeout is still being recorded (the round's end
+			// waited for the round before's record past its backoff):
+			// read its event once it is, with the refusal run that
+			// answer ended.
+			r.waitFinish()
+			break
+		}
+	}
 	shards := r.leases.snapshot()
 	ids := make([]int64, len(due))
 	for i, bk := range due {
