@@ -83,9 +83,11 @@ type Config struct {
 	// them. When a key would go past the cap, the relay instead reads no
 	// event of that key's partition at or above its failed one (other than
 	// the held keys' own retries) until the held keys are down to half;
-	// other partitions go on. In a broker outage over many keys the relay
-	// stops reading new work rather than remembering every key it saw
-	// fail, and drains at once when the outage ends. Defaults to 1024.
+	// other partitions go on (the reads leave out by id, and read on past,
+	// up to 4,096 such events; other partitions' events past those wait
+	// too). In a broker outage over many keys the relay stops reading new
+	// work rather than remembering every key it saw fail, and drains at
+	// once when the outage ends. Defaults to 1024.
 	MaxHeldKeys int
 	// Logger receives Warn and Error logs, Info for start, stop, shards
 	// taken and handed back and recovery after an outage, and Debug for the

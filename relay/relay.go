@@ -21,6 +21,12 @@ import (
 // MessageIDHeader is the record header holding the event id (G4).
 const MessageIDHeader = "message-id"
 
+// maxSkipped caps Relay.skipped: how many events above a ceiling the reads
+// leave out by id, so that they read on past them to other partitions'
+// events. Each read walks past them in the index (and hashes their ids):
+// the cost of a read while a ceiling stands grows with them, up to this.
+const maxSkipped = 4096
+
 // hotProbes is how many probe intervals a relay keeps reading its shards
 // after the probe saw new ids handed out: the transactions that took them
 // may commit a little later.
@@ -56,8 +62,16 @@ type Relay struct {
 	// of that partition at or above it is published (but held keys'
 	// retries) until they are lifted. ceilingAll is the same for events
 	// whose partition the publisher cannot tell; 0 when none.
-	ceilings     map[topicPartition]int64
-	ceilingAll   int64
+	ceilings   map[topicPartition]int64
+	ceilingAll int64
+	// skipped are events a ceiling stopped (belowCeiling dropped them),
+	// left out of every read by id while the ceilings stand, at most
+	// maxSkipped of them: reads go on past them (see round). skippedKeys
+	// are their keys (blockKey): no event of theirs goes out before the
+	// ceilings lift, whatever partition the publisher reports for it by
+	// then (a topic given more partitions).
+	skipped      []int64
+	skippedKeys  map[string]bool
 	roundBackoff backoff.BackOff
 	// The previous round's outcome is recorded while the next round is
 	// published; finishing is closed once it is, and finishingIDs are the
@@ -125,6 +139,7 @@ func New(pool *pgxpool.Pool, pub Publisher, cfg *Config) (*Relay, error) {
 		parts:        parts,
 		sick:         map[string]map[int32]*sickPartition{},
 		ceilings:     map[topicPartition]int64{},
+		skippedKeys:  map[string]bool{},
 		st:           st,
 		leases:       newLeases(st, c.InstanceID, c.LeaseDuration, c.Observer, c.Logger.With("instance", c.InstanceID)),
 		log:          c.Logger.With("instance", c.InstanceID),
@@ -524,25 +539,45 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		}
 		seq := r.lastSeq
 		var err error
-		events, err = r.st.claim(ctx, r.cfg.InstanceID, shards, r.cfg.BatchSize, keys, excluded)
+		events, err = r.st.claim(ctx, r.cfg.InstanceID, shards, r.cfg.BatchSize, keys, r.withSkipped(excluded))
 		if err != nil {
 			return roundResult{}, nil, fmt.Errorf("relay: read pending events: %w", err)
 		}
 		r.forgetLostRetries(start, events, excluded)
-		r.saw(events)
+		for len(events) > 0 {
+			r.saw(events)
+			round = keyOf(events)
+			noted := len(r.skipped)
+			kept := r.belowCeiling(events)
+			if len(kept) > 0 {
+				events = kept
+				break
+			}
+			r.forgetRound(ctx, round)
+			if len(r.skipped)-noted < len(events) {
+				// maxSkipped reached: what lies past these waits
+				// for the ceilings to lift.
+				events = kept
+				break
+			}
+			// Every event read is above a ceiling (they are left out of
+			// reads from now on): read on past them, or the other
+			// partitions' events behind them are never read while the
+			// ceiling stands. Not a cursor: the read starts from the
+			// oldest pending event again, leaving out exact ids.
+			events, err = r.st.claim(ctx, r.cfg.InstanceID, shards, r.cfg.BatchSize, keys, r.withSkipped(excluded))
+			if err != nil {
+				return roundResult{}, nil, fmt.Errorf("relay: read pending events: %w", err)
+			}
+		}
 		if len(events) == 0 && seq > r.seenID && r.lastVisible {
 			// Nothing this relay may read up to the last id probed, though
-			// it was visible (what is pending is held keys' later events):
-			// the probe must not wake the relay for those ids again, only
-			// for newer ones. An id not visible yet may still commit: the
-			// probe wakes the relay when it does.
+			// it was visible (what is pending is held keys' later events,
+			// or events above a ceiling): the probe must not wake the
+			// relay for those ids again, only for newer ones. An id not
+			// visible yet may still commit: the probe wakes the relay
+			// when it does.
 			r.seenID = seq
-		}
-		if len(events) > 0 {
-			round = keyOf(events)
-			if events = r.belowCeiling(events); len(events) == 0 {
-				r.forgetRound(ctx, round)
-			}
 		}
 	}
 	r.saw(events)
@@ -590,7 +625,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		for i := range events {
 			inFlight = append(inFlight, events[i].id)
 		}
-		nextEvents, err := r.st.claim(ctx, r.cfg.InstanceID, shards, r.cfg.BatchSize, keys, inFlight)
+		nextEvents, err := r.st.claim(ctx, r.cfg.InstanceID, shards, r.cfg.BatchSize, keys, r.withSkipped(inFlight))
 		if err == nil {
 			r.forgetLostRetries(start, nextEvents, inFlight)
 		}
@@ -891,8 +926,9 @@ func (r *Relay) raiseCeiling(e *pendingEvent) {
 }
 
 // belowCeiling drops, while a ceiling stands (see raiseCeiling), the events
-// at or above their partition's that are not a held key's. Held keys'
-// events are governed by their own hold.
+// at or above their partition's that are not a held key's, and notes them
+// in r.skipped while there is room. Held keys' events are governed by their
+// own hold.
 func (r *Relay) belowCeiling(events []pendingEvent) []pendingEvent {
 	if r.ceilingAll == 0 && len(r.ceilings) == 0 {
 		return events
@@ -900,16 +936,20 @@ func (r *Relay) belowCeiling(events []pendingEvent) []pendingEvent {
 	out := events[:0:0]
 	for i := range events {
 		e := &events[i]
-		if r.blocked[blockKey(e)] == nil && e.key != nil {
-			if r.ceilingAll != 0 && e.id >= r.ceilingAll {
-				continue
-			}
-			if len(r.ceilings) > 0 {
+		if bk := blockKey(e); r.blocked[bk] == nil && e.key != nil {
+			above := r.ceilingAll != 0 && e.id >= r.ceilingAll || r.skippedKeys[bk]
+			if !above && len(r.ceilings) > 0 {
 				if tp, ok := r.partitionOf(e); ok {
-					if c, found := r.ceilings[tp]; found && e.id >= c {
-						continue
-					}
+					c, found := r.ceilings[tp]
+					above = found && e.id >= c
 				}
+			}
+			if above {
+				if len(r.skipped) < maxSkipped {
+					r.skipped = append(r.skipped, e.id)
+					r.skippedKeys[bk] = true
+				}
+				continue
 			}
 		}
 		out = append(out, *e)
@@ -925,7 +965,18 @@ func (r *Relay) liftCeiling() {
 		r.log.Info("relay: held keys are down to half their cap; reading on", "held_keys", len(r.blocked), "partitions", len(r.ceilings))
 		r.ceilingAll = 0
 		clear(r.ceilings)
+		r.skipped = r.skipped[:0]
+		clear(r.skippedKeys)
 	}
+}
+
+// withSkipped returns excluded plus the events a ceiling stopped
+// (r.skipped), for a read.
+func (r *Relay) withSkipped(excluded []int64) []int64 {
+	if len(r.skipped) == 0 {
+		return excluded
+	}
+	return append(slices.Clip(excluded), r.skipped...)
 }
 
 // withoutBlocked drops prefetched events whose key is waiting out a retry;

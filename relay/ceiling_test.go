@@ -1,0 +1,110 @@
+package relay_test
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/outbox"
+	"github.com/onceflow/onceflow/relay"
+)
+
+// failKeysPublisher fails every record of the given keys with a passing
+// error and acknowledges the others.
+type failKeysPublisher struct {
+	mu   sync.Mutex
+	fail map[string]bool
+}
+
+func (p *failKeysPublisher) Publish(_ context.Context, records []relay.Record) []error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	errs := make([]error, len(records))
+	for i, r := range records {
+		if p.fail[string(r.Key)] {
+			errs[i] = errors.New("not enough replicas")
+		}
+	}
+	return errs
+}
+
+func (p *failKeysPublisher) Close() error { return nil }
+
+// Config.MaxHeldKeys reached: key A is held, key B's failed event stands
+// as the ceiling (read, then dropped, on every claim). The newest id is a
+// later event of held key A, which no claim reads before A's retry: the
+// probe must not make the relay read its shards on every ProbeInterval.
+func TestRelayUnderACeilingDoesNotReadEveryProbe(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	pool, counter := countingPool(t)
+	pub := &failKeysPublisher{fail: map[string]bool{"A": true, "B": true}}
+	b.write(t,
+		outbox.Message{Topic: "t", Key: []byte("A"), Value: []byte("A1")},
+		outbox.Message{Topic: "t", Key: []byte("B"), Value: []byte("B1")},
+	)
+	b.startRelayWith(t, pool, pub, relay.Config{PollInterval: 2 * time.Second, MaxRetryBackoff: 2 * time.Second, MaxHeldKeys: 1})
+	waitFor(t, "both events to fail", 30*time.Second, func() bool {
+		var n int
+		_ = b.pool.QueryRow(context.Background(), `SELECT count(*) FROM `+pgx.Identifier{b.schema, "outbox"}.Sanitize()+` WHERE attempts > 0`).Scan(&n)
+		return n == 2
+	})
+	b.write(t, outbox.Message{Topic: "t", Key: []byte("A"), Value: []byte("A2")})
+	const window = 6 * time.Second
+	claims := claimsIn(counter, window)
+	t.Logf("%d claims in %s", claims, window)
+	// PollInterval 2 s, A's retries every 2 s at most: about 6; allow 40.
+	if claims > 40 {
+		t.Fatalf("the relay read its shards %d times in %s with nothing it may publish (PollInterval 2s): it re-reads on every probe", claims, window)
+	}
+}
+
+// sickPartitionPublisher puts keys starting with "s" on partition 0, which
+// fails every record with a passing error, and the others on partition 1,
+// which acknowledges them.
+type sickPartitionPublisher struct{}
+
+func (sickPartitionPublisher) Partition(_ string, key []byte) (int32, bool) {
+	if len(key) > 0 && key[0] == 's' {
+		return 0, true
+	}
+	return 1, true
+}
+
+func (sickPartitionPublisher) Publish(_ context.Context, records []relay.Record) []error {
+	errs := make([]error, len(records))
+	for i, r := range records {
+		if len(r.Key) > 0 && r.Key[0] == 's' {
+			errs[i] = errors.New("not enough replicas")
+		}
+	}
+	return errs
+}
+
+func (sickPartitionPublisher) Close() error { return nil }
+
+// Config.MaxHeldKeys reached on a failing partition: its events from the
+// ceiling up are not read (Config.MaxHeldKeys: "other partitions go on").
+// With more of them pending than a round holds, ahead of a healthy
+// partition's event in id order, the healthy event must still be
+// published while the failing partition stays down.
+func TestRelayCeilingDoesNotStarveOtherPartitions(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	var msgs []outbox.Message
+	for i := range 6 {
+		msgs = append(msgs, outbox.Message{Topic: "t", Key: []byte{'s', byte('0' + i)}, Value: []byte("sick")})
+	}
+	msgs = append(msgs, outbox.Message{Topic: "t", Key: []byte("healthy"), Value: []byte("ok")})
+	b.write(t, msgs...)
+	b.startRelayWith(t, b.pool, sickPartitionPublisher{}, relay.Config{BatchSize: 2, MaxHeldKeys: 1, MaxRetryBackoff: time.Second})
+	waitFor(t, "the healthy partition's event published", 15*time.Second, func() bool {
+		var n int
+		_ = b.pool.QueryRow(context.Background(), `SELECT count(*) FROM `+pgx.Identifier{b.schema, "outbox"}.Sanitize()+` WHERE key = 'healthy'`).Scan(&n)
+		return n == 0
+	})
+}
