@@ -11,6 +11,7 @@ import (
 	"slices"
 	"sync"
 	"time"
+	"unsafe"
 
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -173,7 +174,6 @@ func (p *Publisher) Partition(topic string, key []byte) (int32, bool) {
 func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error {
 	errs := make([]error, len(records))
 	finished := make([]bool, len(records))
-	var mu sync.Mutex
 	pending := len(records)
 	unknown := p.unknownTopics(ctx, records)
 	for i := range records {
@@ -185,20 +185,21 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 	if pending == 0 {
 		return errs
 	}
-	done := make(chan struct{})
-	// One allocation for all records and one for all headers, not two
-	// per record.
-	krs := make([]kgo.Record, len(records))
+	// The client's records and their headers: one allocation each for the
+	// call, taken from callPool and put back once every promise has been
+	// called (the client refers to a record until then, not after).
+	c := callPool.Get().(*call)
 	nHeaders := 0
 	for i := range records {
 		nHeaders += len(records[i].Headers)
 	}
-	headers := make([]kgo.RecordHeader, 0, nHeaders)
+	krs := slices.Grow(c.krs[:0], len(records))[:len(records)]
+	headers := slices.Grow(c.headers[:0], nHeaders)
 	for i, rec := range records {
-		kr := &krs[i]
 		if finished[i] {
 			continue // its topic does not exist
 		}
+		kr := &krs[i]
 		kr.Topic, kr.Key, kr.Value = rec.Topic, rec.Key, rec.Value
 		if len(rec.Headers) > 0 {
 			start := len(headers)
@@ -207,30 +208,45 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 			}
 			kr.Headers = headers[start:len(headers):len(headers)]
 		}
-		p.cl.Produce(ctx, kr, func(_ *kgo.Record, err error) {
-			mu.Lock()
-			defer mu.Unlock()
-			if errs == nil {
-				return // Publish already returned on ctx
-			}
-			errs[i] = classify(err)
-			if errors.Is(err, kerr.UnknownTopicOrPartition) {
-				p.known.Delete(records[i].Topic) // deleted since: ask again
-			}
-			finished[i] = true
-			pending--
-			if pending == 0 {
-				close(done)
-			}
-		})
+	}
+	c.krs, c.headers = krs, headers
+	done := make(chan struct{})
+	var mu sync.Mutex
+	// One promise for every record (the client calls promises one at a
+	// time, with the record it was given): a closure per record was an
+	// allocation per event. The record's index is its place in krs.
+	base := uintptr(unsafe.Pointer(unsafe.SliceData(krs)))
+	promise := func(kr *kgo.Record, err error) {
+		i := int((uintptr(unsafe.Pointer(kr)) - base) / unsafe.Sizeof(kgo.Record{}))
+		mu.Lock()
+		defer mu.Unlock()
+		if errs == nil {
+			return // Publish already returned on ctx
+		}
+		errs[i] = classify(err)
+		if errors.Is(err, kerr.UnknownTopicOrPartition) {
+			p.known.Delete(records[i].Topic) // deleted since: ask again
+		}
+		finished[i] = true
+		pending--
+		if pending == 0 {
+			close(done)
+		}
+	}
+	for i := range krs {
+		if !finished[i] {
+			p.cl.Produce(ctx, &krs[i], promise)
+		}
 	}
 	select {
 	case <-done:
+		c.put()
 		return errs
 	case <-ctx.Done():
 	}
 	// Records still in flight may yet land: the relay treats them as not
-	// acknowledged and publishes them again later (at least once).
+	// acknowledged and publishes them again later (at least once). The
+	// client still holds them: c is not reused.
 	mu.Lock()
 	defer mu.Unlock()
 	out := errs
@@ -241,6 +257,26 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 		}
 	}
 	return out
+}
+
+// call holds one Publish's records as the client sees them, for reuse by
+// later calls (callPool): a round's kgo.Records were a tenth of the relay's
+// allocations in a drain.
+type call struct {
+	krs     []kgo.Record
+	headers []kgo.RecordHeader
+}
+
+var callPool = sync.Pool{New: func() any { return new(call) }}
+
+// put clears c, so that the pool keeps no keys or values alive and the next
+// call's records start zero (the client fills in a record's timestamp,
+// partition, offset and context), and puts it back in callPool.
+func (c *call) put() {
+	clear(c.krs)
+	clear(c.headers)
+	c.krs, c.headers = c.krs[:0], c.headers[:0]
+	callPool.Put(c)
 }
 
 // unknownTopics asks the cluster, in one metadata request, about the topics
