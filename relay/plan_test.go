@@ -230,6 +230,8 @@ func sqlLiteral(a any) string {
 		return fmt.Sprint(v)
 	case int64:
 		return fmt.Sprint(v)
+	case string:
+		return "'" + strings.ReplaceAll(v, "'", "''") + "'"
 	case []int64:
 		return "'" + pgArray(v) + "'::bigint[]"
 	case []int16:

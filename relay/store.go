@@ -73,6 +73,7 @@ type store struct {
 	lastFull         bool             // the last claim returned a whole round
 	markSQL          string
 	deleteSQL        string
+	deleteRunSQL     string
 	deleteOwnedSQL   string
 	deadSQL          string
 	failSQL          string
@@ -130,6 +131,15 @@ ON CONFLICT (instance, lo) DO UPDATE SET hi = excluded.hi, shards = excluded.sha
 		// deletes nothing, and deleteOwnedSQL decides row by row.
 		deleteSQL: `DELETE FROM ` + outbox + ` o WHERE o.id = ANY($1::bigint[])
     AND (SELECT array_agg(shard ORDER BY shard) FROM ` + shards + ` WHERE owner = $2 AND lease_until > now()) = $3::smallint[]`,
+		// deleteSQL for acknowledged ids that are one run of consecutive
+		// ids, $1 to $2 (a drained backlog's rounds): one range of the
+		// primary key, where "= ANY" descends the index once per id
+		// (PostgreSQL 15): about 0.5 µs of backend CPU per event less.
+		// Every id of the run was acknowledged, so no other row goes. (A
+		// join with unnest(los, his) for several runs was estimated at a
+		// ninth of the table per run: JIT-compiled at 1M rows.)
+		deleteRunSQL: `DELETE FROM ` + outbox + ` o WHERE o.id BETWEEN $1 AND $2
+    AND (SELECT array_agg(shard ORDER BY shard) FROM ` + shards + ` WHERE owner = $3 AND lease_until > now()) = $4::smallint[]`,
 		// Row by row: a hashed subplan of the shards not (or no longer)
 		// held.
 		deleteOwnedSQL: `DELETE FROM ` + outbox + ` o WHERE o.id = ANY($1::bigint[])
@@ -674,17 +684,28 @@ func scanEvents(rows pgx.Rows, out []pendingEvent) ([]pendingEvent, error) {
 	// The topic is read as the driver's bytes and shared by the events of
 	// one topic, and the event ids' text is cut from slabs: not one
 	// allocation per row each.
+	// The destinations are one []any for all rows: Scan's variadic slice
+	// escapes (an interface method), so passing them per row allocated
+	// 160 bytes a row, a tenth of the relay's allocations in a drain.
 	var headers []byte
 	var eventID [16]byte
 	var topic, key, value pgtype.DriverBytes
+	var id, size int64
+	var createdAt time.Time
+	var refusedFor *float64
+	var refusedKind *int16
+	dest := []any{&id, &eventID, &topic, &key, &value, &headers, &createdAt, &refusedFor, &refusedKind, &size}
 	var topics map[string]string
 	var slab, data []byte
 	for rows.Next() {
-		out = append(out, pendingEvent{})
-		e := &out[len(out)-1]
-		if err := rows.Scan(&e.id, &eventID, &topic, &key, &value, &headers, &e.createdAt, &e.refusedFor, &e.refusedKind, &e.size); err != nil {
-			return out[:len(out)-1], err
+		// pgx scans a non-NULL value into a new allocation; nil here
+		// makes sure no event shares the previous one's.
+		refusedFor, refusedKind = nil, nil
+		if err := rows.Scan(dest...); err != nil {
+			return out, err
 		}
+		out = append(out, pendingEvent{id: id, createdAt: createdAt, refusedFor: refusedFor, refusedKind: refusedKind, size: size})
+		e := &out[len(out)-1]
 		e.key, data = copyOut(key, data)
 		e.value, data = copyOut(value, data)
 		if t, ok := topics[string(topic)]; ok {
@@ -789,7 +810,13 @@ func putUUID(b []byte, u [16]byte) {
 func (s *store) finish(ctx context.Context, owner string, shards []int16, acked []int64, dead []deadEvent, failed []failedEvent, round roundKey) (deleted int64, err error) {
 	b := &pgx.Batch{}
 	if len(acked) > 0 {
-		b.Queue(s.deleteSQL, acked, owner, shards).Exec(func(tag pgconn.CommandTag) error {
+		var q *pgx.QueuedQuery
+		if lo, hi, ok := consecutive(acked); ok {
+			q = b.Queue(s.deleteRunSQL, lo, hi, owner, shards)
+		} else {
+			q = b.Queue(s.deleteSQL, acked, owner, shards)
+		}
+		q.Exec(func(tag pgconn.CommandTag) error {
 			deleted = tag.RowsAffected()
 			return nil
 		})
@@ -825,6 +852,21 @@ func (s *store) finish(ctx context.Context, owner string, shards []int16, acked 
 		deleted = tag.RowsAffected()
 	}
 	return deleted, nil
+}
+
+// consecutive reports whether ids, in their order, are the consecutive
+// integers lo to hi: then they are exactly the ids from lo to hi.
+func consecutive(ids []int64) (lo, hi int64, ok bool) {
+	if len(ids) == 0 {
+		return 0, 0, false
+	}
+	lo = ids[0]
+	for i, id := range ids {
+		if id != lo+int64(i) {
+			return 0, 0, false
+		}
+	}
+	return lo, ids[len(ids)-1], true
 }
 
 type deadEvent struct {
