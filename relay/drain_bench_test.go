@@ -95,7 +95,8 @@ func (d drainResult) allCPUPerEvent(n int) float64 {
 // loop,1,4; "4@/path/relay.test" runs four relays of another build of this
 // test binary, to compare two versions of the relay within one run);
 // ONCEFLOW_DRAIN_CPUPROFILE names a directory where each relay
-// process writes a CPU profile.
+// process writes a CPU profile (ONCEFLOW_DRAIN_MEMPROFILE: its
+// allocations).
 //
 //	ONCEFLOW_BENCH_DRAIN=300000,1000000 go test -run '^$' -bench RelayDrainScale -benchtime 1x -timeout 60m ./relay/
 func BenchmarkRelayDrainScale(b *testing.B) {
@@ -519,6 +520,21 @@ func TestDrainRelayProcess(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer pprof.StopCPUProfile()
+	}
+	if dir := os.Getenv("ONCEFLOW_DRAIN_MEMPROFILE"); dir != "" {
+		// The allocations of each relay process over its run (go tool
+		// pprof -sample_index=alloc_space), named after its connections.
+		defer func() {
+			f, err := os.Create(filepath.Join(dir, c.App+".allocs.pprof"))
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			defer f.Close()
+			if err := pprof.Lookup("allocs").WriteTo(f, 0); err != nil {
+				t.Error(err)
+			}
+		}()
 	}
 	if err := r.Run(ctx); err != nil {
 		t.Fatal(err)
