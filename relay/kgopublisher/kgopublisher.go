@@ -218,6 +218,12 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 	base := uintptr(unsafe.Pointer(unsafe.SliceData(krs)))
 	promise := func(kr *kgo.Record, err error) {
 		i := int((uintptr(unsafe.Pointer(kr)) - base) / unsafe.Sizeof(kgo.Record{}))
+		if i < 0 || i >= len(krs) || &krs[i] != kr {
+			// Never: the client hands each promise the record it was
+			// given. Taking another record's outcome could delete an
+			// event that was not published.
+			panic("kgopublisher: a promise for a record this call did not produce")
+		}
 		mu.Lock()
 		defer mu.Unlock()
 		if errs == nil {
