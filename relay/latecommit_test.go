@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"fmt"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -124,52 +125,87 @@ WHERE pid = $1 AND wait_event_type = 'Lock' AND wait_event = 'advisory')`, write
 			}
 		}},
 	} {
-		t.Run(c.name, func(t *testing.T) {
-			t.Parallel()
-			ctx, st, outbox, insert, blocked := claimFloorCase(t)
-			schema := outboxSchema(t, st, outbox)
-			commit := c.take(t, ctx, schema, outbox)
-			if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key)
-SELECT 't', ('k' || (g % 40))::bytea FROM generate_series(1, 2000) g`); err != nil {
-				t.Fatal(err)
+		for _, all := range []bool{false, true} {
+			name := c.name + ", from the floor beside a blocked key"
+			if all {
+				name = c.name + ", every shard owned and none blocked, a read-ahead"
 			}
-			after := insert(st.pool, "late-key") // the late key's next event, committed first
-			claim := func(what string) []int64 {
-				t.Helper()
-				if stmts := st.claimStatements(everyShard(), 50, blocked, nil); !stmts[0].floor {
-					t.Fatalf("%s: the free shards are not read from their floor", what)
+			t.Run(name, func(t *testing.T) {
+				t.Parallel()
+				ctx, st, outbox, insert, blocked := claimFloorCase(t)
+				if all {
+					// One relay draining every shard: the primary key in
+					// id order (claimAllQuery), each claim leaving out the
+					// round still in flight.
+					if _, err := st.pool.Exec(ctx, `DELETE FROM `+outbox+` WHERE key = 'stuck'`); err != nil {
+						t.Fatal(err)
+					}
+					blocked = nil
 				}
-				got := claimedIDs(t, st, everyShard(), 50, blocked, nil)
-				if want := oldestFree(t, st, outbox, 50, nil); !slices.Equal(got, want) {
-					t.Fatalf("%s read %v, want %v", what, got, want)
-				}
-				if slices.Contains(got, after) {
-					t.Fatalf("%s read the late key's event %d before its earlier one", what, after)
-				}
-				if _, err := st.pool.Exec(ctx, `DELETE FROM `+outbox+` WHERE id = ANY($1)`, got); err != nil {
+				schema := outboxSchema(t, st, outbox)
+				commit := c.take(t, ctx, schema, outbox)
+				if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key)
+SELECT 't', ('k' || (g % 40))::bytea FROM generate_series(1, 4000) g`); err != nil {
 					t.Fatal(err)
 				}
-				return got
-			}
-			// Floor reads while the late id is held, long enough for
-			// anything carried from claim to claim to settle (a claim a
-			// few milliseconds apart, as a relay draining a backlog).
-			for i := range 24 {
-				claim(fmt.Sprintf("claim %d", i))
-				time.Sleep(2 * time.Millisecond)
-			}
-			lateID := commit()
-			if base := st.floorBase(); base <= lateID {
-				t.Fatalf("floor base %d, want one above the late id %d for this test", base, lateID)
-			}
-			got := claimedIDs(t, st, everyShard(), 50, blocked, nil)
-			if want := oldestFree(t, st, outbox, 50, nil); !slices.Equal(got, want) {
-				t.Fatalf("claim after the late commit read %v, want %v", got, want)
-			}
-			if len(got) == 0 || got[0] != lateID {
-				t.Fatalf("claim after the late commit read %v, want the late event %d first", got, lateID)
-			}
-		})
+				after := insert(st.pool, "late-key") // the late key's next event, committed first
+				var inFlight []int64
+				claim := func(what string, shape bool) []int64 {
+					t.Helper()
+					var excluded []int64
+					if all {
+						excluded = slices.Clone(inFlight)
+					}
+					stmts := st.claimStatements(everyShard(), 50, blocked, slices.Clone(excluded))
+					switch {
+					case !shape:
+					case !all && !stmts[0].floor:
+						t.Fatalf("%s: the free shards are not read from their floor", what)
+					case all && (len(stmts) != 1 || stmts[0].floor || strings.Contains(stmts[0].sql, "o.shard")):
+						t.Fatalf("%s: not read through the primary key in id order", what)
+					}
+					got := claimedIDs(t, st, everyShard(), 50, blocked, slices.Clone(excluded))
+					if want := oldestFree(t, st, outbox, 50, excluded); !slices.Equal(got, want) {
+						t.Fatalf("%s read %v, want %v", what, got, want)
+					}
+					if slices.Contains(got, after) {
+						t.Fatalf("%s read the late key's event %d before its earlier one", what, after)
+					}
+					// The round before lands; this one is in flight.
+					land := got
+					if all {
+						land, inFlight = inFlight, got
+					}
+					if _, err := st.pool.Exec(ctx, `DELETE FROM `+outbox+` WHERE id = ANY($1)`, land); err != nil {
+						t.Fatal(err)
+					}
+					return got
+				}
+				// Claims while the late id is held, long enough for
+				// anything carried from claim to claim to settle (a
+				// claim a few milliseconds apart, as a relay draining a
+				// backlog).
+				for i := range 24 {
+					claim(fmt.Sprintf("claim %d", i), true)
+					time.Sleep(2 * time.Millisecond)
+				}
+				lateID := commit()
+				if base := st.floorBase(); !all && base <= lateID {
+					t.Fatalf("floor base %d, want one above the late id %d for this test", base, lateID)
+				}
+				got := claim("claim after the late commit", false)
+				if len(got) == 0 || got[0] != lateID {
+					t.Fatalf("claim after the late commit read %v, want the late event %d first", got, lateID)
+				}
+				// And claim after claim: whatever a claim carries over
+				// (a floor proof, once the late id's transaction has
+				// ended) reads the oldest pending events.
+				for i := range 24 {
+					claim(fmt.Sprintf("claim %d after the late commit", i), false)
+					time.Sleep(2 * time.Millisecond)
+				}
+			})
+		}
 	}
 }
 
