@@ -64,6 +64,20 @@ type floorProof struct {
 
 func (p *floorProof) holds(sh int16) bool { return p.sure[sh/64]&(1<<(sh%64)) != 0 }
 
+// holdsAll reports whether the proof holds every shard: no row below C is
+// pending, nor ever will be, and a claimAllQuery read may start at C.
+func (p *floorProof) holdsAll() bool {
+	if p.below == 0 {
+		return false
+	}
+	for _, w := range p.sure {
+		if w != ^uint64(0) {
+			return false
+		}
+	}
+	return true
+}
+
 // proving is a floor proof under way.
 type proving struct {
 	state  int      // proofHolders, proofWaiting or proofConfirm

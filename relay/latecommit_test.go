@@ -293,3 +293,54 @@ SELECT 't', ('k' || (g % 40))::bytea FROM generate_series(1, 2000) g`); err != n
 		t.Fatalf("claim read %v, want the six old events of the shards come free first", got)
 	}
 }
+
+// One relay draining every shard with nothing blocked reads through the
+// primary key in id order. Once no transaction that took an id below the
+// rounds is left, a floor proof holds every shard and the claims start at
+// its id (the dead entries of the rows the drain deleted are not walked),
+// and read the same rounds; the proof's id follows the rounds.
+func TestClaimAllStartsAtAFloorProofThatHoldsEveryShard(t *testing.T) {
+	t.Parallel()
+	ctx, st, schema, _ := claimSetup(t)
+	outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
+	if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key)
+SELECT 't', ('k' || g)::bytea FROM generate_series(1, 6000) g`); err != nil {
+		t.Fatal(err)
+	}
+	var inFlight []int64
+	var bounds []int64
+	for i := 0; ; i++ {
+		stmts := st.claimStatements(everyShard(), 50, nil, slices.Clone(inFlight))
+		if len(stmts) != 1 || !stmts[0].all {
+			t.Fatalf("claim %d: not read through the primary key in id order", i)
+		}
+		if st.proof.holdsAll() {
+			bound := stmts[0].args[len(stmts[0].args)-1].(int64)
+			if bound != st.proof.below {
+				t.Fatalf("claim %d: starts at %d, want the proof's %d", i, bound, st.proof.below)
+			}
+			if len(bounds) == 0 || bounds[len(bounds)-1] != bound {
+				bounds = append(bounds, bound)
+			}
+		}
+		got := claimedIDs(t, st, everyShard(), 50, nil, slices.Clone(inFlight))
+		if want := oldestFree(t, st, outbox, 50, inFlight); !slices.Equal(got, want) {
+			t.Fatalf("claim %d read %v, want %v", i, got, want)
+		}
+		if len(got) == 0 {
+			break
+		}
+		if _, err := st.pool.Exec(ctx, `DELETE FROM `+outbox+` WHERE id = ANY($1)`, inFlight); err != nil {
+			t.Fatal(err)
+		}
+		inFlight = got
+	}
+	// 120 rounds: a proof at least every claimProofEvery claims or so.
+	if len(bounds) < 5 {
+		t.Fatalf("the claims started at floor proofs' ids %v, want one following the rounds", bounds)
+	}
+	if !slices.IsSorted(bounds) {
+		t.Fatalf("the proofs' ids %v went back", bounds)
+	}
+	t.Logf("the claims started at %v", bounds)
+}

@@ -47,11 +47,11 @@ type store struct {
 	// than that goes alone); 0 means no bound.
 	maxBytes int64
 
-	claimAllSQL    [2]string // every shard owned, none blocked: [excluded ids form one run]
-	claimAllLimit  int       // claimAllSQL's limit
-	claimShards    []int16   // the shards claimShardsSQL reads (sorted)
-	claimShardsSQL string    // the other shards, one index range each
-	claimInner     int       // claimShardsSQL's limits
+	claimAllSQL    [2][2]string // every shard owned, none blocked: [excluded ids form one run][under a floor proof]
+	claimAllLimit  int          // claimAllSQL's limit
+	claimShards    []int16      // the shards claimShardsSQL reads (sorted)
+	claimShardsSQL string       // the other shards, one index range each
+	claimInner     int          // claimShardsSQL's limits
 	claimLimit     int
 	claimFreeSQL   string // many free shards (claimFreeQuery), for claimFreeLimit
 	claimFreeLimit int
@@ -266,7 +266,15 @@ const keyHashSQL = `substring(sha256(coalesce(o.key, uuid_send(o.event_id))) FRO
 // The limit is a literal: with "LIMIT $n" PostgreSQL planned every claim
 // afresh (a custom plan each time, 0.3 ms), where with the literal it keeps
 // the generic plan after five (the same plan).
-func claimAllQuery(outbox string, run bool, limit int) string {
+//
+// With bounded, the read starts at an id C (the last parameter: $2, or $3
+// with run), the id of a floor proof that holds every shard
+// (claimproof.go): no row below C is pending or ever will be, so the read
+// is the same, but it descends to C once instead of walking from the
+// index's left edge past every entry deleted since the last vacuum (one
+// buffer per ~370 deleted rows: 4,000 buffers a claim 1.5M rows into a
+// drain, where autovacuum never runs).
+func claimAllQuery(outbox string, run, bounded bool, limit int) string {
 	read := func(where string) string {
 		return `SELECT ` + claimColumns + `
 FROM ` + outbox + ` o
@@ -275,12 +283,19 @@ ORDER BY o.id
 LIMIT ` + strconv.Itoa(limit)
 	}
 	if !run {
+		if bounded {
+			return read(`o.id >= $2 AND o.id NOT IN (SELECT unnest($1::bigint[]))`)
+		}
 		return read(`o.id NOT IN (SELECT unnest($1::bigint[]))`)
 	}
+	below, above := `o.id < $1`, `o.id > $2`
+	if bounded {
+		below, above = `o.id >= $3 AND `+below, `o.id >= $3 AND `+above
+	}
 	return `SELECT * FROM (
-(` + read(`o.id < $1`) + `)
+(` + read(below) + `)
 UNION ALL
-(` + read(`o.id > $2`) + `)
+(` + read(above) + `)
 ) AS round
 ORDER BY id
 LIMIT ` + strconv.Itoa(limit)
@@ -361,9 +376,10 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 			read[i][1] = len(out)
 			return err
 		})
-		floor = floor || st.floor
+		floor = floor || st.floor || st.all
 	}
 	if floor {
+		// Floor reads and claimAll reads alike keep a floor proof going.
 		if err := s.proofSequence(ctx); err != nil {
 			return nil, err
 		}
@@ -378,6 +394,9 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 	var floorFrom int64 // the lowest id a floor read read, 0 if none
 	for i := range stmts {
 		st := &stmts[i]
+		if st.all && read[i][1] > read[i][0] {
+			floorFrom = out[read[i][0]].id // in id order; what the byte bound keeps starts there too
+		}
 		if st.exact != nil {
 			// A guarded read, the claim's only statement (claimAll): bound
 			// it here; if the bound keeps an event it withheld, read
@@ -479,6 +498,9 @@ type statement struct {
 	// short: read instead if this read comes short (claimFloorQuery).
 	short *statement
 	floor bool // a claimFloorQuery read
+	// all: a claimAllQuery read; like a floor read, it records the
+	// lowest id it read (store.noteFloor) and carries a floor proof on.
+	all bool
 	// exact: read instead if this guarded read (guardBytes) withheld an
 	// event the byte bound keeps.
 	exact *statement
@@ -529,12 +551,23 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 	switch {
 	case len(free) == NumShards:
 		if limit != s.claimAllLimit {
-			s.claimAllSQL = [2]string{claimAllQuery(s.outbox, false, limit), claimAllQuery(s.outbox, true, limit)}
+			for run := range 2 {
+				for bounded := range 2 {
+					s.claimAllSQL[run][bounded] = claimAllQuery(s.outbox, run == 1, bounded == 1, limit)
+				}
+			}
 			s.claimAllLimit = limit
 		}
-		st := statement{sql: s.claimAllSQL[0], args: []any{excluded}}
+		bounded := 0
+		if s.proof.holdsAll() {
+			bounded = 1
+		}
+		st := statement{sql: s.claimAllSQL[0][bounded], args: []any{excluded}, all: true}
 		if runLo, runHi, ok := oneRun(excluded); ok {
-			st = statement{sql: s.claimAllSQL[1], args: []any{runLo, runHi}}
+			st = statement{sql: s.claimAllSQL[1][bounded], args: []any{runLo, runHi}, all: true}
+		}
+		if bounded == 1 {
+			st.args = append(st.args, s.proof.below)
 		}
 		if share := s.maxBytes / int64(limit); s.maxBytes > 0 && share >= minGuardShare && s.exactOff == 0 {
 			exact := boundBytes(st, s.maxBytes)
