@@ -46,13 +46,19 @@ import (
 //
 // A floor read then descends only the free shards the proof does not hold,
 // with C for its base, and reads exactly what it would read with every
-// descent from that base. Ids must come from the identity in the
+// descent from that base. A claimAllQuery read (one relay, every shard,
+// nothing blocked) starts at C when the proof holds every shard: nothing
+// is pending below C, so it reads the same round, but descends to C once
+// instead of walking the index entries of every row deleted since the last
+// vacuum from the left edge (a dead prefix that grows with the backlog
+// drained: autovacuum does not run within a drain). Ids must come from the identity in the
 // transaction that inserts the row (GENERATED ALWAYS; OVERRIDING SYSTEM
 // VALUE with an id taken by another, ended transaction, or setval
 // backwards, defeats it as it defeats any order of ids).
 //
 // Each step is one statement added to a claim's batch (no round trip of
-// its own), and only claims that read from the floor take them; pg_locks
+// its own), and only floor reads and claimAllQuery reads take them (a
+// "floor read" below is either: each records the lowest id it read); pg_locks
 // (which takes every lock-table partition's lock; 0.07-0.15 ms here) is read at the start and then at most once per floor read while
 // waiting (backing off to every claimProofEvery-th), and a new proof is
 // started at most every claimProofEvery floor reads, once the reads have
@@ -127,7 +133,8 @@ FROM pg_database d WHERE d.datname = current_database()`, s.outbox).Scan(&seq, &
 
 // queueFloorProof adds this claim's step of a floor proof to b, with what
 // to do with its answer, if one is due. Called for claims that read from
-// the floor, after the claim's own statements are queued.
+// the floor or through claimAllQuery, after the claim's own statements are
+// queued.
 func (s *store) queueFloorProof(b *pgx.Batch) {
 	if s.seqName == "" {
 		return

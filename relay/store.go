@@ -219,7 +219,8 @@ FROM crashed c WHERE o.id BETWEEN c.lo AND c.hi AND o.shard = ANY(c.shards)`,
 // shards' backlog, or with a blocked key's backlog. Three shapes:
 //
 //   - The relay owns every shard and no key is blocked (one relay): the
-//     primary key in id order (claimAllQuery), no shard filter at all.
+//     primary key in id order (claimAllQuery), no shard filter at all,
+//     from a floor proof's id when one holds every shard (claimproof.go).
 //   - Otherwise each owned shard without a blocked key is one index range
 //     of outbox_shard_id_idx, (shard, id). Up to a quarter of the shards,
 //     PostgreSQL merges them in id order (a Merge Append that reads each
