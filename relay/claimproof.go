@@ -51,8 +51,9 @@ import (
 // is pending below C, so it reads the same round, but descends to C once
 // instead of walking the index entries of every row deleted since the last
 // vacuum from the left edge (a dead prefix that grows with the backlog
-// drained: autovacuum does not run within a drain). Ids must come from the identity in the
-// transaction that inserts the row (GENERATED ALWAYS; OVERRIDING SYSTEM
+// drained: autovacuum does not run within a drain).
+//
+// Ids must come from the identity in the transaction that inserts the row (GENERATED ALWAYS; OVERRIDING SYSTEM
 // VALUE with an id taken by another, ended transaction, or setval
 // backwards, defeats it as it defeats any order of ids).
 //
