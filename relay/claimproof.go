@@ -53,9 +53,10 @@ import (
 // vacuum from the left edge (a dead prefix that grows with the backlog
 // drained: autovacuum does not run within a drain).
 //
-// Ids must come from the identity in the transaction that inserts the row (GENERATED ALWAYS; OVERRIDING SYSTEM
-// VALUE with an id taken by another, ended transaction, or setval
-// backwards, defeats it as it defeats any order of ids).
+// Ids must come from the identity in the transaction that inserts the
+// row (GENERATED ALWAYS; OVERRIDING SYSTEM VALUE with an id taken by
+// another, ended transaction, or setval backwards, defeats it as it
+// defeats any order of ids).
 //
 // Each step is one statement added to a claim's batch (no round trip of
 // its own), and only floor reads and claimAllQuery reads take them (a
