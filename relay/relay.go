@@ -507,7 +507,13 @@ type prefetch struct {
 // order and stop at the first failure.
 func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (roundResult, *prefetch, error) {
 	start := time.Now()
-	r.liftCeiling()
+	if r.liftCeiling() && ahead != nil {
+		// The read ahead left out the events the ceilings stopped and
+		// may hold later events of their keys: without the ceilings,
+		// those would go out first (G3). Read afresh instead.
+		r.forgetRound(ctx, ahead.round)
+		ahead = nil
+	}
 	if r.sickCount > 0 {
 		r.forgetUnprobedSick()
 	}
@@ -959,15 +965,19 @@ func (r *Relay) belowCeiling(events []pendingEvent) []pendingEvent {
 
 // liftCeiling lifts the ceilings once the held keys are down to half of
 // Config.MaxHeldKeys: the events above them are read again, each key's from
-// its first pending one (the failed one).
-func (r *Relay) liftCeiling() {
+// its first pending one (the failed one). It reports whether reads left out
+// events the ceilings stopped (r.skipped) until now: a read made before
+// (a read-ahead) may hold their keys' later events, read past them.
+func (r *Relay) liftCeiling() (skipped bool) {
 	if (r.ceilingAll != 0 || len(r.ceilings) > 0) && len(r.blocked) <= r.cfg.MaxHeldKeys/2 {
 		r.log.Info("relay: held keys are down to half their cap; reading on", "held_keys", len(r.blocked), "partitions", len(r.ceilings))
+		skipped = len(r.skipped) > 0
 		r.ceilingAll = 0
 		clear(r.ceilings)
 		r.skipped = r.skipped[:0]
 		clear(r.skippedKeys)
 	}
+	return skipped
 }
 
 // withSkipped returns excluded plus the events a ceiling stopped
