@@ -243,6 +243,22 @@ func (s *store) noteFloor(from int64) {
 	s.floorFrom = append(s.floorFrom, from)
 }
 
+// floorShape starts the floor reads' history (floorFrom, and the floor
+// proof drawn from it) over when a claim's read changes between the two
+// shapes that keep one: all, a claimAllQuery read, and a claimFloorQuery
+// read. A claimAll read starts at the oldest pending event, a key's that is
+// about to be blocked among them; the floor reads that follow once it is
+// must not take those ids for their base, nor for a proof's id: they would
+// walk that key's events from there, come short of the round and send the
+// next claimFloorOff claims to the free shards' shares.
+func (s *store) floorShape(all bool) {
+	if len(s.floorFrom) > 0 && s.floorFromAll != all {
+		s.floorFrom = s.floorFrom[:0]
+		s.proof, s.proving = floorProof{}, nil
+	}
+	s.floorFromAll = all
+}
+
 // floorCameShort reports whether rows, a claimFloorQuery read of a round
 // of limit, may have stopped short of the round for its walk's bound (not
 // for the round's byte bound: then the next row would not have fitted, as

@@ -128,6 +128,9 @@ FROM generate_series(1, 1000000) g`); err != nil {
 			if c.base != 0 {
 				st.floorFrom = []int64{c.base}
 			}
+			// The base and the proof come from reads of the claim's own
+			// shape (floorShape).
+			st.floorFromAll = c.blocked == nil && len(c.owned) == NumShards
 			st.proof = floorProof{}
 			if c.proof {
 				st.proof.below = c.base

@@ -57,6 +57,7 @@ type store struct {
 	claimFreeLimit int
 	claimFloorSQL  [claimFloorSkips + 1]string // nearly every shard free (claimFloorQuery, by runs stepped over), for claimFreeLimit
 	floorFrom      []int64                     // see floorBase
+	floorFromAll   bool                        // floorFrom holds claimAll reads' ids (floorShape)
 	proof          floorProof                  // see floorProof
 	proving        *proving                    // a floor proof under way
 	proofWait      int                         // floor reads before another proof may start
@@ -559,6 +560,7 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 			}
 			s.claimAllLimit = limit
 		}
+		s.floorShape(true)
 		bounded := 0
 		if s.proof.holdsAll() {
 			bounded = 1
@@ -588,6 +590,7 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 		ks := s.freeKs(free, limit)
 		shares := statement{sql: s.claimFreeSQL, args: []any{free, ks, excluded}, free: free, ks: ks}
 		if s.lastFull && NumShards-len(free) <= claimFloorMaxOut && s.floorOff == 0 {
+			s.floorShape(false)
 			descend, base := s.descents(free, s.floorBase())
 			args := []any{descend, notIn(free), rest, base}
 			for _, r := range runs {
