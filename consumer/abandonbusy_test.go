@@ -91,14 +91,8 @@ func TestStopEndsTheStatementOfAnAbandonedHandler(t *testing.T) {
 	}
 
 	// Delivered again: processed at once, exactly once.
-	p2, err := consumer.New(b.pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
-		return b.record(ctx, tx, "ledger", m)
-	}, &consumer.Config{Schema: b.schema})
-	if err != nil {
-		t.Fatal(err)
-	}
-	tr2 := &memTransport{}
-	defer start(t, p2, tr2, msg(1, "m1", "")).Stop(ctx)
+	tr2, part2 := redeliver(t, b, msg(1, "m1", ""))
+	defer part2.Stop(ctx)
 	waitFor(t, 10*time.Second, "the redelivery marked done", func() bool { return tr2.lastMark() == 1 })
 	waitFor(t, 10*time.Second, "the abandoned handler's connection back", func() bool { return pool.Stat().AcquiredConns() == 0 })
 	checkAbandonedOnce(t, b, tr, 2)

@@ -199,3 +199,17 @@ func (c *counter) get(o consumer.Outcome) int {
 	defer c.mu.Unlock()
 	return c.outcomes[o]
 }
+
+// redeliver hands m again to a new "ledger" Processor on b's pool, as Kafka
+// does after a rebalance, and returns its transport and partition.
+func redeliver(t *testing.T, b *bundle, m consumer.Message) (*memTransport, *consumer.Partition) {
+	t.Helper()
+	p, err := consumer.New(b.pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		return b.record(ctx, tx, "ledger", m)
+	}, &consumer.Config{Schema: b.schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := &memTransport{}
+	return tr, start(t, p, tr, m)
+}

@@ -691,14 +691,8 @@ func TestStopClosesTheConnectionOfAnAbandonedHandler(t *testing.T) {
 				return n == 0
 			})
 			// Delivered again: a Processor of the same name on another pool.
-			p2, err := consumer.New(b.pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
-				return b.record(ctx, tx, "ledger", m)
-			}, &consumer.Config{Schema: b.schema})
-			if err != nil {
-				t.Fatal(err)
-			}
-			tr2 := &memTransport{}
-			defer start(t, p2, tr2, msg(1, "m1", "")).Stop(ctx)
+			tr2, part2 := redeliver(t, b, msg(1, "m1", ""))
+			defer part2.Stop(ctx)
 			waitFor(t, 10*time.Second, "the redelivery marked done while the abandoned handler runs", func() bool { return tr2.lastMark() == 1 })
 			if n := pool.Stat().AcquiredConns(); n != 1 {
 				t.Errorf("connections held = %d, want 1 (the abandoned handler's, until it returns)", n)

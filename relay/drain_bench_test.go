@@ -626,11 +626,16 @@ func (t *stmtTracer) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, _ pgx.Trace
 }
 
 func (t *stmtTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
-	names := make([]string, 0, d.Batch.Len())
-	for _, q := range d.Batch.QueuedQueries {
+	return context.WithValue(ctx, traceKey{}, &traceStart{name: batchName(d.Batch), start: time.Now()})
+}
+
+// batchName names a batch by its statements' names, in order.
+func batchName(b *pgx.Batch) string {
+	names := make([]string, 0, b.Len())
+	for _, q := range b.QueuedQueries {
 		names = append(names, stmtName(q.SQL))
 	}
-	return context.WithValue(ctx, traceKey{}, &traceStart{name: "batch[" + strings.Join(names, " | ") + "]", start: time.Now()})
+	return "batch[" + strings.Join(names, " | ") + "]"
 }
 
 func (t *stmtTracer) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}

@@ -8,9 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/onceflow/onceflow/internal/pgtest"
 	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/relay"
 )
@@ -45,17 +43,7 @@ func (c *claimCounter) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchE
 // key's retries.
 func TestRelayWithOnlyAHeldKeysEventsPendingDoesNotReadEveryProbe(t *testing.T) {
 	b := setup(t)
-	cfg, err := pgxpool.ParseConfig(pgtest.URL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	counter := &claimCounter{}
-	cfg.ConnConfig.Tracer = counter
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
+	pool, counter := countingPool(t)
 
 	b.write(t, outbox.Message{Topic: "no-such-topic-review", Key: []byte("k"), Value: []byte("1")})
 	b.startRelayWith(t, pool, b.publisher(t), relay.Config{

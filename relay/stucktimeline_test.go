@@ -43,11 +43,7 @@ func (t *timeline) TraceQueryEnd(ctx context.Context, c *pgx.Conn, d pgx.TraceQu
 }
 
 func (t *timeline) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
-	names := make([]string, 0, d.Batch.Len())
-	for _, q := range d.Batch.QueuedQueries {
-		names = append(names, stmtName(q.SQL))
-	}
-	return context.WithValue(ctx, tlKey{}, &tlStart{name: "batch[" + strings.Join(names, " | ") + "]", start: time.Now()})
+	return context.WithValue(ctx, tlKey{}, &tlStart{name: batchName(d.Batch), start: time.Now()})
 }
 
 func (t *timeline) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
