@@ -108,7 +108,6 @@ func BenchmarkRelayStuckKey(b *testing.B) {
 	if n, err := strconv.Atoi(os.Getenv("ONCEFLOW_BENCH_STUCK_OTHERS")); err == nil && n > 0 {
 		others = n
 	}
-	ctx := context.Background()
 	for range b.N {
 		bu := setupBench(b)
 		topic := bu.kafka.Topic(b, 8)
@@ -116,15 +115,7 @@ func BenchmarkRelayStuckKey(b *testing.B) {
 		for range benchRounds {
 			rate := map[bool]float64{}
 			for _, withStuck := range []bool{true, false} {
-				bu.schema = pgtest.Schema(b)
-				table := pgx.Identifier{bu.schema, "outbox"}.Sanitize()
-				if withStuck {
-					if _, err := pgtest.Pool(b).Exec(ctx, `INSERT INTO `+table+` (topic, key, value)
-SELECT 'stuck', 'stuck'::bytea, convert_to(repeat('x', 256), 'UTF8') FROM generate_series(1, $1)`, stuck); err != nil {
-						b.Fatal(err)
-					}
-				}
-				fillN(b, bu.schema, topic, others)
+				fillStuckBench(b, bu, topic, withStuck, stuck, others)
 				drained := &drainObserver{want: int64(others), done: make(chan struct{})}
 				pub := &refusingPublisher{Publisher: bu.publisher(b), topic: "stuck"}
 				start := time.Now()
@@ -148,6 +139,22 @@ SELECT 'stuck', 'stuck'::bytea, convert_to(repeat('x', 256), 'UTF8') FROM genera
 			others, stuck, benchRounds, median(with), rates(with, 1), median(without), rates(without, 1), median(ratios), rates(ratios, 100))
 		b.ReportMetric(median(ratios), "with/without-stuck")
 	}
+}
+
+// fillStuckBench makes a fresh schema for bu holding, with withStuck, stuck
+// events of the key "stuck" (topic "stuck", the refusingPublisher's) first,
+// then others events over 1,000 keys of topic.
+func fillStuckBench(b *testing.B, bu *bundle, topic string, withStuck bool, stuck, others int) {
+	b.Helper()
+	bu.schema = pgtest.Schema(b)
+	if withStuck {
+		table := pgx.Identifier{bu.schema, "outbox"}.Sanitize()
+		if _, err := pgtest.Pool(b).Exec(context.Background(), `INSERT INTO `+table+` (topic, key, value)
+SELECT 'stuck', 'stuck'::bytea, convert_to(repeat('x', 256), 'UTF8') FROM generate_series(1, $1)`, stuck); err != nil {
+			b.Fatal(err)
+		}
+	}
+	fillN(b, bu.schema, topic, others)
 }
 
 // refusingPublisher fails every record of topic with a retriable error

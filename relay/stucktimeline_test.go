@@ -120,15 +120,7 @@ func BenchmarkStuckKeyTimeline(b *testing.B) {
 	firstAck := map[bool][]float64{}
 	drain := map[bool][]float64{}
 	for _, withStuck := range order {
-		bu.schema = pgtest.Schema(b)
-		table := pgx.Identifier{bu.schema, "outbox"}.Sanitize()
-		if withStuck {
-			if _, err := pgtest.Pool(b).Exec(ctx, `INSERT INTO `+table+` (topic, key, value)
-SELECT 'stuck', 'stuck'::bytea, convert_to(repeat('x', 256), 'UTF8') FROM generate_series(1, $1)`, stuck); err != nil {
-				b.Fatal(err)
-			}
-		}
-		fillN(b, bu.schema, topic, others)
+		fillStuckBench(b, bu, topic, withStuck, stuck, others)
 		tl := &timeline{}
 		cfg, err := pgxpool.ParseConfig(pgtest.URL(b))
 		if err != nil {
