@@ -542,3 +542,66 @@ func TestConsecutive(t *testing.T) {
 		}
 	}
 }
+
+// Beside a blocked key, the floor read is guarded as one relay's claim is
+// (its values withheld above a round's share, no running sum): the claim
+// bounds the round the floor read and the blocked shard's read make
+// together, and claims again exactly when the bound keeps an event the
+// floor read withheld.
+func TestGuardedFloorReadBesideABlockedKeyBoundsBytesAndReadsWithheldEventsExactly(t *testing.T) {
+	t.Parallel()
+	ctx, st, schema, _ := claimSetup(t)
+	insert := func(key string, size int) int64 { return insertSized(t, st, schema, key, size) }
+	stuckFirst := insert("stuck", 100)
+	insert("stuck", 100)
+	var small []int64
+	for i := range 3 {
+		small = append(small, insert(fmt.Sprint("k", i), 100))
+	}
+	big := insert("k0", 30_000)                                   // above the bound
+	small = append(small, insert("k1", 100), insert("k2", 5_000)) // the second above a round's share
+	insert("stuck", 100)
+	st.maxBytes = 20_000 // a share of 2,000 bytes in a round of 10
+	blocked := []keyBlock{{key: []byte("stuck"), firstID: stuckFirst}}
+	st.lastFull = true // a backlog draining: the free shards are read from the floor
+	stmts := st.claimStatements(everyShard(), 10, blocked, nil)
+	var floor *statement
+	for i := range stmts {
+		if stmts[i].floor {
+			floor = &stmts[i]
+		}
+	}
+	if floor == nil || !floor.guarded || strings.Contains(floor.sql, "OVER") {
+		t.Fatalf("the floor read beside a blocked key is not guarded: %+v", stmts)
+	}
+	for _, c := range []struct {
+		name      string
+		excluded  []int64
+		want      []int64
+		wantSizes []int
+		exactOff  int
+	}{
+		{"small events, cut before one above the bound, on the client", nil, small[:3], []int{100, 100, 100}, 0},
+		{"the event above the bound alone, claimed again exactly", small[:3], []int64{big}, []int{30_000}, claimExactOff - 1},
+		{"then exactly for a while", append(slices.Clone(small[:3]), big), small[3:], []int{100, 5_000}, claimExactOff - 2},
+	} {
+		st.lastFull = true
+		events, err := st.claim(ctx, "me", everyShard(), 10, blocked, c.excluded)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids, sizes := make([]int64, len(events)), make([]int, len(events))
+		for i, e := range events {
+			ids[i], sizes[i] = e.id, len(e.value)
+			if e.withheld || len(e.key) == 0 {
+				t.Errorf("%s: event %d came without its key or value", c.name, e.id)
+			}
+		}
+		if !slices.Equal(ids, c.want) || !slices.Equal(sizes, c.wantSizes) {
+			t.Errorf("%s: read %v of sizes %v, want %v of sizes %v", c.name, ids, sizes, c.want, c.wantSizes)
+		}
+		if st.exactOff != c.exactOff {
+			t.Errorf("%s: %d exact claims to go, want %d", c.name, st.exactOff, c.exactOff)
+		}
+	}
+}
