@@ -250,3 +250,39 @@ SELECT 't', ('k' || (g % 40))::bytea FROM generate_series(1, 600) g`); err != ni
 		}
 	}
 }
+
+// Whatever the runs of ids in flight it steps over (none, a few, every
+// slot taken, more runs than slots), a floor read reads exactly the oldest
+// events that are neither excluded nor the blocked key's.
+func TestClaimFromTheFloorReadsTheSameWhateverTheRunsInFlight(t *testing.T) {
+	t.Parallel()
+	ctx, st, outbox, _, blocked := claimFloorCase(t)
+	if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key)
+SELECT 't', ('k' || (g % 40))::bytea FROM generate_series(1, 2000) g`); err != nil {
+		t.Fatal(err)
+	}
+	all := oldestFree(t, st, outbox, 2000, nil)
+	for _, runs := range []int{0, 1, 3, claimFloorSkips, claimFloorSkips + 5} {
+		// runs of 20 ids in flight, 30 apart, and a few single ids
+		var excluded []int64
+		for r := range runs {
+			for i := range 20 {
+				excluded = append(excluded, all[50*r+i])
+			}
+		}
+		excluded = append(excluded, all[1950], all[1960])
+		if got, _ := skipRuns(slices.Clone(excluded)); len(got) != min(runs, claimFloorSkips) {
+			t.Fatalf("%d runs in flight make %d runs to step over", runs, len(got))
+		}
+		st.floorFrom = []int64{all[0]}
+		st.lastFull = true
+		got := claimedIDs(t, st, everyShard(), 500, blocked, excluded)
+		want := oldestFree(t, st, outbox, 500, excluded)
+		if !slices.Equal(got, want) {
+			t.Fatalf("%d runs in flight: claim read %v, want %v", runs, got, want)
+		}
+		if len(st.floorFrom) == 0 {
+			t.Fatalf("%d runs in flight: the claim was not a floor read", runs)
+		}
+	}
+}
