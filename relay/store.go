@@ -468,7 +468,7 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 		adapt = st.short
 	}
 	if len(stmts) > 1 || len(blockedKeys) > 0 || guarded {
-		slices.SortFunc(out, func(a, b pendingEvent) int { return cmp.Compare(a.id, b.id) })
+		out = sortByID(out)
 		if len(out) > limit {
 			out = out[:limit]
 		}
@@ -921,6 +921,45 @@ func (s *store) finish(ctx context.Context, owner string, shards []int16, acked 
 		deleted = tag.RowsAffected()
 	}
 	return deleted, nil
+}
+
+// sortByID returns events in id order. A claim's statements each read in
+// id order, so events is a few sorted runs, merged here: sorting them
+// moved the 150-byte events about (a tenth of a claim's own CPU beside a
+// stuck key).
+func sortByID(events []pendingEvent) []pendingEvent {
+	var starts []int
+	for i := 1; i < len(events); i++ {
+		if events[i].id < events[i-1].id {
+			if starts = append(starts, i); len(starts) > 3 {
+				slices.SortFunc(events, func(a, b pendingEvent) int { return cmp.Compare(a.id, b.id) })
+				return events
+			}
+		}
+	}
+	if len(starts) == 0 {
+		return events
+	}
+	runs := make([][]pendingEvent, 0, len(starts)+1)
+	from := 0
+	for _, at := range append(starts, len(events)) {
+		runs = append(runs, events[from:at])
+		from = at
+	}
+	out := make([]pendingEvent, 0, len(events))
+	for {
+		best := -1
+		for r := range runs {
+			if len(runs[r]) > 0 && (best < 0 || runs[r][0].id < runs[best][0].id) {
+				best = r
+			}
+		}
+		if best < 0 {
+			return out
+		}
+		out = append(out, runs[best][0])
+		runs[best] = runs[best][1:]
+	}
 }
 
 // consecutive reports whether ids, in their order, are the consecutive

@@ -605,3 +605,39 @@ func TestGuardedFloorReadBesideABlockedKeyBoundsBytesAndReadsWithheldEventsExact
 		}
 	}
 }
+
+func TestSortByID(t *testing.T) {
+	ids := func(es []pendingEvent) []int64 {
+		out := make([]int64, len(es))
+		for i := range es {
+			out[i] = es[i].id
+		}
+		return out
+	}
+	events := func(ids ...int64) []pendingEvent {
+		out := make([]pendingEvent, len(ids))
+		for i, id := range ids {
+			out[i] = pendingEvent{id: id, size: id * 10}
+		}
+		return out
+	}
+	for _, in := range [][]int64{
+		nil,
+		{1},
+		{1, 2, 3},
+		{1, 5, 9, 2, 3, 10},
+		{4, 8, 1, 9, 2, 3, 7, 0},
+		{9, 8, 7, 6, 5, 4, 3, 2, 1}, // more runs than merged: sorted
+	} {
+		got := sortByID(events(in...))
+		want := slices.Sorted(slices.Values(in))
+		if !slices.Equal(ids(got), want) {
+			t.Errorf("sortByID(%v) = %v, want %v", in, ids(got), want)
+		}
+		for _, e := range got {
+			if e.size != e.id*10 {
+				t.Errorf("sortByID(%v): event %d lost its fields", in, e.id)
+			}
+		}
+	}
+}
