@@ -879,16 +879,22 @@ func putUUID(b []byte, u [16]byte) {
 func (s *store) finish(ctx context.Context, owner string, shards []int16, acked []int64, dead []deadEvent, failed []failedEvent, round roundKey) (deleted int64, err error) {
 	b := &pgx.Batch{}
 	if len(acked) > 0 {
-		var q *pgx.QueuedQuery
-		if lo, hi, ok := consecutive(acked); ok {
-			q = b.Queue(s.deleteRunSQL, lo, hi, owner, shards)
-		} else {
-			q = b.Queue(s.deleteSQL, acked, owner, shards)
-		}
-		q.Exec(func(tag pgconn.CommandTag) error {
-			deleted = tag.RowsAffected()
+		count := func(tag pgconn.CommandTag) error {
+			deleted += tag.RowsAffected()
 			return nil
-		})
+		}
+		// The longest run of consecutive ids by a range of the primary
+		// key, the rest by "= ANY": a round read beside a blocked key is
+		// one run but for a few of the blocked shard's events.
+		lo, hi, rest := longestRun(acked)
+		if hi-lo+1 >= minDeleteRun {
+			b.Queue(s.deleteRunSQL, lo, hi, owner, shards).Exec(count)
+		} else {
+			rest = acked
+		}
+		if len(rest) > 0 {
+			b.Queue(s.deleteSQL, rest, owner, shards).Exec(count)
+		}
 	}
 	if len(dead) > 0 {
 		ids := make([]int64, len(dead))
@@ -962,19 +968,32 @@ func sortByID(events []pendingEvent) []pendingEvent {
 	}
 }
 
-// consecutive reports whether ids, in their order, are the consecutive
-// integers lo to hi: then they are exactly the ids from lo to hi.
-func consecutive(ids []int64) (lo, hi int64, ok bool) {
-	if len(ids) == 0 {
-		return 0, 0, false
-	}
-	lo = ids[0]
-	for i, id := range ids {
-		if id != lo+int64(i) {
-			return 0, 0, false
+// minDeleteRun is the fewest ids a run of consecutive acknowledged ids
+// needs to be deleted by a range (deleteRunSQL) rather than among the
+// others by "= ANY".
+const minDeleteRun = 64
+
+// longestRun returns the longest run of consecutive integers lo to hi in
+// ids (sorted, no duplicates), the first of them if several are as long,
+// and the ids outside it, in order.
+func longestRun(ids []int64) (lo, hi int64, rest []int64) {
+	best, bestLen := 0, 0
+	for i := 0; i < len(ids); {
+		j := i
+		for j+1 < len(ids) && ids[j+1] == ids[j]+1 {
+			j++
 		}
+		if j-i+1 > bestLen {
+			best, bestLen = i, j-i+1
+		}
+		i = j + 1
 	}
-	return lo, ids[len(ids)-1], true
+	if bestLen == 0 {
+		return 0, -1, nil
+	}
+	rest = make([]int64, 0, len(ids)-bestLen)
+	rest = append(append(rest, ids[:best]...), ids[best+bestLen:]...)
+	return ids[best], ids[best+bestLen-1], rest
 }
 
 type deadEvent struct {

@@ -523,23 +523,65 @@ SELECT 'bench', ('key-' || (g % 1000))::bytea, repeat('x', 256)::bytea FROM gene
 	}
 }
 
-func TestConsecutive(t *testing.T) {
+func TestLongestRun(t *testing.T) {
 	for _, c := range []struct {
 		ids    []int64
 		lo, hi int64
-		ok     bool
+		rest   []int64
 	}{
-		{nil, 0, 0, false},
-		{[]int64{7}, 7, 7, true},
-		{[]int64{7, 8, 9}, 7, 9, true},
-		{[]int64{7, 9}, 0, 0, false},
-		{[]int64{8, 7}, 0, 0, false},
-		{[]int64{7, 7}, 0, 0, false},
+		{nil, 0, -1, nil},
+		{[]int64{7}, 7, 7, []int64{}},
+		{[]int64{7, 8, 9}, 7, 9, []int64{}},
+		{[]int64{3, 7, 8, 9, 20}, 7, 9, []int64{3, 20}},
+		{[]int64{1, 2, 5, 6}, 1, 2, []int64{5, 6}}, // the first of two as long
+		{[]int64{8, 7}, 8, 8, []int64{7}},
+		{[]int64{7, 7, 8}, 7, 8, []int64{7}},
 	} {
-		lo, hi, ok := consecutive(c.ids)
-		if lo != c.lo || hi != c.hi || ok != c.ok {
-			t.Errorf("consecutive(%v) = %d, %d, %v; want %d, %d, %v", c.ids, lo, hi, ok, c.lo, c.hi, c.ok)
+		lo, hi, rest := longestRun(c.ids)
+		if lo != c.lo || hi != c.hi || !slices.Equal(rest, c.rest) {
+			t.Errorf("longestRun(%v) = %d, %d, %v; want %d, %d, %v", c.ids, lo, hi, rest, c.lo, c.hi, c.rest)
 		}
+	}
+}
+
+// A round read beside a blocked key is one run of ids but for a few: the
+// run is deleted by a range, the others by id, and nothing else goes (not
+// the row inside the round's span that it did not read).
+func TestFinishDeletesTheLongestRunByARangeAndTheRestByID(t *testing.T) {
+	t.Parallel()
+	ctx, st, schema, insert := claimSetup(t)
+	if _, err := st.pool.Exec(ctx, `UPDATE `+pgx.Identifier{schema, "relay_shards"}.Sanitize()+` SET owner = 'me', lease_until = now() + interval '1 hour'`); err != nil {
+		t.Fatal(err)
+	}
+	var ids []int64
+	for i := range 200 {
+		ids = append(ids, insert(st.pool, fmt.Sprint("k", i%7)))
+	}
+	acked := append([]int64{ids[5]}, ids[10:110]...)
+	acked = append(acked, ids[150])
+	if lo, hi, rest := longestRun(acked); hi-lo+1 < minDeleteRun || len(rest) != 2 {
+		t.Fatalf("the round is not one long run and two more: %d..%d, %v", lo, hi, rest)
+	}
+	deleted, err := st.finish(ctx, "me", everyShard(), acked, nil, nil, roundKey{ids[5], ids[150]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if deleted != int64(len(acked)) {
+		t.Errorf("finish reported %d deleted, want %d", deleted, len(acked))
+	}
+	rows, _ := st.pool.Query(ctx, `SELECT id FROM `+pgx.Identifier{schema, "outbox"}.Sanitize()+` ORDER BY id`)
+	left, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		t.Fatal(err)
+	}
+	var want []int64
+	for _, id := range ids {
+		if !slices.Contains(acked, id) {
+			want = append(want, id)
+		}
+	}
+	if !slices.Equal(left, want) {
+		t.Errorf("finish left %v, want %v", left, want)
 	}
 }
 
