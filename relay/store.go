@@ -360,19 +360,26 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 	stmts := s.claimStatements(shards, limit, blockedKeys, excluded)
 	out := make([]pendingEvent, 0, limit)
 	b := &pgx.Batch{}
+	// Local to the batch's implicit transaction: the statements after it
+	// are planned with these, and they end with the batch. Each claim
+	// statement runs its generic plan from its first execution on, the
+	// plan plan_test.go checks: left to choose, PostgreSQL kept custom
+	// plans for good for the blocked shards' read (its generic estimate is
+	// the higher: 1.5 ms of planning in a 2 ms read, every claim), and
+	// planned a relay's read of a quarter of the shards (64 index ranges,
+	// 5 ms a plan) five times per pool connection before taking it. One
+	// relay's read of every shard (claimAll) takes its generic plan after
+	// five and needs no extra statement.
+	generic, noBitmap := false, false
 	for _, st := range stmts {
-		if st.noBitmap {
-			// Local to the batch's implicit transaction: the next
-			// statements are planned with it, and it ends with the batch.
-			// The generic plan, too: left to choose, PostgreSQL kept
-			// custom plans for the blocked shards' read for good (its
-			// generic estimate is the higher), planning its key-hash
-			// ranges afresh on every claim, 1.5 ms of a 2 ms read. Every
-			// claim statement's generic plan is the one plan_test.go
-			// checks.
-			b.Queue(`SELECT set_config('enable_bitmapscan', 'off', true), set_config('plan_cache_mode', 'force_generic_plan', true)`)
-			break
-		}
+		generic = generic || !st.all
+		noBitmap = noBitmap || st.noBitmap
+	}
+	switch {
+	case noBitmap: // see claimBlockedQuery
+		b.Queue(`SELECT set_config('enable_bitmapscan', 'off', true), set_config('plan_cache_mode', 'force_generic_plan', true)`)
+	case generic:
+		b.Queue(`SELECT set_config('plan_cache_mode', 'force_generic_plan', true)`)
 	}
 	read := make([][2]int, len(stmts)) // each statement's rows in out
 	floor, guarded := false, false
@@ -519,7 +526,11 @@ type statement struct {
 	// exact: read instead if this guarded read (guardBytes) withheld an
 	// event the byte bound keeps.
 	exact *statement
-	// guarded: a guarded read (guardBytes) among others: the claim bounds
+	// guard: a read of a round in id order whose byte bound may be kept
+	// on the client (guardBytes) rather than by a running sum: a floor
+	// read, or the read of the shards of a relay that owns some.
+	guard bool
+	// guarded: a guarded read (guardBytes), alone or among others: the claim bounds
 	// the round they make (cutBytes) and claims again exactly if it keeps
 	// an event this one withheld.
 	guarded bool
@@ -613,7 +624,7 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 			for _, r := range runs {
 				args = append(args, r[0], r[1])
 			}
-			out = append(out, statement{sql: s.claimFloorSQL[len(runs)], args: args, short: &shares, floor: true})
+			out = append(out, statement{sql: s.claimFloorSQL[len(runs)], args: args, short: &shares, floor: true, guard: true})
 		} else {
 			out = append(out, shares)
 		}
@@ -622,7 +633,7 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 			s.claimShards, s.claimInner, s.claimLimit = slices.Clone(free), inner, limit
 			s.claimShardsSQL = claimShardsQuery(s.outbox, free, inner, limit)
 		}
-		out = append(out, statement{sql: s.claimShardsSQL, args: []any{excluded}})
+		out = append(out, statement{sql: s.claimShardsSQL, args: []any{excluded}, guard: true})
 	}
 	if len(blockedShards) > 0 {
 		read := make([][]segment, len(blockedShards))
@@ -655,10 +666,11 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 			if out[i].exact != nil {
 				continue // bound on the client (claim)
 			}
-			if out[i].floor && share >= minGuardShare && guard {
+			if out[i].guard && share >= minGuardShare && guard {
 				// As claimAll's read, and for the same reason: the
 				// running sum's window cost a third of a floor read
-				// beside a stuck key (0.5 of 1.5 ms).
+				// beside a stuck key (0.5 of 1.5 ms), a sixth of a
+				// quarter of the shards' read.
 				short := out[i].short
 				out[i] = guardBytes(out[i], share)
 				out[i].guarded = true

@@ -683,3 +683,57 @@ func TestSortByID(t *testing.T) {
 		}
 	}
 }
+
+// So is the read of a relay that owns some of the shards, not all.
+func TestGuardedShardsReadBoundsBytesAndReadsWithheldEventsExactly(t *testing.T) {
+	t.Parallel()
+	ctx, st, schema, _ := claimSetup(t)
+	insert := func(key string, size int) int64 { return insertSized(t, st, schema, key, size) }
+	var owned []int16
+	for _, k := range []string{"k0", "k1", "k2"} {
+		if sh := int16(keyHash([]byte(k))[0]); !slices.Contains(owned, sh) {
+			owned = append(owned, sh)
+		}
+	}
+	slices.Sort(owned)
+	var small []int64
+	for i := range 3 {
+		small = append(small, insert(fmt.Sprint("k", i), 100))
+	}
+	big := insert("k0", 30_000)                                   // above the bound
+	small = append(small, insert("k1", 100), insert("k2", 5_000)) // the second above a round's share
+	st.maxBytes = 20_000                                          // a share of 2,000 bytes in a round of 10
+	stmts := st.claimStatements(owned, 10, nil, nil)
+	if len(stmts) != 1 || !stmts[0].guarded || strings.Contains(stmts[0].sql, "OVER") {
+		t.Fatalf("the read of some of the shards is not guarded: %+v", stmts)
+	}
+	for _, c := range []struct {
+		name      string
+		excluded  []int64
+		want      []int64
+		wantSizes []int
+		exactOff  int
+	}{
+		{"small events, cut before one above the bound, on the client", nil, small[:3], []int{100, 100, 100}, 0},
+		{"the event above the bound alone, claimed again exactly", small[:3], []int64{big}, []int{30_000}, claimExactOff - 1},
+		{"then exactly for a while", append(slices.Clone(small[:3]), big), small[3:], []int{100, 5_000}, claimExactOff - 2},
+	} {
+		events, err := st.claim(ctx, "me", owned, 10, nil, c.excluded)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids, sizes := make([]int64, len(events)), make([]int, len(events))
+		for i, e := range events {
+			ids[i], sizes[i] = e.id, len(e.value)
+			if e.withheld || len(e.key) == 0 {
+				t.Errorf("%s: event %d came without its key or value", c.name, e.id)
+			}
+		}
+		if !slices.Equal(ids, c.want) || !slices.Equal(sizes, c.wantSizes) {
+			t.Errorf("%s: read %v of sizes %v, want %v of sizes %v", c.name, ids, sizes, c.want, c.wantSizes)
+		}
+		if st.exactOff != c.exactOff {
+			t.Errorf("%s: %d exact claims to go, want %d", c.name, st.exactOff, c.exactOff)
+		}
+	}
+}
