@@ -528,7 +528,8 @@ type statement struct {
 	exact *statement
 	// guard: a read of a round in id order whose byte bound may be kept
 	// on the client (guardBytes) rather than by a running sum: a floor
-	// read, or the read of the shards of a relay that owns some.
+	// read, or the read of the shards of a relay that owns some (merged,
+	// or by their shares).
 	guard bool
 	// guarded: a guarded read (guardBytes), alone or among others: the claim bounds
 	// the round they make (cutBytes) and claims again exactly if it keeps
@@ -626,6 +627,7 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 			}
 			out = append(out, statement{sql: s.claimFloorSQL[len(runs)], args: args, short: &shares, floor: true, guard: true})
 		} else {
+			shares.guard = true
 			out = append(out, shares)
 		}
 	case len(free) > 0:

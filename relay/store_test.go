@@ -684,14 +684,28 @@ func TestSortByID(t *testing.T) {
 	}
 }
 
-// So is the read of a relay that owns some of the shards, not all.
+// So are the reads of a relay that owns some of the shards, not all: a
+// few (merged in id order) or many (by their shares).
 func TestGuardedShardsReadBoundsBytesAndReadsWithheldEventsExactly(t *testing.T) {
-	t.Parallel()
+	for _, many := range []bool{false, true} {
+		t.Run(fmt.Sprint("many shards ", many), func(t *testing.T) {
+			t.Parallel()
+			testGuardedShardsRead(t, many)
+		})
+	}
+}
+
+func testGuardedShardsRead(t *testing.T, many bool) {
 	ctx, st, schema, _ := claimSetup(t)
 	insert := func(key string, size int) int64 { return insertSized(t, st, schema, key, size) }
 	var owned []int16
 	for _, k := range []string{"k0", "k1", "k2"} {
 		if sh := int16(keyHash([]byte(k))[0]); !slices.Contains(owned, sh) {
+			owned = append(owned, sh)
+		}
+	}
+	for sh := int16(0); many && len(owned) < NumShards/2; sh++ {
+		if !slices.Contains(owned, sh) {
 			owned = append(owned, sh)
 		}
 	}
