@@ -931,14 +931,17 @@ func (s *store) finish(ctx context.Context, owner string, shards []int16, acked 
 	if err := s.pool.SendBatch(ctx, b).Close(); err != nil {
 		return deleted, fmt.Errorf("record outcome: %w", err)
 	}
-	if deleted == 0 && len(acked) > 0 {
-		// A shard of the round changed hands: delete the events of the
-		// shards still held.
+	if deleted < int64(len(acked)) {
+		// The shards held changed since the round was read (one of them
+		// lost, or one more taken): delete, row by row, the events of the
+		// shards still held. The range and the "= ANY" deletes each look
+		// at relay_shards in a snapshot of their own, so the set may
+		// change between them: one deleting and the other not.
 		tag, err := s.pool.Exec(ctx, s.deleteOwnedSQL, acked, owner)
 		if err != nil {
-			return 0, fmt.Errorf("record outcome: %w", err)
+			return deleted, fmt.Errorf("record outcome: %w", err)
 		}
-		deleted = tag.RowsAffected()
+		deleted += tag.RowsAffected()
 	}
 	return deleted, nil
 }
