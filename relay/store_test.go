@@ -349,18 +349,39 @@ func TestClaimBoundsARoundByBytes(t *testing.T) {
 func TestGuardedClaimBoundsBytesAndReadsWithheldEventsExactly(t *testing.T) {
 	t.Parallel()
 	ctx, st, schema, _ := claimSetup(t)
-	insert := func(key string, size int) int64 { return insertSized(t, st, schema, key, size) }
-	var small []int64
-	for i := range 3 {
-		small = append(small, insert(fmt.Sprint("k", i), 100))
-	}
-	big := insert("k0", 30_000)                                   // above the bound
-	small = append(small, insert("k1", 100), insert("k2", 5_000)) // the second above a round's share
-	st.maxBytes = 20_000                                          // a share of 2,000 bytes in a round of 10
+	small, big := insertGuarded(t, st, schema)
+	st.maxBytes = 20_000 // a share of 2,000 bytes in a round of 10
 	stmts := st.claimStatements(everyShard(), 10, nil, nil)
 	if len(stmts) != 1 || stmts[0].exact == nil || strings.Contains(stmts[0].sql, "OVER") {
 		t.Fatalf("one relay's claim is not guarded: %+v", stmts)
 	}
+	checkGuardedClaims(t, st, small, big, func(excluded []int64) ([]pendingEvent, error) {
+		return st.claim(ctx, "me", everyShard(), 10, nil, excluded)
+	}, 0)
+}
+
+// insertGuarded writes checkGuardedClaims' events into schema's outbox.
+func insertGuarded(t *testing.T, st *store, schema string) (small []int64, big int64) {
+	t.Helper()
+	insert := func(key string, size int) int64 { return insertSized(t, st, schema, key, size) }
+	for i := range 3 {
+		small = append(small, insert(fmt.Sprint("k", i), 100))
+	}
+	big = insert("k0", 30_000)                                    // above the bound
+	small = append(small, insert("k1", 100), insert("k2", 5_000)) // the second above a round's share
+	return small, big
+}
+
+// checkGuardedClaims claims three rounds of 10 (claim leaves out the ids it
+// is given) with a byte bound of 20,000 (a share of 2,000 a round) from
+// small (three events of 100 bytes, then one of 100 and one of 5,000) and
+// big (30,000 bytes, after the first three): the first round is cut on the
+// client before big, the second is big alone, read again exactly, and the
+// third is read exactly too. A claim of one guarded statement reads it
+// again by itself; one of several (a floor read) claims again whole, which
+// spends one of the exact claims to go: redo.
+func checkGuardedClaims(t *testing.T, st *store, small []int64, big int64, claim func(excluded []int64) ([]pendingEvent, error), redo int) {
+	t.Helper()
 	for _, c := range []struct {
 		name      string
 		excluded  []int64
@@ -369,10 +390,10 @@ func TestGuardedClaimBoundsBytesAndReadsWithheldEventsExactly(t *testing.T) {
 		exactOff  int
 	}{
 		{"small events, cut before one above the bound, on the client", nil, small[:3], []int{100, 100, 100}, 0},
-		{"the event above the bound alone, read again exactly", small[:3], []int64{big}, []int{30_000}, claimExactOff},
-		{"then exactly for a while", append(slices.Clone(small[:3]), big), small[3:], []int{100, 5_000}, claimExactOff - 1},
+		{"the event above the bound alone, read again exactly", small[:3], []int64{big}, []int{30_000}, claimExactOff - redo},
+		{"then exactly for a while", append(slices.Clone(small[:3]), big), small[3:], []int{100, 5_000}, claimExactOff - 1 - redo},
 	} {
-		events, err := st.claim(ctx, "me", everyShard(), 10, nil, c.excluded)
+		events, err := claim(c.excluded)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -596,12 +617,7 @@ func TestGuardedFloorReadBesideABlockedKeyBoundsBytesAndReadsWithheldEventsExact
 	insert := func(key string, size int) int64 { return insertSized(t, st, schema, key, size) }
 	stuckFirst := insert("stuck", 100)
 	insert("stuck", 100)
-	var small []int64
-	for i := range 3 {
-		small = append(small, insert(fmt.Sprint("k", i), 100))
-	}
-	big := insert("k0", 30_000)                                   // above the bound
-	small = append(small, insert("k1", 100), insert("k2", 5_000)) // the second above a round's share
+	small, big := insertGuarded(t, st, schema)
 	insert("stuck", 100)
 	st.maxBytes = 20_000 // a share of 2,000 bytes in a round of 10
 	blocked := []keyBlock{{key: []byte("stuck"), firstID: stuckFirst}}
@@ -616,36 +632,10 @@ func TestGuardedFloorReadBesideABlockedKeyBoundsBytesAndReadsWithheldEventsExact
 	if floor == nil || !floor.guarded || strings.Contains(floor.sql, "OVER") {
 		t.Fatalf("the floor read beside a blocked key is not guarded: %+v", stmts)
 	}
-	for _, c := range []struct {
-		name      string
-		excluded  []int64
-		want      []int64
-		wantSizes []int
-		exactOff  int
-	}{
-		{"small events, cut before one above the bound, on the client", nil, small[:3], []int{100, 100, 100}, 0},
-		{"the event above the bound alone, claimed again exactly", small[:3], []int64{big}, []int{30_000}, claimExactOff - 1},
-		{"then exactly for a while", append(slices.Clone(small[:3]), big), small[3:], []int{100, 5_000}, claimExactOff - 2},
-	} {
+	checkGuardedClaims(t, st, small, big, func(excluded []int64) ([]pendingEvent, error) {
 		st.lastFull = true
-		events, err := st.claim(ctx, "me", everyShard(), 10, blocked, c.excluded)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ids, sizes := make([]int64, len(events)), make([]int, len(events))
-		for i, e := range events {
-			ids[i], sizes[i] = e.id, len(e.value)
-			if e.withheld || len(e.key) == 0 {
-				t.Errorf("%s: event %d came without its key or value", c.name, e.id)
-			}
-		}
-		if !slices.Equal(ids, c.want) || !slices.Equal(sizes, c.wantSizes) {
-			t.Errorf("%s: read %v of sizes %v, want %v of sizes %v", c.name, ids, sizes, c.want, c.wantSizes)
-		}
-		if st.exactOff != c.exactOff {
-			t.Errorf("%s: %d exact claims to go, want %d", c.name, st.exactOff, c.exactOff)
-		}
-	}
+		return st.claim(ctx, "me", everyShard(), 10, blocked, excluded)
+	}, 1)
 }
 
 func TestSortByID(t *testing.T) {
@@ -697,7 +687,6 @@ func TestGuardedShardsReadBoundsBytesAndReadsWithheldEventsExactly(t *testing.T)
 
 func testGuardedShardsRead(t *testing.T, many bool) {
 	ctx, st, schema, _ := claimSetup(t)
-	insert := func(key string, size int) int64 { return insertSized(t, st, schema, key, size) }
 	var owned []int16
 	for _, k := range []string{"k0", "k1", "k2"} {
 		if sh := int16(keyHash([]byte(k))[0]); !slices.Contains(owned, sh) {
@@ -710,44 +699,13 @@ func testGuardedShardsRead(t *testing.T, many bool) {
 		}
 	}
 	slices.Sort(owned)
-	var small []int64
-	for i := range 3 {
-		small = append(small, insert(fmt.Sprint("k", i), 100))
-	}
-	big := insert("k0", 30_000)                                   // above the bound
-	small = append(small, insert("k1", 100), insert("k2", 5_000)) // the second above a round's share
-	st.maxBytes = 20_000                                          // a share of 2,000 bytes in a round of 10
+	small, big := insertGuarded(t, st, schema)
+	st.maxBytes = 20_000 // a share of 2,000 bytes in a round of 10
 	stmts := st.claimStatements(owned, 10, nil, nil)
 	if len(stmts) != 1 || !stmts[0].guarded || strings.Contains(stmts[0].sql, "OVER") {
 		t.Fatalf("the read of some of the shards is not guarded: %+v", stmts)
 	}
-	for _, c := range []struct {
-		name      string
-		excluded  []int64
-		want      []int64
-		wantSizes []int
-		exactOff  int
-	}{
-		{"small events, cut before one above the bound, on the client", nil, small[:3], []int{100, 100, 100}, 0},
-		{"the event above the bound alone, claimed again exactly", small[:3], []int64{big}, []int{30_000}, claimExactOff - 1},
-		{"then exactly for a while", append(slices.Clone(small[:3]), big), small[3:], []int{100, 5_000}, claimExactOff - 2},
-	} {
-		events, err := st.claim(ctx, "me", owned, 10, nil, c.excluded)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ids, sizes := make([]int64, len(events)), make([]int, len(events))
-		for i, e := range events {
-			ids[i], sizes[i] = e.id, len(e.value)
-			if e.withheld || len(e.key) == 0 {
-				t.Errorf("%s: event %d came without its key or value", c.name, e.id)
-			}
-		}
-		if !slices.Equal(ids, c.want) || !slices.Equal(sizes, c.wantSizes) {
-			t.Errorf("%s: read %v of sizes %v, want %v of sizes %v", c.name, ids, sizes, c.want, c.wantSizes)
-		}
-		if st.exactOff != c.exactOff {
-			t.Errorf("%s: %d exact claims to go, want %d", c.name, st.exactOff, c.exactOff)
-		}
-	}
+	checkGuardedClaims(t, st, small, big, func(excluded []int64) ([]pendingEvent, error) {
+		return st.claim(ctx, "me", owned, 10, nil, excluded)
+	}, 1)
 }
