@@ -252,6 +252,9 @@ func (p *Processor) attempt(ctx context.Context, stop <-chan struct{}, msg Messa
 		var err error
 		tx, release, dup, err = p.begin(ctx, msg)
 		if err != nil {
+			if refusedForMessage(err) {
+				return 0, 0, false, Permanent(err)
+			}
 			return 0, 0, false, &unavailableError{err}
 		}
 		if dup {
@@ -527,6 +530,22 @@ const (
 	undefinedStatement = "26000"
 	duplicateStatement = "42P05"
 )
+
+// refusedForMessage reports whether err, from beginning a message's
+// transaction with its dedup record, is the database refusing that
+// message's record rather than the database failing: a data exception
+// (SQLSTATE class 22, such as an id the server's encoding cannot hold) or a
+// program limit (class 54). Retrying such a message as "database
+// unavailable" would hold its partition forever (G6); it goes to the
+// dead-letter topic instead.
+func refusedForMessage(err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || len(pgErr.Code) != 5 {
+		return false
+	}
+	class := pgErr.Code[:2]
+	return class == "22" || class == "54"
+}
 
 // unavailableError marks a failure to get a working connection: acquiring
 // one, or beginning the transaction and recording the message, failed.
