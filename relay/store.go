@@ -531,9 +531,9 @@ type statement struct {
 	// read, or the read of the shards of a relay that owns some (merged,
 	// or by their shares).
 	guard bool
-	// guarded: a guarded read (guardBytes), alone or among others: the claim bounds
-	// the round they make (cutBytes) and claims again exactly if it keeps
-	// an event this one withheld.
+	// guarded: a guarded read (guardBytes), alone or among others: the
+	// claim bounds the round they make (cutBytes) and claims again exactly
+	// if it keeps an event this one withheld.
 	guarded bool
 }
 
