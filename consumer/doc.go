@@ -33,10 +33,12 @@
 // every event (a UUID, stable across re-sends). Config.MessageID can derive
 // it otherwise, from a business key for instance. A message without a
 // usable id is dead-lettered with the reason; it never crashes the consumer
-// and is never skipped silently. So is one whose dedup record the database
-// refuses for the record's own sake (a data exception, SQLSTATE class 22,
-// such as an id the database's encoding cannot hold, or a program limit,
-// class 54): at once, as Permanent, not waited out as an outage.
+// and is never skipped silently. So is one whose id the database's
+// encoding cannot hold (SQLSTATE 22P05, with client_encoding UTF8 on a
+// LATIN1 database, say): at once, not waited out as an outage. Such an id
+// (any id outside ASCII) begins its transaction by itself rather than in
+// the round trip of the previous message's COMMIT, which the server would
+// refuse whole.
 //
 // # Failures and dead letters (G6)
 //

@@ -147,6 +147,14 @@ func (p *Processor) pipelinable(tx pgx.Tx, la *lookahead) (Message, string, bool
 	if err != nil {
 		return Message{}, "", false
 	}
+	if !isASCII(id) {
+		// PostgreSQL converts a query to the database's encoding as it
+		// receives it: an id the database cannot hold would make it
+		// refuse the whole query before running its COMMIT, and abort
+		// the transaction commit would take for committed. The message
+		// begins by itself instead (see refusedForMessage).
+		return Message{}, "", false
+	}
 	return next, id, true
 }
 

@@ -12,6 +12,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"github.com/cenkalti/backoff/v4"
 	"github.com/jackc/pgx/v5"
@@ -252,7 +253,7 @@ func (p *Processor) attempt(ctx context.Context, stop <-chan struct{}, msg Messa
 		var err error
 		tx, release, dup, err = p.begin(ctx, msg)
 		if err != nil {
-			if refusedForMessage(err) {
+			if refusedForMessage(err, msg.ID) {
 				return 0, 0, false, Permanent(err)
 			}
 			return 0, 0, false, &unavailableError{err}
@@ -529,22 +530,33 @@ const (
 	uniqueViolation    = "23505"
 	undefinedStatement = "26000"
 	duplicateStatement = "42P05"
+	// The database's encoding has no equivalent of a character sent.
+	untranslatableCharacter = "22P05"
 )
 
 // refusedForMessage reports whether err, from beginning a message's
 // transaction with its dedup record, is the database refusing that
-// message's record rather than the database failing: a data exception
-// (SQLSTATE class 22, such as an id the server's encoding cannot hold) or a
-// program limit (class 54). Retrying such a message as "database
-// unavailable" would hold its partition forever (G6); it goes to the
-// dead-letter topic instead.
-func refusedForMessage(err error) bool {
+// message's id: a character the database's encoding cannot hold
+// (SQLSTATE 22P05, with client_encoding UTF8 on, say, a LATIN1 database),
+// which only an id with a character outside ASCII can cause, since every
+// server encoding holds ASCII. Retried as "database unavailable", such a
+// message held its partition forever (G6); it goes to the dead-letter topic
+// at once instead. Any other refusal (a consumer name the database cannot
+// hold, a trigger on processed_messages) fails every message alike: it is
+// waited out and logged, not a reason to dead-letter them all.
+func refusedForMessage(err error, id string) bool {
 	var pgErr *pgconn.PgError
-	if !errors.As(err, &pgErr) || len(pgErr.Code) != 5 {
-		return false
+	return errors.As(err, &pgErr) && pgErr.Code == untranslatableCharacter && !isASCII(id)
+}
+
+// isASCII reports whether s holds ASCII characters only.
+func isASCII(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] >= utf8.RuneSelf {
+			return false
+		}
 	}
-	class := pgErr.Code[:2]
-	return class == "22" || class == "54"
+	return true
 }
 
 // unavailableError marks a failure to get a working connection: acquiring
