@@ -579,6 +579,9 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 	if s.floorOff > 0 {
 		s.floorOff--
 	}
+	// Reads are guarded (guardBytes) unless a guarded read lately kept an
+	// event it withheld (exactOff).
+	guard := s.exactOff == 0
 	switch {
 	case len(free) == NumShards:
 		if limit != s.claimAllLimit {
@@ -601,7 +604,7 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 		if bounded == 1 {
 			st.args = append(st.args, s.proof.below)
 		}
-		if share := s.maxBytes / int64(limit); s.maxBytes > 0 && share >= minGuardShare && s.exactOff == 0 {
+		if share := s.maxBytes / int64(limit); s.maxBytes > 0 && share >= minGuardShare && guard {
 			exact := boundBytes(st, s.maxBytes)
 			st = guardBytes(st, share)
 			st.exact = &exact
@@ -658,7 +661,6 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 		blockedExcluded(args, runs, rest)
 		out = append(out, statement{sql: sql, args: args, noBitmap: true})
 	}
-	guard := s.exactOff == 0
 	if s.exactOff > 0 {
 		s.exactOff--
 	}
