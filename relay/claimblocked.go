@@ -34,13 +34,7 @@ func (g segment) at() []byte {
 // sharing a blocked key's 8-byte hash waits with it: held back, never
 // reordered.
 func blockedSegments(blocked []keyBlock) map[int16][]segment {
-	held := map[string]int64{} // hash -> lowest held-back id
-	for _, b := range blocked {
-		h := string(keyHash(b.key))
-		if id, ok := held[h]; !ok || b.firstID < id {
-			held[h] = b.firstID
-		}
-	}
+	held := heldBack(blocked)
 	out := map[int16][]segment{}
 	sorted := slices.Sorted(maps.Keys(held))
 	for i, h := range sorted {
@@ -62,6 +56,19 @@ func blockedSegments(blocked []keyBlock) map[int16][]segment {
 		out[int16(sh)] = segs
 	}
 	return out
+}
+
+// heldBack returns, per blocked key hash, the lowest id its keys are held
+// back from.
+func heldBack(blocked []keyBlock) map[string]int64 {
+	held := map[string]int64{}
+	for _, b := range blocked {
+		h := string(keyHash(b.key))
+		if id, ok := held[h]; !ok || b.firstID < id {
+			held[h] = b.firstID
+		}
+	}
+	return held
 }
 
 // rotate returns segs (in key-hash order) starting at the key hash from,
@@ -116,14 +123,18 @@ func heldFirst(segs []segment) []segment {
 // walked, and neither are the other events of its shard beyond the round.
 // Each key's events come in id order, so the events read of each key are a
 // prefix of its pending ones, whatever the cut. Ranges and ids are
-// parameters ($34 on): they change as the sweep moves, and a text per claim would be
+// parameters ($35 on): they change as the sweep moves, and a text per claim would be
 // prepared (and planned) per claim; with bitmap scans off, the plan is an
 // ordered index scan per range whatever the estimates. The excluded ids
-// are $1 to $33 (notExcluded), left for the caller to set.
-func claimBlockedQuery(outbox string, shards [][]segment, limit int) (string, []any) {
+// are $1 to $33 (notExcluded), left for the caller to set; every event
+// read lies below below ($34): beside a floor read, which reads these
+// shards' other keys from the floor up with the free shards, the floor's
+// base (see store.claim).
+func claimBlockedQuery(outbox string, shards [][]segment, limit int, below int64) (string, []any) {
 	var b strings.Builder
 	// $1 to $33: the excluded ids, set by the caller (blockedExcluded).
-	args := make([]any, 1+2*claimFloorSkips)
+	args := make([]any, 1+2*claimFloorSkips, 2+2*claimFloorSkips+4*len(shards))
+	args = append(args, below) // $34
 	param := func(v any) int {
 		args = append(args, v)
 		return len(args)
@@ -141,9 +152,9 @@ UNION ALL `)
     UNION ALL `)
 			}
 			if g.eq != nil {
-				fmt.Fprintf(&b, `(SELECT `+claimColumns+` FROM %s o WHERE `+keyHashSQL+` = $%d::bytea AND o.id < $%d::bigint AND `+notExcluded+` ORDER BY `+keyHashSQL+`, o.id LIMIT %d)`, outbox, param(g.eq), param(g.before), limit)
+				fmt.Fprintf(&b, `(SELECT `+claimColumns+` FROM %s o WHERE `+keyHashSQL+` = $%d::bytea AND o.id < $%d::bigint AND o.id < $34::bigint AND `+notExcluded+` ORDER BY `+keyHashSQL+`, o.id LIMIT %d)`, outbox, param(g.eq), param(g.before), limit)
 			} else {
-				fmt.Fprintf(&b, `(SELECT `+claimColumns+` FROM %s o WHERE `+keyHashSQL+` >= $%d::bytea AND `+keyHashSQL+` < $%d::bytea AND `+notExcluded+` ORDER BY `+keyHashSQL+`, o.id LIMIT %d)`, outbox, param(g.lo), param(g.hi), limit)
+				fmt.Fprintf(&b, `(SELECT `+claimColumns+` FROM %s o WHERE `+keyHashSQL+` >= $%d::bytea AND `+keyHashSQL+` < $%d::bytea AND o.id < $34::bigint AND `+notExcluded+` ORDER BY `+keyHashSQL+`, o.id LIMIT %d)`, outbox, param(g.lo), param(g.hi), limit)
 			}
 		}
 		fmt.Fprintf(&b, `) AS s LIMIT %d)`, limit)
@@ -213,6 +224,9 @@ func (s *store) advanceSweeps(events []pendingEvent, blockedKeys []keyBlock) {
 		held[string(keyHash(b.key))] = true
 	}
 	for i := range events {
+		if !events[i].swept {
+			continue // read from the floor (mergeBlocked)
+		}
 		h := eventHash(&events[i])
 		sh := int16(h[0])
 		from, ok := s.sweep[sh]
@@ -240,4 +254,65 @@ func sweepOrder(a, b, from []byte) int {
 		return -1
 	}
 	return bytes.Compare(a, b)
+}
+
+// mergeBlocked makes one round of a floor read and the read of the shards
+// holding blocked keys below its base (out: their rows, in any order). A
+// key of such a shard has its events below the base from the latter and
+// from the floor up from the former: together all of its pending events
+// up to where the floor read stopped, unless the read by key hash stopped
+// at its limit. Then it may have left a key's events out below the base
+// whose later events the floor read has: the floor read's rows of those
+// shards are dropped, leaving each key a prefix of its events. (A withheld
+// row is kept whatever its shard, which its missing key hides: the claim
+// reads exactly once the round's bound reaches it.)
+func mergeBlocked(out []pendingEvent, stmts []statement) []pendingEvent {
+	var st *statement
+	for i := range stmts {
+		if stmts[i].sweep > 0 && stmts[i].below {
+			st = &stmts[i]
+		}
+	}
+	if st == nil {
+		return out
+	}
+	swept := 0
+	for i := range out {
+		if out[i].swept {
+			swept++
+		}
+	}
+	if swept < st.sweep {
+		return out
+	}
+	return slices.DeleteFunc(out, func(e pendingEvent) bool {
+		if e.swept || e.withheld {
+			return false
+		}
+		_, found := slices.BinarySearch(st.sweptShards, int16(eventHash(&e)[0]))
+		return found
+	})
+}
+
+// dedupByID drops the second of two events of one id (in id order): an
+// event read both from the floor and by key hash (mergeBlocked), keeping
+// the copy that carries its key and value.
+func dedupByID(events []pendingEvent) []pendingEvent {
+	if len(events) < 2 {
+		return events
+	}
+	out := events[:1]
+	for _, e := range events[1:] {
+		last := &out[len(out)-1]
+		if e.id != last.id {
+			out = append(out, e)
+			continue
+		}
+		swept := last.swept || e.swept
+		if last.withheld && !e.withheld {
+			*last = e
+		}
+		last.swept = swept
+	}
+	return out
 }

@@ -286,3 +286,82 @@ SELECT 't', ('k' || (g % 40))::bytea FROM generate_series(1, 2000) g`); err != n
 		}
 	}
 }
+
+// Beside a blocked key, the other keys of its shard are read with the
+// free shards, in id order: a round is the oldest pending events of every
+// key but the blocked one, whatever the number of other keys the shard
+// holds and their events. A claim that read that shard only by key hash, a
+// few dozen events a claim, left holes in each round where that shard's
+// unread events lay, took events of its other keys from far ahead, and
+// split the rounds into runs the delete went through id by id (the
+// stuck-key benchmark's rounds spanned 4,800 ids for 1,000 events).
+func TestClaimFromTheFloorReadsTheBlockedShardsOtherKeysInIDOrder(t *testing.T) {
+	t.Parallel()
+	ctx, st, outbox, _, blocked := claimFloorCase(t)
+	keys := keysInShard(sha256.Sum256([]byte("stuck"))[0], 4, "stuck")
+	for i := range 40 {
+		keys = append(keys, fmt.Sprintf("k%d", i))
+	}
+	if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key)
+SELECT 't', ($1::text[])[1 + g % 44]::bytea FROM generate_series(1, 3000) g`, keys); err != nil {
+		t.Fatal(err)
+	}
+	// A relay's rounds: each claim leaves out the round in flight (its
+	// read-ahead), and the round before it is deleted.
+	// The first floor read has no base yet to read the blocked shard
+	// below (claimBlockedQuery): its round is a prefix of each key's
+	// events, not necessarily the oldest events.
+	var inFlight []int64
+	for round := 0; ; round++ {
+		want := oldestFree(t, st, outbox, 100, inFlight)
+		pending := pendingByKey(t, st, outbox, inFlight)
+		st.lastFull = true
+		got := claimedIDs(t, st, everyShard(), 100, blocked, slices.Clone(inFlight))
+		if round > 0 && !slices.Equal(got, want) {
+			t.Fatalf("round %d: claim read %v, want %v", round, got, want)
+		}
+		if len(got) > 0 && len(st.floorFrom) == 0 {
+			t.Fatalf("round %d was not a floor read", round)
+		}
+		taken := map[string][]int64{}
+		for _, id := range got {
+			taken[pending.key[id]] = append(taken[pending.key[id]], id)
+		}
+		for k, ids := range taken {
+			if all := pending.ids[k]; len(ids) > len(all) || !slices.Equal(ids, all[:len(ids)]) {
+				t.Fatalf("round %d took %v of key %q, want a prefix of its pending %v", round, ids, k, all)
+			}
+		}
+		if len(got) == 0 {
+			break
+		}
+		if _, err := st.pool.Exec(ctx, `DELETE FROM `+outbox+` WHERE id = ANY($1)`, inFlight); err != nil {
+			t.Fatal(err)
+		}
+		inFlight = got
+	}
+}
+
+// keyedPending is the pending events, in id order, of every key but the
+// stuck one: each key's ids, and each id's key.
+type keyedPending struct {
+	ids map[string][]int64
+	key map[int64]string
+}
+
+func pendingByKey(t *testing.T, st *store, outbox string, excluded []int64) keyedPending {
+	t.Helper()
+	rows, _ := st.pool.Query(context.Background(), `SELECT id, convert_from(key, 'UTF8') FROM `+outbox+`
+WHERE key <> 'stuck' AND id <> ALL($1::bigint[]) ORDER BY id`, append([]int64{}, excluded...))
+	p := keyedPending{ids: map[string][]int64{}, key: map[int64]string{}}
+	var id int64
+	var key string
+	if _, err := pgx.ForEachRow(rows, []any{&id, &key}, func() error {
+		p.ids[key] = append(p.ids[key], id)
+		p.key[id] = key
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}

@@ -122,6 +122,13 @@ const claimFloorOff = 16
 // reads by claimFreeQuery instead (store.claim). Each key's events in the
 // round are all of its pending ones from the floor up to where the read
 // stopped: a prefix, in id order.
+//
+// The owned shards holding blocked keys are read with the free shards,
+// leaving out only the blocked keys' events from the id each is held back
+// from: the shards at $(5+2*skips), the blocked keys' hashes (keyHashSQL)
+// and those ids after it. Their other keys' events below the floor are
+// read by key hash (claimBlockedQuery, below the base), and the claim
+// merges the two (store.claim). $2 holds the shards not owned.
 func claimFloorQuery(outbox string, limit, skips int) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, `WITH f AS MATERIALIZED (
@@ -148,13 +155,20 @@ WHERE o.id >= (SELECT f.id FROM f)%s
 ORDER BY o.id
 LIMIT %d)`, outbox, cond, 2*limit)
 	}
+	// The blocked keys' events from where each is held back on are left
+	// out in a CASE: only for rows of the shards holding them ($n), so the
+	// key's hash is computed for a few rows a round.
+	n := 6 + 2*skips
 	fmt.Fprintf(&b, `
 ) AS u
 ORDER BY u.id
 LIMIT %d) AS o
 WHERE o.shard <> ALL($2::int2[])
+    AND CASE WHEN o.shard = ANY($%d::int2[]) THEN NOT EXISTS (
+        SELECT FROM unnest($%d::bytea[], $%d::bigint[]) AS h(hash, from_id)
+        WHERE h.hash = `+keyHashSQL+` AND o.id >= h.from_id) ELSE true END
 ORDER BY o.id
-LIMIT %d`, 2*limit, limit)
+LIMIT %d`, 2*limit, n-1, n, n+1, limit)
 	return b.String()
 }
 

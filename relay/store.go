@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"math"
 	"math/bits"
 	"slices"
 	"strconv"
@@ -36,6 +37,9 @@ type pendingEvent struct {
 	// withheld: a guarded claim (guardBytes) left its key, value and
 	// headers out, the event being larger than a round's share of the bound.
 	withheld bool
+	// swept: read by key hash, in a shard holding blocked keys
+	// (claimBlockedQuery): where the shard's sweep goes on from.
+	swept bool
 }
 
 // store holds the relay's SQL for one schema. Every statement is short and
@@ -234,8 +238,9 @@ FROM crashed c WHERE o.id BETWEEN c.lo AND c.hi AND o.shard = ANY(c.shards)`,
 //     claimFloorMaxOut shards are not free and the last round was whole,
 //     the free shards are read through the primary key in id order from
 //     their lowest pending id instead (claimFloorQuery), stepping over a
-//     blocked key's events below it; where that read comes short, by the
-//     shares.
+//     blocked key's events below it, and reading the other keys of the
+//     shards holding blocked keys with them; where that read comes short,
+//     by the shares.
 //   - A shard holding blocked keys is read through outbox_key_hash_idx, on
 //     the first 8 bytes of the same sha256 the shard comes from (its first
 //     byte is the shard): the key-hash ranges between the blocked keys' hashes,
@@ -246,7 +251,8 @@ FROM crashed c WHERE o.id BETWEEN c.lo AND c.hi AND o.shard = ANY(c.shards)`,
 //     the key hashes, so every key gets its turn), instead of reading the
 //     whole shard and sorting it by id. Each key's events still come in id
 //     order. Another key sharing a blocked key's 8-byte hash waits with
-//     it: held back, never reordered.
+//     it: held back, never reordered. Beside a floor read, it reads only
+//     below the floor's base, and the claim merges the two (mergeBlocked).
 //
 // Excluded ids are a NOT IN list ($1), which PostgreSQL runs as a hashed
 // subplan whatever the plan ("= ANY($array)" becomes a linear search per
@@ -390,6 +396,11 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 			read[i][0] = len(out)
 			out, err = scanEvents(rows, out)
 			read[i][1] = len(out)
+			if st.sweep > 0 {
+				for j := read[i][0]; j < read[i][1]; j++ {
+					out[j].swept = true
+				}
+			}
 			return err
 		})
 		floor = floor || st.floor || st.all
@@ -474,8 +485,11 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 		}
 		adapt = st.short
 	}
+	if len(blockedKeys) > 0 {
+		out = mergeBlocked(out, stmts)
+	}
 	if len(stmts) > 1 || len(blockedKeys) > 0 || guarded {
-		out = sortByID(out)
+		out = dedupByID(sortByID(out))
 		if len(out) > limit {
 			out = out[:limit]
 		}
@@ -535,6 +549,12 @@ type statement struct {
 	// claim bounds the round they make (cutBytes) and claims again exactly
 	// if it keeps an event this one withheld.
 	guarded bool
+	// sweep: the limit of a read of the shards holding blocked keys
+	// (claimBlockedQuery); below: that read is of their events below a
+	// floor read's base only, the floor read having the rest.
+	sweep       int
+	below       bool
+	sweptShards []int16
 }
 
 // claimStatements returns the one or two reads of a claim (see claimAllQuery).
@@ -573,6 +593,7 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 	var out []statement
 	var runs [][2]int64
 	var rest []int64
+	below, besideFloor := int64(math.MaxInt64), false // see claimBlockedQuery
 	if len(blockedShards) > 0 || len(free) > claimFreeMin && len(free) < NumShards {
 		runs, rest = skipRuns(slices.Clone(excluded))
 	}
@@ -624,10 +645,16 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 		if s.lastFull && NumShards-len(free) <= claimFloorMaxOut && s.floorOff == 0 {
 			s.floorShape(false)
 			descend, base := s.descents(free, s.floorBase())
-			args := []any{descend, notIn(free), rest, base}
+			args := []any{descend, notIn(shards), rest, base}
 			for _, r := range runs {
 				args = append(args, r[0], r[1])
 			}
+			hashes, froms := [][]byte{}, []int64{}
+			for h, from := range heldBack(blockedKeys) {
+				hashes, froms = append(hashes, []byte(h)), append(froms, from)
+			}
+			args = append(args, append([]int16{}, blockedShards...), hashes, froms)
+			below, besideFloor = base, true
 			out = append(out, statement{sql: s.claimFloorSQL[len(runs)], args: args, short: &shares, floor: true, guard: true})
 		} else {
 			shares.guard = true
@@ -657,9 +684,9 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 		if s.lastFull && len(free) > 0 {
 			blockedLimit = min(limit, max(64, 4*limit*len(blockedShards)/len(shards)))
 		}
-		sql, args := claimBlockedQuery(s.outbox, read, blockedLimit)
+		sql, args := claimBlockedQuery(s.outbox, read, blockedLimit, below)
 		blockedExcluded(args, runs, rest)
-		out = append(out, statement{sql: sql, args: args, noBitmap: true})
+		out = append(out, statement{sql: sql, args: args, noBitmap: true, sweep: blockedLimit, below: besideFloor, sweptShards: blockedShards})
 	}
 	if s.exactOff > 0 {
 		s.exactOff--
