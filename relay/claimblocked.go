@@ -126,10 +126,13 @@ func heldFirst(segs []segment) []segment {
 // parameters ($35 on): they change as the sweep moves, and a text per claim would be
 // prepared (and planned) per claim; with bitmap scans off, the plan is an
 // ordered index scan per range whatever the estimates. The excluded ids
-// are $1 to $33 (notExcluded), left for the caller to set; every event
-// read lies below below ($34): beside a floor read, which reads these
-// shards' other keys from the floor up with the free shards, the floor's
-// base (see store.claim).
+// are $1 to $33 (notExcluded), left for the caller to set. The key-hash
+// ranges read only below below ($34): beside a floor read, which reads
+// these shards' other keys from the floor up with the free shards, the
+// floor's base (see mergeBlocked). A blocked key's events before its
+// held-back id are read whatever their id: a key whose retry is due is
+// read for its failed event however many events the ranges hold below
+// the base.
 func claimBlockedQuery(outbox string, shards [][]segment, limit int, below int64) (string, []any) {
 	var b strings.Builder
 	// $1 to $33: the excluded ids, set by the caller (blockedExcluded).
@@ -152,7 +155,7 @@ UNION ALL `)
     UNION ALL `)
 			}
 			if g.eq != nil {
-				fmt.Fprintf(&b, `(SELECT `+claimColumns+` FROM %s o WHERE `+keyHashSQL+` = $%d::bytea AND o.id < $%d::bigint AND o.id < $34::bigint AND `+notExcluded+` ORDER BY `+keyHashSQL+`, o.id LIMIT %d)`, outbox, param(g.eq), param(g.before), limit)
+				fmt.Fprintf(&b, `(SELECT `+claimColumns+` FROM %s o WHERE `+keyHashSQL+` = $%d::bytea AND o.id < $%d::bigint AND `+notExcluded+` ORDER BY `+keyHashSQL+`, o.id LIMIT %d)`, outbox, param(g.eq), param(g.before), limit)
 			} else {
 				fmt.Fprintf(&b, `(SELECT `+claimColumns+` FROM %s o WHERE `+keyHashSQL+` >= $%d::bytea AND `+keyHashSQL+` < $%d::bytea AND o.id < $34::bigint AND `+notExcluded+` ORDER BY `+keyHashSQL+`, o.id LIMIT %d)`, outbox, param(g.lo), param(g.hi), limit)
 			}
@@ -261,9 +264,11 @@ func sweepOrder(a, b, from []byte) int {
 // key of such a shard has its events below the base from the latter and
 // from the floor up from the former: together all of its pending events
 // up to where the floor read stopped, unless the read by key hash stopped
-// at its limit. Then it may have left a key's events out below the base
-// whose later events the floor read has: the floor read's rows of those
-// shards are dropped, leaving each key a prefix of its events. (A withheld
+// at its limit, or may have stopped at the round's byte bound (bound in
+// SQL: a guarded read sends every row). Then it may have left a key's
+// events out below the base whose later events the floor read has: the
+// floor read's rows of those shards are dropped, leaving each key a prefix
+// of its events. (A withheld
 // row is kept whatever its shard, which its missing key hides: the claim
 // reads exactly once the round's bound reaches it.)
 func mergeBlocked(out []pendingEvent, stmts []statement) []pendingEvent {
@@ -282,7 +287,7 @@ func mergeBlocked(out []pendingEvent, stmts []statement) []pendingEvent {
 			swept++
 		}
 	}
-	if swept < st.sweep {
+	if swept < st.sweep && !st.boundInSQL {
 		return out
 	}
 	return slices.DeleteFunc(out, func(e pendingEvent) bool {

@@ -555,6 +555,9 @@ type statement struct {
 	sweep       int
 	below       bool
 	sweptShards []int16
+	// boundInSQL: the read's rows are bound by bytes in SQL (boundBytes),
+	// so it may have stopped short of its limit for that.
+	boundInSQL bool
 }
 
 // claimStatements returns the one or two reads of a claim (see claimAllQuery).
@@ -686,7 +689,9 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 		}
 		sql, args := claimBlockedQuery(s.outbox, read, blockedLimit, below)
 		blockedExcluded(args, runs, rest)
-		out = append(out, statement{sql: sql, args: args, noBitmap: true, sweep: blockedLimit, below: besideFloor, sweptShards: blockedShards})
+		// Guarded where the reads may be: a byte bound in SQL may stop it
+		// short of its limit, and mergeBlocked must then take it for cut.
+		out = append(out, statement{sql: sql, args: args, noBitmap: true, guard: true, sweep: blockedLimit, below: besideFloor, sweptShards: blockedShards})
 	}
 	if s.exactOff > 0 {
 		s.exactOff--
@@ -712,6 +717,7 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 				continue
 			}
 			out[i] = boundBytes(out[i], s.maxBytes)
+			out[i].boundInSQL = true
 			if out[i].short != nil {
 				short := boundBytes(*out[i].short, s.maxBytes)
 				out[i].short = &short

@@ -1,0 +1,595 @@
+package relay
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// keyPending returns each key's pending ids (committed, not deleted, not
+// excluded) in id order, keyless events by their event id.
+func keyPending(t *testing.T, st *store, outbox string, excluded []int64) map[string][]int64 {
+	t.Helper()
+	rows, _ := st.pool.Query(context.Background(), `SELECT id, coalesce(encode(key, 'hex'), 'keyless:' || event_id::text) FROM `+outbox+`
+WHERE id <> ALL($1::bigint[]) ORDER BY id`, append([]int64{}, excluded...))
+	out := map[string][]int64{}
+	var id int64
+	var key string
+	if _, err := pgx.ForEachRow(rows, []any{&id, &key}, func() error {
+		out[key] = append(out[key], id)
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func eventKeyOf(e *pendingEvent) string {
+	if e.key == nil {
+		return "keyless:" + string(e.eventID)
+	}
+	return fmt.Sprintf("%x", e.key)
+}
+
+// checkPrefixRound asserts G3 on a claimed round: ids strictly increasing, each
+// key's events a prefix of its pending ones, no blocked key's event at or
+// above its held-back id.
+func checkPrefixRound(t *testing.T, what string, events []pendingEvent, pending map[string][]int64, blocked []keyBlock) {
+	t.Helper()
+	taken := map[string][]int64{}
+	for i := range events {
+		e := &events[i]
+		if i > 0 && events[i-1].id >= e.id {
+			t.Fatalf("%s: ids out of order or duplicated: %d then %d", what, events[i-1].id, e.id)
+		}
+		if e.withheld {
+			t.Fatalf("%s: returned withheld event %d", what, e.id)
+		}
+		for _, b := range blocked {
+			if string(e.key) == string(b.key) && e.id >= b.firstID {
+				t.Fatalf("%s: read blocked key %q's event %d (held back from %d)", what, b.key, e.id, b.firstID)
+			}
+		}
+		k := eventKeyOf(e)
+		taken[k] = append(taken[k], e.id)
+	}
+	for k, ids := range taken {
+		all := pending[k]
+		if len(ids) > len(all) || !slices.Equal(ids, all[:len(ids)]) {
+			n := min(len(all), len(ids)+3)
+			t.Fatalf("%s: took %v of key %s, want a prefix of its pending %v", what, ids, k, all[:n])
+		}
+	}
+}
+
+// Beside a floor read, a round with events larger than the byte bound's
+// share: guarded, the blocked shard's read by key hash sends every row it
+// reads; exact (after a guarded claim withheld an event the bound kept),
+// it is bound by bytes in SQL and may stop for that far below its count
+// limit, so mergeBlocked takes it for cut and drops the floor read's rows
+// of that shard. A version that looked only at the count kept them: a key
+// got a later (small) event from the floor read while the earlier (large)
+// one the key-hash read cut was left out.
+func TestBlockedShardKeyHashReadCutByBytesKeepsFloorRows(t *testing.T) {
+	t.Parallel()
+	for _, exact := range []bool{false, true} {
+		t.Run(fmt.Sprintf("exact=%v", exact), func(t *testing.T) {
+			t.Parallel()
+			testKeyHashReadCutByBytes(t, exact)
+		})
+	}
+}
+
+func testKeyHashReadCutByBytes(t *testing.T, exact bool) {
+	ctx, st, schema, _ := claimSetup(t)
+	outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
+	ins := func(key string, size int) int64 { return insertSized(t, st, schema, key, size) }
+	stuckFirst := ins("stuck", 10)
+	for range 20 {
+		ins("stuck", 10)
+	}
+	k := keysInShard(sha256.Sum256([]byte("stuck"))[0], 2, "stuck")
+	a := ins(k[0], 100)      // small, same shard
+	k2 := ins(k[1], 150_000) // large: a + k2 > maxBytes
+	if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key, value)
+SELECT 't', ('f' || (g % 40))::bytea, '\x00'::bytea FROM generate_series(1, 50) g`); err != nil {
+		t.Fatal(err)
+	}
+	k3 := ins(k[1], 100) // small, the same key as k2, after it
+	if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key, value)
+SELECT 't', ('f' || (g % 40))::bytea, '\x00'::bytea FROM generate_series(1, 500) g`); err != nil {
+		t.Fatal(err)
+	}
+	st.maxBytes = 120_000 // a share of 1,200 bytes in a round of 100: the floor read is guarded
+	blocked := []keyBlock{{key: []byte("stuck"), firstID: stuckFirst}}
+	st.lastFull = true
+	if exact {
+		st.exactOff = claimExactOff
+	}
+	pending := keyPending(t, st, outbox, nil)
+	stmts := st.claimStatements(everyShard(), 100, blocked, nil)
+	if last := stmts[len(stmts)-1]; last.sweep == 0 || last.boundInSQL != exact {
+		t.Fatalf("the key-hash read: sweep %d, bound in SQL %v; want bound in SQL %v", last.sweep, last.boundInSQL, exact)
+	}
+	if exact {
+		st.exactOff = claimExactOff
+	}
+	events, err := st.claim(ctx, "me", everyShard(), 100, blocked, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ids := make([]int64, len(events))
+	for i := range events {
+		ids[i] = events[i].id
+	}
+	t.Logf("a=%d k2=%d k3=%d; round %v", a, k2, k3, ids)
+	checkPrefixRound(t, "round 1", events, pending, blocked)
+}
+
+// roundDriver runs a relay's claims with a read-ahead (each claim leaves
+// out the round in flight, and the round before it is deleted), checking
+// every round, until nothing but the blocked keys' held events is left.
+type roundDriver struct {
+	t       *testing.T
+	st      *store
+	outbox  string
+	shards  []int16
+	limit   int
+	blocked func(round int) []keyBlock
+	before  func(round int) // before each claim (late commits, inserts)
+	rounds  int             // at most
+	// filled in
+	depth    int // rounds in flight (1 if 0)
+	inFlight []int64
+	flights  [][]int64
+	// what the rounds were: floor reads, events read by key hash, events
+	// of the blocked shards read from the floor
+	floorRounds, swept, fromFloor, proofRounds int
+}
+
+func (d *roundDriver) run() {
+	t := d.t
+	ctx := context.Background()
+	empty := 0
+	for round := 0; round < d.rounds; round++ {
+		if d.before != nil {
+			d.before(round)
+		}
+		blocked := d.blocked(round)
+		pending := keyPending(t, d.st, d.outbox, d.inFlight)
+		events, err := d.st.claim(ctx, "me", d.shards, d.limit, blocked, slices.Clone(d.inFlight))
+		if err != nil {
+			t.Fatal(err)
+		}
+		checkPrefixRound(t, fmt.Sprintf("round %d", round), events, pending, blocked)
+		for i := range events {
+			if sh := int16(eventHash(&events[i])[0]); !slices.Contains(d.shards, sh) {
+				t.Fatalf("round %d read event %d of shard %d, not owned", round, events[i].id, sh)
+			}
+		}
+		if len(d.st.floorFrom) > 0 {
+			d.floorRounds++
+		}
+		if d.st.proof.below > 0 {
+			d.proofRounds++
+		}
+		bsh := map[int16]bool{}
+		for _, b := range blocked {
+			bsh[int16(keyHash(b.key)[0])] = true
+		}
+		for i := range events {
+			switch {
+			case events[i].swept:
+				d.swept++
+			case events[i].key != nil && bsh[int16(keyHash(events[i].key)[0])]:
+				d.fromFloor++
+			}
+		}
+		var got []int64
+		for i := range events {
+			got = append(got, events[i].id)
+		}
+		d.flights = append(d.flights, got)
+		if len(d.flights) > max(1, d.depth) {
+			if _, err := d.st.pool.Exec(ctx, `DELETE FROM `+d.outbox+` WHERE id = ANY($1)`, d.flights[0]); err != nil {
+				t.Fatal(err)
+			}
+			d.flights = d.flights[1:]
+		}
+		d.inFlight = slices.Concat(d.flights...)
+		if len(got) == 0 {
+			if empty++; empty >= 2 {
+				t.Logf("%d rounds: %d floor reads (%d with a floor proof), %d events by key hash, %d of the blocked shards from the floor", round+1, d.floorRounds, d.proofRounds, d.swept, d.fromFloor)
+				d.drained(blocked)
+				return
+			}
+		} else {
+			empty = 0
+		}
+	}
+	t.Fatalf("not drained after %d rounds: %d events pending", d.rounds, d.count())
+}
+
+func (d *roundDriver) count() int {
+	var n int
+	if err := d.st.pool.QueryRow(context.Background(), `SELECT count(*) FROM `+d.outbox).Scan(&n); err != nil {
+		d.t.Fatal(err)
+	}
+	return n
+}
+
+// drained asserts that only the blocked keys' held events are left.
+func (d *roundDriver) drained(blocked []keyBlock) {
+	d.t.Helper()
+	rows, _ := d.st.pool.Query(context.Background(), `SELECT id, key FROM `+d.outbox+` WHERE shard = ANY($1) ORDER BY id`, d.shards)
+	var id int64
+	var key []byte
+	var left []string
+	if _, err := pgx.ForEachRow(rows, []any{&id, &key}, func() error {
+		for _, b := range blocked {
+			if string(b.key) == string(key) && id >= b.firstID {
+				return nil
+			}
+		}
+		if !slices.Contains(d.inFlight, id) {
+			left = append(left, fmt.Sprintf("%d:%s", id, key))
+		}
+		return nil
+	}); err != nil {
+		d.t.Fatal(err)
+	}
+	if len(left) > 0 {
+		d.t.Fatalf("claims stopped with unblocked events pending (starved): %v", left[:min(20, len(left))])
+	}
+}
+
+// fillKeys inserts n events of keys (round robin by a stride) with value
+// sizes from size.
+func fillKeys(t *testing.T, st *store, outbox string, keys []string, n int, size int) {
+	t.Helper()
+	if _, err := st.pool.Exec(context.Background(), `INSERT INTO `+outbox+` (topic, key, value)
+SELECT 't', ($1::text[])[1 + (g * 7) % cardinality($1::text[])]::bytea, decode(repeat('00', $3), 'hex') FROM generate_series(1, $2) g`, keys, n, size); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func keysOutside(n int, avoid ...byte) []string {
+	var out []string
+	for i := 0; len(out) < n; i++ {
+		k := fmt.Sprintf("free%d", i)
+		if !slices.Contains(avoid, sha256.Sum256([]byte(k))[0]) {
+			out = append(out, k)
+		}
+	}
+	return out
+}
+
+func shardOf(k string) byte { return sha256.Sum256([]byte(k))[0] }
+
+// The blocked shard's other keys hold many more events than the key-hash
+// read's limit (64 once rounds are full), interleaved with the free keys':
+// the key-hash read stops at its limit round after round.
+func TestBlockedShardKeysAboveTheKeyHashLimit(t *testing.T) {
+	for _, depth := range []int{1, 2} {
+		t.Run(fmt.Sprint("depth ", depth), func(t *testing.T) {
+			t.Parallel()
+			ctx, st, outbox, _, blocked := claimFloorCase(t)
+			sh := shardOf("stuck")
+			keys := keysInShard(sh, 6, "stuck")
+			keys = append(keys, keysOutside(40, sh)...)
+			fillKeys(t, st, outbox, keys, 6000, 1)
+			_ = ctx
+			d := &roundDriver{t: t, st: st, outbox: outbox, shards: everyShard(), limit: 100, depth: depth,
+				blocked: func(int) []keyBlock { return blocked }, rounds: 400}
+			d.run()
+		})
+	}
+}
+
+// Several blocked keys: two in one shard, three in other shards, each held
+// back from a later event (its events before that pending, read in order),
+// their shards' other keys busy.
+func TestSeveralBlockedKeysInOneAndInDifferentShards(t *testing.T) {
+	for _, depth := range []int{1, 2} {
+		t.Run(fmt.Sprint("depth ", depth), func(t *testing.T) {
+			t.Parallel()
+			ctx, st, schema, insert := claimSetup(t)
+			outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
+			b1 := "stuck"
+			b2 := keysInShard(shardOf(b1), 1, b1)[0]
+			others := keysOutside(3, shardOf(b1))
+			blockedKeys := append([]string{b1, b2}, others...)
+			var shardsOf []byte
+			var keys []string
+			for _, k := range blockedKeys {
+				shardsOf = append(shardsOf, shardOf(k))
+			}
+			for _, k := range blockedKeys {
+				for _, o := range keysInShard(shardOf(k), 3, k) {
+					if !slices.Contains(blockedKeys, o) && !slices.Contains(keys, o) {
+						keys = append(keys, o)
+					}
+				}
+			}
+			keys = append(keys, keysOutside(30, shardsOf...)...)
+			held := map[string]int64{}
+			for round := range 6 {
+				for i, k := range blockedKeys {
+					id := insert(st.pool, k)
+					if round == 2+i%3 {
+						held[k] = id
+					}
+				}
+				fillKeys(t, st, outbox, keys, 500, 1)
+			}
+			var blocked []keyBlock
+			for _, k := range blockedKeys {
+				blocked = append(blocked, keyBlock{key: []byte(k), firstID: held[k]})
+			}
+			_ = ctx
+			st.lastFull = true
+			d := &roundDriver{t: t, st: st, outbox: outbox, shards: everyShard(), limit: 100, depth: depth,
+				blocked: func(int) []keyBlock { return blocked }, rounds: 400}
+			d.run()
+		})
+	}
+}
+
+// The blocked shard's other keys have an old backlog (older than the free
+// keys' events), and the relay carries a base far above it (as
+// TestClaimFromTheFloorReadsTheOldestEventsWhateverItsBase: a shard handed
+// over, a key released): the key-hash read reads below the base, at its
+// limit for many rounds, and the floor read's rows of that shard are
+// dropped meanwhile.
+func TestBlockedShardBacklogBelowACarriedBase(t *testing.T) {
+	for _, c := range []struct {
+		name  string
+		base  func(first, last int64) int64
+		depth int
+	}{
+		{"no base", func(int64, int64) int64 { return 0 }, 1},
+		{"base mid-way", func(f, l int64) int64 { return (f + l) / 2 }, 1},
+		{"base mid-way, depth 2", func(f, l int64) int64 { return (f + l) / 2 }, 2},
+		{"base above all", func(f, l int64) int64 { return l + 1000 }, 1},
+		{"base at the first free", func(f, l int64) int64 { return f }, 1},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			_, st, outbox, insert, blocked := claimFloorCase(t)
+			sh := shardOf("stuck")
+			bkeys := keysInShard(sh, 5, "stuck")
+			fillKeys(t, st, outbox, bkeys, 600, 1)
+			free := keysOutside(40, sh)
+			first := insert(st.pool, free[0])
+			fillKeys(t, st, outbox, append(slices.Clone(free), bkeys...), 4000, 1)
+			last := insert(st.pool, free[1])
+			if b := c.base(first, last); b > 0 {
+				st.floorFrom = []int64{b}
+			}
+			d := &roundDriver{t: t, st: st, outbox: outbox, shards: everyShard(), limit: 100, depth: c.depth,
+				blocked: func(int) []keyBlock { return blocked }, rounds: 400}
+			d.run()
+		})
+	}
+}
+
+// A key whose retry is due is read for its failed event (held back from
+// the event after it) whatever its shard's other keys hold
+// (TestClaimReadsADueRetryWhateverItsShardsOtherKeysHold): here beside a
+// floor read, with that event just above the base (among the round's
+// oldest events) and the shard's other keys holding more events below the
+// base than the key-hash read's limit. A version that bounded the blocked
+// key's own events by the base too ($34) did not read the failed event by
+// key hash, and mergeBlocked dropped the floor read's copy: the relay then
+// dropped the key's hold (forgetLostRetries).
+func TestDueRetryAboveTheBaseBesideABacklogBelowIt(t *testing.T) {
+	t.Parallel()
+	ctx, st, outbox, insert, blocked := claimFloorCase(t)
+	sh := shardOf("stuck")
+	ks := keysInShard(sh, 6, "stuck")
+	fillKeys(t, st, outbox, ks[:5], 70, 1) // the shard's backlog, below the base
+	free := keysOutside(40, sh)
+	base := insert(st.pool, free[0])
+	failed := insert(st.pool, ks[5]) // the due key's failed event
+	insert(st.pool, ks[5])
+	fillKeys(t, st, outbox, free, 1000, 1)
+	blocked = append(blocked, keyBlock{key: []byte(ks[5]), firstID: failed + 1})
+	st.floorFrom = []int64{base}
+	st.lastFull = true
+	pending := keyPending(t, st, outbox, nil)
+	events, err := st.claim(ctx, "me", everyShard(), 100, blocked, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkPrefixRound(t, "claim", events, pending, blocked)
+	ids := make([]int64, len(events))
+	for i := range events {
+		ids[i] = events[i].id
+	}
+	if !slices.Contains(ids, failed) {
+		t.Fatalf("the due retry's failed event %d (base %d) was not read: %v", failed, base, ids)
+	}
+}
+
+// A randomized relay run: keys in a few hot shards and free shards, keyless
+// events, inserts every round, transactions that commit late (ids below
+// the base by the time they commit), keys blocked and released (held from
+// their oldest pending event, or due: held from the one after it), a
+// read-ahead of one or two rounds, with and without a byte bound whose
+// share withholds some values (no value large enough to cut the key-hash
+// read by bytes: that is
+// TestBlockedShardKeyHashReadCutByBytesKeepsFloorRows). Every round
+// is checked: each key's events a prefix of its pending ones, no blocked
+// key's held events. At the end nothing but held events is left.
+func TestRandomizedBlockedRuns(t *testing.T) {
+	for seed := range 12 {
+		t.Run(fmt.Sprint("seed ", seed), func(t *testing.T) {
+			t.Parallel()
+			randomBlockedRun(t, int64(seed))
+		})
+	}
+}
+
+func randomBlockedRun(t *testing.T, seed int64) {
+	rng := rand.New(rand.NewPCG(uint64(seed), 0))
+	ctx, st, schema, _ := claimSetup(t)
+	outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
+	hot := []byte{shardOf("stuck"), shardOf("hot-a"), shardOf("hot-b")}
+	var keys []string
+	for _, sh := range hot {
+		keys = append(keys, keysInShard(sh, 6, "")...)
+	}
+	keys = append(keys, keysOutside(30, hot...)...)
+	shards := everyShard()
+	if seed%4 == 3 {
+		// a relay that owns every shard but three: one hot shard and two
+		// free keys' shards are another relay's (their keys may be blocked)
+		out := []int16{int16(hot[2]), int16(shardOf(keys[len(keys)-1])), int16(shardOf(keys[len(keys)-2]))}
+		shards = slices.DeleteFunc(shards, func(sh int16) bool { return slices.Contains(out, sh) })
+	}
+	guarded := seed%3 == 1
+	if guarded {
+		st.maxBytes = 400_000 // a share of 4,000 in a round of 100; 64 × 5,000 < 400,000
+	}
+	limit := 100
+	ins := func(db execer, n int) {
+		for range n {
+			var key any
+			if rng.IntN(20) > 0 {
+				key = []byte(keys[rng.IntN(len(keys))])
+			}
+			size := 1
+			if guarded && rng.IntN(8) == 0 {
+				size = 5_000 // above the share: withheld by a guarded read
+			}
+			if _, err := db.Exec(ctx, `INSERT INTO `+outbox+` (topic, key, value) VALUES ('t', $1, decode(repeat('00', $2), 'hex'))`, key, size); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key, value)
+SELECT 't', ($1::text[])[1 + (g * 7) % cardinality($1::text[])]::bytea, '\x00'::bytea FROM generate_series(1, 3000) g`, keys); err != nil {
+		t.Fatal(err)
+	}
+	type late struct {
+		tx     pgx.Tx
+		commit int
+	}
+	var lates []late
+	blockedNow := map[string]int64{} // key -> firstID
+	oldest := func(k string, excluded []int64) int64 {
+		var id *int64
+		if err := st.pool.QueryRow(ctx, `SELECT min(id) FROM `+outbox+` WHERE key = $1::bytea AND id <> ALL($2::bigint[])`, k, append([]int64{}, excluded...)).Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		if id == nil {
+			return 0
+		}
+		return *id
+	}
+	st.lastFull = true
+	var d *roundDriver
+	stopAt := 120
+	d = &roundDriver{t: t, st: st, outbox: outbox, shards: shards, limit: limit, depth: 1 + int(seed%2), rounds: 1000,
+		before: func(round int) {
+			if round < stopAt {
+				ins(st.pool, rng.IntN(150))
+				if rng.IntN(4) == 0 {
+					tx, err := st.pool.Begin(ctx)
+					if err != nil {
+						t.Fatal(err)
+					}
+					ins(tx, 1+rng.IntN(20))
+					lates = append(lates, late{tx, round + 1 + rng.IntN(8)})
+				}
+			}
+			for i := 0; i < len(lates); i++ {
+				if lates[i].commit <= round || round >= stopAt {
+					if err := lates[i].tx.Commit(ctx); err != nil {
+						t.Fatal(err)
+					}
+					lates = slices.Delete(lates, i, i+1)
+					i--
+				}
+			}
+			// block or release keys (at most 4 blocked: at most 8 shards out)
+			if round < stopAt && rng.IntN(5) == 0 {
+				k := keys[rng.IntN(len(keys))]
+				if _, ok := blockedNow[k]; ok {
+					delete(blockedNow, k)
+				} else if len(blockedNow) < 4 {
+					if id := oldest(k, d.inFlight); id > 0 {
+						if rng.IntN(2) == 0 {
+							id++ // due: its failed event is read alone
+						}
+						blockedNow[k] = id
+					}
+				}
+			}
+			if round == stopAt {
+				clear(blockedNow) // let everything drain
+			}
+		},
+		blocked: func(int) []keyBlock {
+			var out []keyBlock
+			for k, id := range blockedNow {
+				out = append(out, keyBlock{key: []byte(k), firstID: id})
+			}
+			slices.SortFunc(out, func(a, b keyBlock) int { return bytes.Compare(a.key, b.key) })
+			return out
+		},
+	}
+	d.run()
+}
+
+// A row of the blocked shard's other key commits late, below the base by
+// then, while the shard's other keys hold a backlog (the key-hash read at
+// its limit) and the late key's next event, committed early, lies above
+// the base where the floor read reads it.
+func TestLateCommitInTheBlockedShardBelowTheBase(t *testing.T) {
+	for _, backlog := range []int{0, 30, 300} {
+		for _, commitAt := range []int{1, 3, 8} {
+			t.Run(fmt.Sprintf("backlog %d, commit at %d", backlog, commitAt), func(t *testing.T) {
+				t.Parallel()
+				ctx, st, outbox, insert, blocked := claimFloorCase(t)
+				sh := shardOf("stuck")
+				ks := keysInShard(sh, 6, "stuck")
+				lateKey := ks[5]
+				tx, err := st.pool.Begin(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer tx.Rollback(ctx)
+				lateID := insert(tx, lateKey) // below every other row but the stuck key's
+				if backlog > 0 {
+					fillKeys(t, st, outbox, ks[:5], backlog, 1)
+				}
+				free := keysOutside(40, sh)
+				fillKeys(t, st, outbox, free, 300, 1)
+				fillKeys(t, st, outbox, append(slices.Clone(free), ks[:5]...), 1500, 1)
+				insert(st.pool, lateKey) // its next event, committed first
+				fillKeys(t, st, outbox, append(slices.Clone(free), ks[:5]...), 1500, 1)
+				d := &roundDriver{t: t, st: st, outbox: outbox, shards: everyShard(), limit: 100, rounds: 400,
+					blocked: func(int) []keyBlock { return blocked },
+					before: func(round int) {
+						if round == commitAt {
+							if b := st.floorBase(); b <= lateID && st.proof.below <= lateID {
+								t.Fatalf("base %d not above the late row %d", b, lateID)
+							}
+							if err := tx.Commit(ctx); err != nil {
+								t.Fatal(err)
+							}
+						}
+					}}
+				d.run()
+
+			})
+		}
+	}
+}
