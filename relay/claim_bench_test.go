@@ -130,10 +130,15 @@ LIMIT $2`
 // blockedShardReads times the read of the shards holding blocked keys alone
 // (median of 21, alternating): by key hash as far as the round needs, as
 // claim does, and read whole and sorted by id, as it did before (the same
-// key-hash ranges without limits), and prints both with their buffers.
+// key-hash ranges without limits), and prints both with their buffers. It
+// is the read beside the free shards' shares: beside a floor read it reads
+// only below the floor's base (mergeBlocked), here nothing.
 func blockedShardReads(b *testing.B, st *store, shards []int16, blocked []keyBlock) {
 	ctx := context.Background()
+	floorOff := st.floorOff
+	st.floorOff = 2
 	stmts := st.claimStatements(shards, 1000, blocked, nil)
+	st.floorOff = floorOff
 	sweep := stmts[len(stmts)-1]
 	segs := blockedSegments(blocked)
 	var parts []string
