@@ -131,8 +131,9 @@ LIMIT $2`
 // (median of 21, alternating): by key hash as far as the round needs, as
 // claim does, and read whole and sorted by id, as it did before (the same
 // key-hash ranges without limits), and prints both with their buffers. It
-// is the read beside the free shards' shares: beside a floor read it reads
-// only below the floor's base (mergeBlocked), here nothing.
+// is the read beside the free shards' shares (floorOff set, which
+// claimStatements counts down): beside a floor read it reads only below the
+// floor's base (mergeBlocked), on this data nothing.
 func blockedShardReads(b *testing.B, st *store, shards []int16, blocked []keyBlock) {
 	ctx := context.Background()
 	floorOff := st.floorOff

@@ -127,12 +127,13 @@ func heldFirst(segs []segment) []segment {
 // prepared (and planned) per claim; with bitmap scans off, the plan is an
 // ordered index scan per range whatever the estimates. The excluded ids
 // are $1 to $33 (notExcluded), left for the caller to set. The key-hash
-// ranges read only below below ($34): beside a floor read, which reads
-// these shards' other keys from the floor up with the free shards, the
-// floor's base (see mergeBlocked). A blocked key's events before its
-// held-back id are read whatever their id: a key whose retry is due is
-// read for its failed event however many events the ranges hold below
-// the base.
+// ranges read only ids below $34 (below): the floor's base beside a floor
+// read, which reads these shards' other keys from the floor up with the
+// free shards (see mergeBlocked), else the largest bigint. A blocked key's
+// events before its held-back id are read whatever their id, and come
+// first, ahead of the limit across the shards: a key whose retry is due is
+// read for its failed event however many events the ranges hold below the
+// base, in its shard or another.
 func claimBlockedQuery(outbox string, shards [][]segment, limit int, below int64) (string, []any) {
 	var b strings.Builder
 	// $1 to $33: the excluded ids, set by the caller (blockedExcluded).
@@ -142,7 +143,7 @@ func claimBlockedQuery(outbox string, shards [][]segment, limit int, below int64
 		args = append(args, v)
 		return len(args)
 	}
-	b.WriteString(`SELECT * FROM (`)
+	b.WriteString(`SELECT id, event_id, topic, key, value, headers, created_at, refused_for, refused_kind, size FROM (`)
 	for i, segs := range shards {
 		if i > 0 {
 			b.WriteString(`
@@ -155,16 +156,19 @@ UNION ALL `)
     UNION ALL `)
 			}
 			if g.eq != nil {
-				fmt.Fprintf(&b, `(SELECT `+claimColumns+` FROM %s o WHERE `+keyHashSQL+` = $%d::bytea AND o.id < $%d::bigint AND `+notExcluded+` ORDER BY `+keyHashSQL+`, o.id LIMIT %d)`, outbox, param(g.eq), param(g.before), limit)
+				fmt.Fprintf(&b, `(SELECT `+claimColumns+`, true AS held FROM %s o WHERE `+keyHashSQL+` = $%d::bytea AND o.id < $%d::bigint AND `+notExcluded+` ORDER BY `+keyHashSQL+`, o.id LIMIT %d)`, outbox, param(g.eq), param(g.before), limit)
 			} else {
-				fmt.Fprintf(&b, `(SELECT `+claimColumns+` FROM %s o WHERE `+keyHashSQL+` >= $%d::bytea AND `+keyHashSQL+` < $%d::bytea AND o.id < $34::bigint AND `+notExcluded+` ORDER BY `+keyHashSQL+`, o.id LIMIT %d)`, outbox, param(g.lo), param(g.hi), limit)
+				fmt.Fprintf(&b, `(SELECT `+claimColumns+`, false AS held FROM %s o WHERE `+keyHashSQL+` >= $%d::bytea AND `+keyHashSQL+` < $%d::bytea AND o.id < $34::bigint AND `+notExcluded+` ORDER BY `+keyHashSQL+`, o.id LIMIT %d)`, outbox, param(g.lo), param(g.hi), limit)
 			}
 		}
 		fmt.Fprintf(&b, `) AS s LIMIT %d)`, limit)
 	}
+	// The blocked keys' own events first: the limit across the shards
+	// must not leave a due retry's failed event out for another shard's
+	// older events (mergeBlocked would then drop the floor read's copy).
 	fmt.Fprintf(&b, `
 ) AS m
-ORDER BY m.id
+ORDER BY m.held DESC, m.id
 LIMIT %d`, limit)
 	return b.String(), args
 }
@@ -217,7 +221,8 @@ func eventHash(e *pendingEvent) []byte {
 // (from its sweep position on, wrapping around): the next claim goes on
 // from that key (its events not taken yet) and the keys after it, so over
 // rounds every key of the shard gets its turn. The blocked keys' own events
-// (a due retry, read ahead of the ranges: heldFirst) do not move it.
+// (a due retry, read ahead of the ranges: heldFirst) do not move it, nor do
+// events read from the floor (mergeBlocked).
 func (s *store) advanceSweeps(events []pendingEvent, blockedKeys []keyBlock) {
 	if len(s.sweep) == 0 {
 		return
@@ -264,22 +269,23 @@ func sweepOrder(a, b, from []byte) int {
 // key of such a shard has its events below the base from the latter and
 // from the floor up from the former: together all of its pending events
 // up to where the floor read stopped, unless the read by key hash stopped
-// at its limit, or may have stopped at the round's byte bound (bound in
-// SQL: a guarded read sends every row). Then it may have left a key's
-// events out below the base whose later events the floor read has: the
-// floor read's rows of those shards are dropped, leaving each key a prefix
-// of its events. (A withheld
-// row is kept whatever its shard, which its missing key hides: the claim
-// reads exactly once the round's bound reaches it.)
-func mergeBlocked(out []pendingEvent, stmts []statement) []pendingEvent {
+// at its limit (across the shards it reads), or was bound by bytes in SQL
+// (boundInSQL), where it may stop below its limit; a guarded read sends
+// every row, so its count tells. Then it may have left a key's events out
+// below the base whose later events the floor read has: the floor read's
+// rows of every shard holding blocked keys are dropped, leaving each key a
+// prefix of its events, and dropped says how many. (A withheld row is kept
+// whatever its shard, which its missing key hides: the claim reads exactly
+// once the round's bound reaches it.)
+func mergeBlocked(out []pendingEvent, stmts []statement) (merged []pendingEvent, dropped int) {
 	var st *statement
 	for i := range stmts {
-		if stmts[i].sweep > 0 && stmts[i].below {
+		if stmts[i].sweepLimit > 0 && stmts[i].belowBase {
 			st = &stmts[i]
 		}
 	}
 	if st == nil {
-		return out
+		return out, 0
 	}
 	swept := 0
 	for i := range out {
@@ -287,16 +293,17 @@ func mergeBlocked(out []pendingEvent, stmts []statement) []pendingEvent {
 			swept++
 		}
 	}
-	if swept < st.sweep && !st.boundInSQL {
-		return out
+	if swept < st.sweepLimit && !st.boundInSQL {
+		return out, 0
 	}
-	return slices.DeleteFunc(out, func(e pendingEvent) bool {
+	merged = slices.DeleteFunc(out, func(e pendingEvent) bool {
 		if e.swept || e.withheld {
 			return false
 		}
 		_, found := slices.BinarySearch(st.sweptShards, int16(eventHash(&e)[0]))
 		return found
 	})
+	return merged, len(out) - len(merged)
 }
 
 // dedupByID drops the second of two events of one id (in id order): an

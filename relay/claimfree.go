@@ -73,20 +73,22 @@ func (s *store) adaptFreeKs(free []int16, ks []int32, out []pendingEvent) {
 	}
 }
 
-// claimFloorMaxOut is the most shards not free (blocked, or not owned) with
-// which the free shards are read by claimFloorQuery: it walks their rows
-// above the floor and drops them.
+// claimFloorMaxOut is the most shards not free (holding blocked keys, or
+// not owned) with which the free shards are read by claimFloorQuery: it
+// walks the rows above the floor of the shards not owned, and the blocked
+// keys' held events, and drops them.
 const claimFloorMaxOut = 8
 
 // claimFloorOff is how many claims read by claimFreeQuery after a read by
-// claimFloorQuery came short: the rows not free above the floor may be too
-// dense to walk.
+// claimFloorQuery came short: the rows it drops above the floor (shards
+// not owned, blocked keys' held events) may be too dense to walk.
 const claimFloorOff = 16
 
-// claimFloorQuery reads the free shards ($1) when nearly every shard is
-// free and the last round was whole (a backlog is draining beside a blocked
-// key): the primary key in id order from the floor, leaving out the rows of
-// the other shards ($2) and the excluded ids ($3). A blocked key's events
+// claimFloorQuery reads the owned shards when nearly every shard is free
+// and the last round was whole (a backlog is draining beside a blocked
+// key): the primary key in id order from the floor (found by descending the
+// free shards, $1), leaving out the rows of the shards not owned ($2), the
+// excluded ids ($3) and the blocked keys' held events. A blocked key's events
 // below the floor (a key stuck with 300,000 events, the oldest of the
 // table) are never walked; its events above the floor are, and dropped.
 // claimFreeQuery reads a share of every free shard instead (eight events
@@ -126,9 +128,10 @@ const claimFloorOff = 16
 // The owned shards holding blocked keys are read with the free shards,
 // leaving out only the blocked keys' events from the id each is held back
 // from: the shards at $(5+2*skips), the blocked keys' hashes (keyHashSQL)
-// and those ids after it. Their other keys' events below the floor are
-// read by key hash (claimBlockedQuery, below the base), and the claim
-// merges the two (store.claim). $2 holds the shards not owned.
+// and those ids after it. Their other keys' events below the base (at or
+// above the floor) are read by key hash (claimBlockedQuery), and the claim
+// merges the two (mergeBlocked). Where the round's bytes are bound in SQL
+// those shards are in $2 instead and read by key hash alone (store.claim).
 func claimFloorQuery(outbox string, limit, skips int) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, `WITH f AS MATERIALIZED (
@@ -158,7 +161,7 @@ LIMIT %d)`, outbox, cond, 2*limit)
 	// The blocked keys' events from where each is held back on are left
 	// out in a CASE: only for rows of the shards holding them ($n), so the
 	// key's hash is computed for a few rows a round.
-	n := 6 + 2*skips
+	n := 5 + 2*skips
 	fmt.Fprintf(&b, `
 ) AS u
 ORDER BY u.id
@@ -168,7 +171,7 @@ WHERE o.shard <> ALL($2::int2[])
         SELECT FROM unnest($%d::bytea[], $%d::bigint[]) AS h(hash, from_id)
         WHERE h.hash = `+keyHashSQL+` AND o.id >= h.from_id) ELSE true END
 ORDER BY o.id
-LIMIT %d`, 2*limit, n-1, n, n+1, limit)
+LIMIT %d`, 2*limit, n, n+1, n+2, limit)
 	return b.String()
 }
 
@@ -188,8 +191,9 @@ const (
 // than the runs for the floor read, one per key-hash range for a blocked
 // shard's read): on the 2,000 ids of a read-ahead's rounds, 4 ms a claim
 // for a blocked shard's read of 64 events. Up to 16 runs: the rounds in
-// flight beside a blocked key are split every few hundred ids by the
-// blocked shard's events they did not take.
+// flight beside a blocked key are one run, but may be split where a round
+// left out a blocked shard's events (the first floor read of a run, a
+// key-hash read at its limit, a round bound by bytes in SQL).
 func skipRuns(excluded []int64) (runs [][2]int64, rest []int64) {
 	slices.Sort(excluded)
 	for i := 0; i < len(excluded); {

@@ -396,7 +396,7 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 			read[i][0] = len(out)
 			out, err = scanEvents(rows, out)
 			read[i][1] = len(out)
-			if st.sweep > 0 {
+			if st.sweepLimit > 0 {
 				for j := read[i][0]; j < read[i][1]; j++ {
 					out[j].swept = true
 				}
@@ -485,8 +485,9 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 		}
 		adapt = st.short
 	}
+	dropped := 0
 	if len(blockedKeys) > 0 {
-		out = mergeBlocked(out, stmts)
+		out, dropped = mergeBlocked(out, stmts)
 	}
 	if len(stmts) > 1 || len(blockedKeys) > 0 || guarded {
 		out = dedupByID(sortByID(out))
@@ -510,7 +511,9 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 	if adapt != nil {
 		s.adaptFreeKs(adapt.free, adapt.ks, out)
 	}
-	s.lastFull = len(out) == limit
+	// A round short only of the rows mergeBlocked dropped read a whole
+	// round: the next claim reads from the floor again.
+	s.lastFull = len(out) == limit || dropped > 0 && len(out)+dropped >= limit
 	if len(out) > 0 {
 		k := keyOf(out)
 		if _, err := s.pool.Exec(ctx, s.markSQL, owner, k.lo, k.hi, shards); err != nil {
@@ -542,18 +545,20 @@ type statement struct {
 	exact *statement
 	// guard: a read of a round in id order whose byte bound may be kept
 	// on the client (guardBytes) rather than by a running sum: a floor
-	// read, or the read of the shards of a relay that owns some (merged,
-	// or by their shares).
+	// read, the read of the shards of a relay that owns some (merged, or
+	// by their shares), or the read of the shards holding blocked keys
+	// (claimBlockedQuery; see mergeBlocked).
 	guard bool
 	// guarded: a guarded read (guardBytes), alone or among others: the
 	// claim bounds the round they make (cutBytes) and claims again exactly
 	// if it keeps an event this one withheld.
 	guarded bool
-	// sweep: the limit of a read of the shards holding blocked keys
-	// (claimBlockedQuery); below: that read is of their events below a
-	// floor read's base only, the floor read having the rest.
-	sweep       int
-	below       bool
+	// sweepLimit: the limit of a read of the shards holding blocked keys
+	// (claimBlockedQuery), sweptShards those shards; belowBase: that read
+	// reads their key-hash ranges below a floor read's base only, the
+	// floor read having the rest (mergeBlocked).
+	sweepLimit  int
+	belowBase   bool
 	sweptShards []int16
 	// boundInSQL: the read's rows are bound by bytes in SQL (boundBytes),
 	// so it may have stopped short of its limit for that.
@@ -648,16 +653,26 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 		if s.lastFull && NumShards-len(free) <= claimFloorMaxOut && s.floorOff == 0 {
 			s.floorShape(false)
 			descend, base := s.descents(free, s.floorBase())
-			args := []any{descend, notIn(shards), rest, base}
+			// The shards holding blocked keys are read with the free ones
+			// (mergeBlocked) unless the round's bytes are bound in SQL: the
+			// key-hash read may then stop short of its limit for that, and
+			// the merge would drop their rows from every round.
+			withBlocked := s.maxBytes == 0 || s.maxBytes/int64(limit) >= minGuardShare && guard
+			notRead, hashes, froms := notIn(free), [][]byte{}, []int64{}
+			if withBlocked {
+				notRead = notIn(shards)
+				for h, from := range heldBack(blockedKeys) {
+					hashes, froms = append(hashes, []byte(h)), append(froms, from)
+				}
+			}
+			args := []any{descend, notRead, rest, base}
 			for _, r := range runs {
 				args = append(args, r[0], r[1])
 			}
-			hashes, froms := [][]byte{}, []int64{}
-			for h, from := range heldBack(blockedKeys) {
-				hashes, froms = append(hashes, []byte(h)), append(froms, from)
-			}
 			args = append(args, append([]int16{}, blockedShards...), hashes, froms)
-			below, besideFloor = base, true
+			if withBlocked {
+				below, besideFloor = base, true
+			}
 			out = append(out, statement{sql: s.claimFloorSQL[len(runs)], args: args, short: &shares, floor: true, guard: true})
 		} else {
 			shares.guard = true
@@ -691,7 +706,7 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 		blockedExcluded(args, runs, rest)
 		// Guarded where the reads may be: a byte bound in SQL may stop it
 		// short of its limit, and mergeBlocked must then take it for cut.
-		out = append(out, statement{sql: sql, args: args, noBitmap: true, guard: true, sweep: blockedLimit, below: besideFloor, sweptShards: blockedShards})
+		out = append(out, statement{sql: sql, args: args, noBitmap: true, guard: true, sweepLimit: blockedLimit, belowBase: besideFloor, sweptShards: blockedShards})
 	}
 	if s.exactOff > 0 {
 		s.exactOff--
@@ -934,7 +949,7 @@ func (s *store) finish(ctx context.Context, owner string, shards []int16, acked 
 		}
 		// The longest run of consecutive ids by a range of the primary
 		// key, the rest by "= ANY": a round read beside a blocked key is
-		// one run but for a few of the blocked shard's events.
+		// usually one run.
 		lo, hi, rest := longestRun(acked)
 		if hi-lo+1 >= minDeleteRun {
 			b.Queue(s.deleteRunSQL, lo, hi, owner, shards).Exec(count)
