@@ -905,3 +905,49 @@ func TestShortFloorReadBesideAKeyHashReadBelowTheBase(t *testing.T) {
 		blocked: func(int) []keyBlock { return blocked }}
 	d.run()
 }
+
+// A hot shard holding a blocked key: its other keys have half the events,
+// and a backlog below the base more than the key-hash read's limit. The
+// merge drops the floor read's rows of that shard while the key-hash read
+// is at its limit; with that limit at its share of a round (64), 3 rounds
+// of 30 came short (the shard's rows dropped from the floor read fall
+// below the base faster than 64 a claim drain them), each sending the next
+// claim to the shares, which starts the floor's base and proof over. At
+// its limit, the next key-hash read reads a whole round's worth: the
+// backlog below the base drains and every round is whole.
+func TestRoundsStayWholeBesideAHotBlockedShard(t *testing.T) {
+	t.Parallel()
+	ctx, st, outbox, insert, blocked := claimFloorCase(t)
+	sh := shardOf("stuck")
+	hot := keysInShard(sh, 6, "stuck")
+	fillKeys(t, st, outbox, hot, 300, 1) // below the base
+	base := insert(st.pool, "free-base")
+	keys := keysOutside(6, sh)
+	keys = append(keys, hot...) // half the events from here on
+	fillKeys(t, st, outbox, keys, 6000, 1)
+	st.floorFrom = []int64{base}
+	st.lastFull = true
+	var inFlight []int64
+	short := 0
+	for round := range 30 {
+		pending := keyPending(t, st, outbox, inFlight)
+		events, err := st.claim(ctx, "me", everyShard(), 100, blocked, slices.Clone(inFlight))
+		if err != nil {
+			t.Fatal(err)
+		}
+		checkPrefixRound(t, fmt.Sprint("round ", round), events, pending, blocked)
+		if len(events) < 100 {
+			short++
+		}
+		if _, err := st.pool.Exec(ctx, `DELETE FROM `+outbox+` WHERE id = ANY($1)`, inFlight); err != nil {
+			t.Fatal(err)
+		}
+		inFlight = inFlight[:0]
+		for i := range events {
+			inFlight = append(inFlight, events[i].id)
+		}
+	}
+	if short > 0 {
+		t.Fatalf("%d of 30 rounds short of 100 events with thousands pending", short)
+	}
+}

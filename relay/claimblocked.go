@@ -274,10 +274,10 @@ func sweepOrder(a, b, from []byte) int {
 // every row, so its count tells. Then it may have left a key's events out
 // below the base whose later events the floor read has: the floor read's
 // rows of every shard holding blocked keys are dropped, leaving each key a
-// prefix of its events, and dropped says how many. (A withheld row is kept
+// prefix of its events, and cut is true. (A withheld row is kept
 // whatever its shard, which its missing key hides: the claim reads exactly
 // once the round's bound reaches it.)
-func mergeBlocked(out []pendingEvent, stmts []statement) (merged []pendingEvent, dropped int) {
+func mergeBlocked(out []pendingEvent, stmts []statement) (merged []pendingEvent, cut bool) {
 	var st *statement
 	for i := range stmts {
 		if stmts[i].sweepLimit > 0 && stmts[i].belowBase {
@@ -285,7 +285,7 @@ func mergeBlocked(out []pendingEvent, stmts []statement) (merged []pendingEvent,
 		}
 	}
 	if st == nil {
-		return out, 0
+		return out, false
 	}
 	swept := 0
 	for i := range out {
@@ -294,16 +294,15 @@ func mergeBlocked(out []pendingEvent, stmts []statement) (merged []pendingEvent,
 		}
 	}
 	if swept < st.sweepLimit && !st.boundInSQL {
-		return out, 0
+		return out, false
 	}
-	merged = slices.DeleteFunc(out, func(e pendingEvent) bool {
+	return slices.DeleteFunc(out, func(e pendingEvent) bool {
 		if e.swept || e.withheld {
 			return false
 		}
 		_, found := slices.BinarySearch(st.sweptShards, int16(eventHash(&e)[0]))
 		return found
-	})
-	return merged, len(out) - len(merged)
+	}), true
 }
 
 // dedupByID drops the second of two events of one id (in id order): an

@@ -76,6 +76,7 @@ type store struct {
 	sweep            map[int16][]byte
 	sweepLast        map[int16][]byte // scratch for advanceSweeps
 	lastFull         bool             // the last claim returned a whole round
+	sweptFull        bool             // the last claim's key-hash read, beside a floor read, stopped at its limit (mergeBlocked)
 	markSQL          string
 	deleteSQL        string
 	deleteRunSQL     string
@@ -485,9 +486,9 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 		}
 		adapt = st.short
 	}
-	dropped := 0
+	s.sweptFull = false
 	if len(blockedKeys) > 0 {
-		out, dropped = mergeBlocked(out, stmts)
+		out, s.sweptFull = mergeBlocked(out, stmts)
 	}
 	if len(stmts) > 1 || len(blockedKeys) > 0 || guarded {
 		out = dedupByID(sortByID(out))
@@ -511,9 +512,7 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 	if adapt != nil {
 		s.adaptFreeKs(adapt.free, adapt.ks, out)
 	}
-	// A round short only of the rows mergeBlocked dropped read a whole
-	// round: the next claim reads from the floor again.
-	s.lastFull = len(out) == limit || dropped > 0 && len(out)+dropped >= limit
+	s.lastFull = len(out) == limit
 	if len(out) > 0 {
 		k := keyOf(out)
 		if _, err := s.pool.Exec(ctx, s.markSQL, owner, k.lo, k.hi, shards); err != nil {
@@ -698,8 +697,12 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 		// the blocked shards' events that make a round are their share of
 		// it: read a few times that, not a whole round each, of which the
 		// merge by id would keep a handful.
+		// Unless the last such read, beside a floor read, stopped at
+		// that limit: the floor read's rows of these shards were dropped
+		// then (mergeBlocked), and their backlog below the base must
+		// drain faster than they fall below it.
 		blockedLimit := limit
-		if s.lastFull && len(free) > 0 {
+		if s.lastFull && len(free) > 0 && !s.sweptFull {
 			blockedLimit = min(limit, max(64, 4*limit*len(blockedShards)/len(shards)))
 		}
 		sql, args := claimBlockedQuery(s.outbox, read, blockedLimit, below)
