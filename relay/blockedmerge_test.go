@@ -72,10 +72,11 @@ func checkPrefixRound(t *testing.T, what string, events []pendingEvent, pending 
 // share: guarded, the blocked shard's read by key hash sends every row it
 // reads; exact (after a guarded claim withheld an event the bound kept),
 // it is bound by bytes in SQL and may stop for that far below its count
-// limit, so mergeBlocked takes it for cut and drops the floor read's rows
-// of that shard. A version that looked only at the count kept them: a key
-// got a later (small) event from the floor read while the earlier (large)
-// one the key-hash read cut was left out.
+// limit, so the floor read leaves that shard to it alone. A version that
+// merged the two and looked only at the key-hash read's count kept the
+// floor read's rows of that shard: a key got a later (small) event from
+// the floor read while the earlier (large) one the key-hash read cut was
+// left out.
 func TestBlockedShardKeyHashReadCutByBytesKeepsFloorRows(t *testing.T) {
 	t.Parallel()
 	for _, exact := range []bool{false, true} {
@@ -843,10 +844,12 @@ func blockedShardUnderLoad(t *testing.T, mode string) {
 }
 
 // TestDueRetryAboveTheBaseBesideABacklogBelowIt with the backlog below the
-// base in another blocked shard than the due key's: the key-hash read's
-// outer LIMIT (by id, across the blocked shards) keeps the other shard's
-// older events and cuts the due key's failed event; mergeBlocked then takes
-// the read for cut and drops the floor read's copy of it too.
+// base in another blocked shard than the due key's. The key-hash read's
+// outer LIMIT, by id across the blocked shards, kept the other shard's
+// older events and cut the due key's failed event, and mergeBlocked took
+// the read for cut and dropped the floor read's copy of it too (on ed2584d
+// too, before the merge: the event was left out all the same). The
+// blocked keys' own events now come first.
 func TestDueRetryBesideABacklogInAnotherBlockedShard(t *testing.T) {
 	t.Parallel()
 	ctx, st, outbox, insert, blocked := claimFloorCase(t)
@@ -949,5 +952,61 @@ func TestRoundsStayWholeBesideAHotBlockedShard(t *testing.T) {
 	}
 	if short > 0 {
 		t.Fatalf("%d of 30 rounds short of 100 events with thousands pending", short)
+	}
+}
+
+// TestRoundsStayWholeBesideAHotBlockedShard with the blocked shard's other
+// keys at 80% of the events (and more arriving than a round each claim):
+// the first key-hash read at its share's limit (64) is cut, the merge
+// drops the shard's floor rows and the round comes short (64 + the free
+// rows the floor read had). A version that took that round for the end of
+// the backlog sent the next claim to the shares, which ends the run of
+// floor reads (noteFloor(0)): the next floor read had no base and its
+// key-hash read the shard at 64 again, cut again, short again, the claims
+// alternating for as long as the load lasted (25 of 50 rounds short).
+func TestRoundsStayWholeBesideAVeryHotBlockedShard(t *testing.T) {
+	t.Parallel()
+	ctx, st, outbox, insert, blocked := claimFloorCase(t)
+	sh := shardOf("stuck")
+	hot := keysInShard(sh, 8, "stuck")
+	fillKeys(t, st, outbox, hot, 300, 1) // below the base
+	base := insert(st.pool, "free-base")
+	keys := keysOutside(2, sh)
+	keys = append(keys, hot...) // 80% of the events from here on
+	fillKeys(t, st, outbox, keys, 3000, 1)
+	st.floorFrom = []int64{base}
+	st.lastFull = true
+	var inFlight []int64
+	short, floors := 0, 0
+	var sizes []int
+	const rounds, warmup = 60, 10
+	for round := range rounds {
+		fillKeys(t, st, outbox, keys, 110, 1) // more than a round: the backlog stays
+		pending := keyPending(t, st, outbox, inFlight)
+		events, err := st.claim(ctx, "me", everyShard(), 100, blocked, slices.Clone(inFlight))
+		if err != nil {
+			t.Fatal(err)
+		}
+		checkPrefixRound(t, fmt.Sprint("round ", round), events, pending, blocked)
+		sizes = append(sizes, len(events))
+		if round >= warmup {
+			if len(events) < 100 {
+				short++
+			}
+			if len(st.floorFrom) > 0 {
+				floors++
+			}
+		}
+		if _, err := st.pool.Exec(ctx, `DELETE FROM `+outbox+` WHERE id = ANY($1)`, inFlight); err != nil {
+			t.Fatal(err)
+		}
+		inFlight = inFlight[:0]
+		for i := range events {
+			inFlight = append(inFlight, events[i].id)
+		}
+	}
+	t.Logf("round sizes: %v", sizes)
+	if n := rounds - warmup; short > 0 || floors < n {
+		t.Fatalf("after %d rounds, %d of %d rounds short of 100 and %d floor reads, with thousands pending", warmup, short, n, floors)
 	}
 }

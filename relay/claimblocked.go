@@ -269,9 +269,10 @@ func sweepOrder(a, b, from []byte) int {
 // key of such a shard has its events below the base from the latter and
 // from the floor up from the former: together all of its pending events
 // up to where the floor read stopped, unless the read by key hash stopped
-// at its limit (across the shards it reads), or was bound by bytes in SQL
-// (boundInSQL), where it may stop below its limit; a guarded read sends
-// every row, so its count tells. Then it may have left a key's events out
+// at its limit (across the shards it reads). (A read bound by bytes in SQL
+// may stop below its limit, so it counts as cut too; claimStatements does
+// not merge such a read with the floor read, and a guarded read sends
+// every row, so its count tells.) Then it may have left a key's events out
 // below the base whose later events the floor read has: the floor read's
 // rows of every shard holding blocked keys are dropped, leaving each key a
 // prefix of its events, and cut is true. (A withheld row is kept

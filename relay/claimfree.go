@@ -131,7 +131,8 @@ const claimFloorOff = 16
 // and those ids after it. Their other keys' events below the base (at or
 // above the floor) are read by key hash (claimBlockedQuery), and the claim
 // merges the two (mergeBlocked). Where the round's bytes are bound in SQL
-// those shards are in $2 instead and read by key hash alone (store.claim).
+// those shards are in $2 instead and read by key hash alone
+// (claimStatements).
 func claimFloorQuery(outbox string, limit, skips int) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, `WITH f AS MATERIALIZED (

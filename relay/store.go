@@ -487,9 +487,11 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 		adapt = st.short
 	}
 	s.sweptFull = false
+	dropped := len(out)
 	if len(blockedKeys) > 0 {
 		out, s.sweptFull = mergeBlocked(out, stmts)
 	}
+	dropped -= len(out)
 	if len(stmts) > 1 || len(blockedKeys) > 0 || guarded {
 		out = dedupByID(sortByID(out))
 		if len(out) > limit {
@@ -512,7 +514,10 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 	if adapt != nil {
 		s.adaptFreeKs(adapt.free, adapt.ks, out)
 	}
-	s.lastFull = len(out) == limit
+	// A round short only of the rows mergeBlocked dropped read a whole
+	// round: the next claim reads from the floor again, its key-hash read
+	// a whole round's worth (sweptFull).
+	s.lastFull = len(out) == limit || dropped > 0 && len(out)+dropped >= limit
 	if len(out) > 0 {
 		k := keyOf(out)
 		if _, err := s.pool.Exec(ctx, s.markSQL, owner, k.lo, k.hi, shards); err != nil {
@@ -700,7 +705,8 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 		// Unless the last such read, beside a floor read, stopped at
 		// that limit: the floor read's rows of these shards were dropped
 		// then (mergeBlocked), and their backlog below the base must
-		// drain faster than they fall below it.
+		// drain faster than they fall below it (that round counted as
+		// whole all the same: lastFull).
 		blockedLimit := limit
 		if s.lastFull && len(free) > 0 && !s.sweptFull {
 			blockedLimit = min(limit, max(64, 4*limit*len(blockedShards)/len(shards)))
