@@ -910,103 +910,74 @@ func TestShortFloorReadBesideAKeyHashReadBelowTheBase(t *testing.T) {
 }
 
 // A hot shard holding a blocked key: its other keys have half the events,
-// and a backlog below the base more than the key-hash read's limit. The
-// merge drops the floor read's rows of that shard while the key-hash read
-// is at its limit; with that limit at its share of a round (64), 3 rounds
-// of 30 came short (the shard's rows dropped from the floor read fall
-// below the base faster than 64 a claim drain them), each sending the next
-// claim to the shares, which starts the floor's base and proof over. At
-// its limit, the next key-hash read reads a whole round's worth: the
-// backlog below the base drains and every round is whole.
+// or 80% and more arriving than a round each claim, and a backlog below
+// the base more than the key-hash read's limit. The merge drops the floor
+// read's rows of that shard while the key-hash read is at its limit (64,
+// its share of a round), and the round comes short by those. Two versions
+// lost the run of floor reads there, each sending the next claim to the
+// shares, which starts the floor's base and proof over:
+//   - the key-hash read stayed at 64 after such a round: the shard's rows
+//     dropped from the floor read fell below the base faster than 64 a
+//     claim drained them (half: 3 rounds of 30 short). It now reads a
+//     whole round's worth after one at its limit (sweptFull);
+//   - a round short only of the dropped rows was taken for the end of the
+//     backlog (lastFull): the next floor read had no base, and its
+//     key-hash read the shard at 64 again, short again, the claims
+//     alternating for as long as the load lasted (80%: 25 of 50 short).
 func TestRoundsStayWholeBesideAHotBlockedShard(t *testing.T) {
-	t.Parallel()
-	ctx, st, outbox, insert, blocked := claimFloorCase(t)
-	sh := shardOf("stuck")
-	hot := keysInShard(sh, 6, "stuck")
-	fillKeys(t, st, outbox, hot, 300, 1) // below the base
-	base := insert(st.pool, "free-base")
-	keys := keysOutside(6, sh)
-	keys = append(keys, hot...) // half the events from here on
-	fillKeys(t, st, outbox, keys, 6000, 1)
-	st.floorFrom = []int64{base}
-	st.lastFull = true
-	var inFlight []int64
-	short := 0
-	for round := range 30 {
-		pending := keyPending(t, st, outbox, inFlight)
-		events, err := st.claim(ctx, "me", everyShard(), 100, blocked, slices.Clone(inFlight))
-		if err != nil {
-			t.Fatal(err)
-		}
-		checkPrefixRound(t, fmt.Sprint("round ", round), events, pending, blocked)
-		if len(events) < 100 {
-			short++
-		}
-		if _, err := st.pool.Exec(ctx, `DELETE FROM `+outbox+` WHERE id = ANY($1)`, inFlight); err != nil {
-			t.Fatal(err)
-		}
-		inFlight = inFlight[:0]
-		for i := range events {
-			inFlight = append(inFlight, events[i].id)
-		}
-	}
-	if short > 0 {
-		t.Fatalf("%d of 30 rounds short of 100 events with thousands pending", short)
-	}
-}
-
-// TestRoundsStayWholeBesideAHotBlockedShard with the blocked shard's other
-// keys at 80% of the events (and more arriving than a round each claim):
-// the first key-hash read at its share's limit (64) is cut, the merge
-// drops the shard's floor rows and the round comes short (64 + the free
-// rows the floor read had). A version that took that round for the end of
-// the backlog sent the next claim to the shares, which ends the run of
-// floor reads (noteFloor(0)): the next floor read had no base and its
-// key-hash read the shard at 64 again, cut again, short again, the claims
-// alternating for as long as the load lasted (25 of 50 rounds short).
-func TestRoundsStayWholeBesideAVeryHotBlockedShard(t *testing.T) {
-	t.Parallel()
-	ctx, st, outbox, insert, blocked := claimFloorCase(t)
-	sh := shardOf("stuck")
-	hot := keysInShard(sh, 8, "stuck")
-	fillKeys(t, st, outbox, hot, 300, 1) // below the base
-	base := insert(st.pool, "free-base")
-	keys := keysOutside(2, sh)
-	keys = append(keys, hot...) // 80% of the events from here on
-	fillKeys(t, st, outbox, keys, 3000, 1)
-	st.floorFrom = []int64{base}
-	st.lastFull = true
-	var inFlight []int64
-	short, floors := 0, 0
-	var sizes []int
-	const rounds, warmup = 60, 10
-	for round := range rounds {
-		fillKeys(t, st, outbox, keys, 110, 1) // more than a round: the backlog stays
-		pending := keyPending(t, st, outbox, inFlight)
-		events, err := st.claim(ctx, "me", everyShard(), 100, blocked, slices.Clone(inFlight))
-		if err != nil {
-			t.Fatal(err)
-		}
-		checkPrefixRound(t, fmt.Sprint("round ", round), events, pending, blocked)
-		sizes = append(sizes, len(events))
-		if round >= warmup {
-			if len(events) < 100 {
-				short++
+	for _, c := range []struct {
+		name            string
+		hot, free       int // keys in the blocked shard and outside it
+		backlog, arrive int // events at the start, and before each claim
+		rounds, warmup  int
+	}{
+		{name: "half", hot: 6, free: 6, backlog: 6000, rounds: 30},
+		{name: "80%", hot: 8, free: 2, backlog: 3000, arrive: 110, rounds: 60, warmup: 10},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			ctx, st, outbox, insert, blocked := claimFloorCase(t)
+			sh := shardOf("stuck")
+			hot := keysInShard(sh, c.hot, "stuck")
+			fillKeys(t, st, outbox, hot, 300, 1) // below the base
+			base := insert(st.pool, "free-base")
+			keys := append(keysOutside(c.free, sh), hot...)
+			fillKeys(t, st, outbox, keys, c.backlog, 1)
+			st.floorFrom = []int64{base}
+			st.lastFull = true
+			var inFlight []int64
+			short, floors := 0, 0
+			var sizes []int
+			for round := range c.rounds {
+				if c.arrive > 0 {
+					fillKeys(t, st, outbox, keys, c.arrive, 1)
+				}
+				pending := keyPending(t, st, outbox, inFlight)
+				events, err := st.claim(ctx, "me", everyShard(), 100, blocked, slices.Clone(inFlight))
+				if err != nil {
+					t.Fatal(err)
+				}
+				checkPrefixRound(t, fmt.Sprint("round ", round), events, pending, blocked)
+				sizes = append(sizes, len(events))
+				if round >= c.warmup {
+					if len(events) < 100 {
+						short++
+					}
+					if len(st.floorFrom) > 0 {
+						floors++
+					}
+				}
+				if _, err := st.pool.Exec(ctx, `DELETE FROM `+outbox+` WHERE id = ANY($1)`, inFlight); err != nil {
+					t.Fatal(err)
+				}
+				inFlight = inFlight[:0]
+				for i := range events {
+					inFlight = append(inFlight, events[i].id)
+				}
 			}
-			if len(st.floorFrom) > 0 {
-				floors++
+			if n := c.rounds - c.warmup; short > 0 || floors < n {
+				t.Fatalf("after %d rounds, %d of %d rounds short of 100 and %d floor reads, with thousands pending (sizes %v)", c.warmup, short, n, floors, sizes)
 			}
-		}
-		if _, err := st.pool.Exec(ctx, `DELETE FROM `+outbox+` WHERE id = ANY($1)`, inFlight); err != nil {
-			t.Fatal(err)
-		}
-		inFlight = inFlight[:0]
-		for i := range events {
-			inFlight = append(inFlight, events[i].id)
-		}
-	}
-	t.Logf("round sizes: %v", sizes)
-	if n := rounds - warmup; short > 0 || floors < n {
-		t.Fatalf("after %d rounds, %d of %d rounds short of 100 and %d floor reads, with thousands pending", warmup, short, n, floors)
+		})
 	}
 }
