@@ -418,137 +418,6 @@ func TestDueRetryAboveTheBaseBesideABacklogBelowIt(t *testing.T) {
 	}
 }
 
-// A randomized relay run: keys in a few hot shards and free shards, keyless
-// events, inserts every round, transactions that commit late (ids below
-// the base by the time they commit), keys blocked and released (held from
-// their oldest pending event, or due: held from the one after it), a
-// read-ahead of one or two rounds, with and without a byte bound whose
-// share withholds some values (no value large enough to cut the key-hash
-// read by bytes: that is
-// TestBlockedShardKeyHashReadCutByBytesKeepsFloorRows). Every round
-// is checked: each key's events a prefix of its pending ones, no blocked
-// key's held events. At the end nothing but held events is left.
-func TestRandomizedBlockedRuns(t *testing.T) {
-	for seed := range 8 {
-		t.Run(fmt.Sprint("seed ", seed), func(t *testing.T) {
-			t.Parallel()
-			randomBlockedRun(t, int64(seed))
-		})
-	}
-}
-
-func randomBlockedRun(t *testing.T, seed int64) {
-	rng := rand.New(rand.NewPCG(uint64(seed), 0))
-	ctx, st, schema, _ := claimSetup(t)
-	outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
-	hot := []byte{shardOf("stuck"), shardOf("hot-a"), shardOf("hot-b")}
-	var keys []string
-	for _, sh := range hot {
-		keys = append(keys, keysInShard(sh, 6, "")...)
-	}
-	keys = append(keys, keysOutside(30, hot...)...)
-	shards := everyShard()
-	if seed%4 == 3 {
-		// a relay that owns every shard but three: one hot shard and two
-		// free keys' shards are another relay's (their keys may be blocked)
-		out := []int16{int16(hot[2]), int16(shardOf(keys[len(keys)-1])), int16(shardOf(keys[len(keys)-2]))}
-		shards = slices.DeleteFunc(shards, func(sh int16) bool { return slices.Contains(out, sh) })
-	}
-	guarded := seed%3 == 1
-	if guarded {
-		st.maxBytes = 400_000 // a share of 4,000 in a round of 100; 64 × 5,000 < 400,000
-	}
-	limit := 100
-	ins := func(db execer, n int) {
-		for range n {
-			var key any
-			if rng.IntN(20) > 0 {
-				key = []byte(keys[rng.IntN(len(keys))])
-			}
-			size := 1
-			if guarded && rng.IntN(8) == 0 {
-				size = 5_000 // above the share: withheld by a guarded read
-			}
-			if _, err := db.Exec(ctx, `INSERT INTO `+outbox+` (topic, key, value) VALUES ('t', $1, decode(repeat('00', $2), 'hex'))`, key, size); err != nil {
-				t.Fatal(err)
-			}
-		}
-	}
-	if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key, value)
-SELECT 't', ($1::text[])[1 + (g * 7) % cardinality($1::text[])]::bytea, '\x00'::bytea FROM generate_series(1, 3000) g`, keys); err != nil {
-		t.Fatal(err)
-	}
-	type late struct {
-		tx     pgx.Tx
-		commit int
-	}
-	var lates []late
-	blockedNow := map[string]int64{} // key -> firstID
-	oldest := func(k string, excluded []int64) int64 {
-		var id *int64
-		if err := st.pool.QueryRow(ctx, `SELECT min(id) FROM `+outbox+` WHERE key = $1::bytea AND id <> ALL($2::bigint[])`, k, append([]int64{}, excluded...)).Scan(&id); err != nil {
-			t.Fatal(err)
-		}
-		if id == nil {
-			return 0
-		}
-		return *id
-	}
-	st.lastFull = true
-	var d *roundDriver
-	stopAt := 120
-	d = &roundDriver{t: t, st: st, outbox: outbox, shards: shards, limit: limit, depth: 1 + int(seed%2), rounds: 1000,
-		before: func(round int) {
-			if round < stopAt {
-				ins(st.pool, rng.IntN(150))
-				if rng.IntN(4) == 0 {
-					tx, err := st.pool.Begin(ctx)
-					if err != nil {
-						t.Fatal(err)
-					}
-					ins(tx, 1+rng.IntN(20))
-					lates = append(lates, late{tx, round + 1 + rng.IntN(8)})
-				}
-			}
-			for i := 0; i < len(lates); i++ {
-				if lates[i].commit <= round || round >= stopAt {
-					if err := lates[i].tx.Commit(ctx); err != nil {
-						t.Fatal(err)
-					}
-					lates = slices.Delete(lates, i, i+1)
-					i--
-				}
-			}
-			// block or release keys (at most 4 blocked: at most 8 shards out)
-			if round < stopAt && rng.IntN(5) == 0 {
-				k := keys[rng.IntN(len(keys))]
-				if _, ok := blockedNow[k]; ok {
-					delete(blockedNow, k)
-				} else if len(blockedNow) < 4 {
-					if id := oldest(k, d.inFlight); id > 0 {
-						if rng.IntN(2) == 0 {
-							id++ // due: its failed event is read alone
-						}
-						blockedNow[k] = id
-					}
-				}
-			}
-			if round == stopAt {
-				clear(blockedNow) // let everything drain
-			}
-		},
-		blocked: func(int) []keyBlock {
-			var out []keyBlock
-			for k, id := range blockedNow {
-				out = append(out, keyBlock{key: []byte(k), firstID: id})
-			}
-			slices.SortFunc(out, func(a, b keyBlock) int { return bytes.Compare(a.key, b.key) })
-			return out
-		},
-	}
-	d.run()
-}
-
 // A row of the blocked shard's other key commits late, below the base by
 // then, while the shard's other keys hold a backlog (the key-hash read at
 // its limit) and the late key's next event, committed early, lies above
@@ -595,58 +464,68 @@ func TestLateCommitInTheBlockedShardBelowTheBase(t *testing.T) {
 	}
 }
 
-// Randomized relay runs as TestRandomizedBlockedRuns, but with byte bounds
-// that bind: "sql" has a share below minGuardShare (every read bound by
-// bytes in SQL, boundInSQL always), "toggle" a guarded share with values
-// above it and some near the bound (guarded claims that keep a withheld
-// event and claim again exactly, then exact claims for a while).
-func TestRandomizedByteBounds(t *testing.T) {
-	for _, mode := range []string{"sql", "toggle"} {
+// Randomized relay runs: keys in a few hot shards and free shards, keyless
+// events, inserts every round, transactions that commit late (ids below
+// the base by the time they commit), keys blocked and released (held from
+// their oldest pending event, or due: held from the one after it), a
+// read-ahead of one or two rounds, a relay owning every shard or all but
+// three, and per mode a byte bound: none; "guarded", a share that
+// withholds some values; "sql", a share below minGuardShare (every read
+// bound by bytes in SQL); "toggle", a guarded share with values above it
+// and some near the bound (guarded claims that keep a withheld event and
+// claim again exactly, then exact claims for a while). Every round is
+// checked: each key's events a prefix of its pending ones, no blocked
+// key's held events. At the end nothing but held events is left.
+func TestRandomizedBlockedRuns(t *testing.T) {
+	for _, mode := range []string{"none", "guarded", "sql", "toggle"} {
 		for seed := range 4 {
 			t.Run(fmt.Sprintf("%s seed %d", mode, seed), func(t *testing.T) {
 				t.Parallel()
-				randomByteBoundRun(t, mode, int64(seed))
+				randomBlockedRun(t, mode, int64(seed))
 			})
 		}
 	}
 }
 
-func randomByteBoundRun(t *testing.T, mode string, seed int64) {
-	rng := rand.New(rand.NewPCG(uint64(seed), 7))
+func randomBlockedRun(t *testing.T, mode string, seed int64) {
+	rng := rand.New(rand.NewPCG(uint64(seed), uint64(len(mode))))
 	ctx, st, schema, _ := claimSetup(t)
 	outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
-	hot := []byte{shardOf("stuck"), shardOf("hot-a"), shardOf("hot-b"), shardOf("hot-c")}
+	hot := []byte{shardOf("stuck"), shardOf("hot-a"), shardOf("hot-b")}
 	var keys []string
 	for _, sh := range hot {
-		keys = append(keys, keysInShard(sh, 5, "")...)
+		keys = append(keys, keysInShard(sh, 6, "")...)
 	}
 	keys = append(keys, keysOutside(30, hot...)...)
 	shards := everyShard()
-	if seed%4 == 3 {
-		out := []int16{int16(hot[3]), int16(shardOf(keys[len(keys)-1]))}
-		var keep []int16
-		for _, sh := range shards {
-			if sh != out[0] && sh != out[1] {
-				keep = append(keep, sh)
-			}
-		}
-		shards = keep
+	if seed%2 == 1 {
+		// a relay that owns every shard but three: one hot shard and two
+		// free keys' shards are another relay's (their keys may be blocked)
+		out := []int16{int16(hot[2]), int16(shardOf(keys[len(keys)-1])), int16(shardOf(keys[len(keys)-2]))}
+		shards = slices.DeleteFunc(shards, func(sh int16) bool { return slices.Contains(out, sh) })
 	}
 	limit := 100
+	size := func() int { return 1 }
 	switch mode {
+	case "guarded":
+		st.maxBytes = 400_000 // a share of 4,000 in a round of 100; 64 × 5,000 < 400,000
+		size = func() int {
+			if rng.IntN(8) == 0 {
+				return 5_000 // above the share: withheld by a guarded read
+			}
+			return 1
+		}
 	case "sql":
 		st.maxBytes = 60_000 // share 600 < minGuardShare
-	case "toggle":
-		st.maxBytes = 200_000 // share 2,000
-	}
-	size := func() int {
-		switch mode {
-		case "sql":
+		size = func() int {
 			if rng.IntN(50) == 0 {
 				return 3_000 + rng.IntN(20_000)
 			}
 			return 1 + rng.IntN(100)
-		default:
+		}
+	case "toggle":
+		st.maxBytes = 200_000 // share 2,000
+		size = func() int {
 			switch rng.IntN(200) {
 			case 0:
 				return 2_500 + rng.IntN(5_000) // withheld
@@ -659,14 +538,16 @@ func randomByteBoundRun(t *testing.T, mode string, seed int64) {
 		}
 	}
 	ins := func(db execer, n int) {
-		for range n {
-			var key any
-			if rng.IntN(20) > 0 {
-				key = []byte(keys[rng.IntN(len(keys))])
+		batch, sizes := make([][]byte, n), make([]int32, n)
+		for i := range n {
+			if rng.IntN(20) > 0 { // else keyless
+				batch[i] = []byte(keys[rng.IntN(len(keys))])
 			}
-			if _, err := db.Exec(ctx, `INSERT INTO `+outbox+` (topic, key, value) VALUES ('t', $1, decode(repeat('00', $2), 'hex'))`, key, size()); err != nil {
-				t.Fatal(err)
-			}
+			sizes[i] = int32(size())
+		}
+		if _, err := db.Exec(ctx, `INSERT INTO `+outbox+` (topic, key, value)
+SELECT 't', k, decode(repeat('00', s), 'hex') FROM unnest($1::bytea[], $2::int4[]) WITH ORDINALITY AS x(k, s, n) ORDER BY n`, batch, sizes); err != nil {
+			t.Fatal(err)
 		}
 	}
 	ins(st.pool, 1500)
@@ -675,7 +556,7 @@ func randomByteBoundRun(t *testing.T, mode string, seed int64) {
 		commit int
 	}
 	var lates []late
-	blockedNow := map[string]int64{}
+	blockedNow := map[string]int64{} // key -> firstID
 	oldest := func(k string, excluded []int64) int64 {
 		var id *int64
 		if err := st.pool.QueryRow(ctx, `SELECT min(id) FROM `+outbox+` WHERE key = $1::bytea AND id <> ALL($2::bigint[])`, k, append([]int64{}, excluded...)).Scan(&id); err != nil {
@@ -688,17 +569,17 @@ func randomByteBoundRun(t *testing.T, mode string, seed int64) {
 	}
 	st.lastFull = true
 	var d *roundDriver
-	stopAt := 150
-	d = &roundDriver{t: t, st: st, outbox: outbox, shards: shards, limit: limit, depth: 1 + int(seed%2), rounds: 2000,
+	stopAt := 140
+	d = &roundDriver{t: t, st: st, outbox: outbox, shards: shards, limit: limit, depth: 1 + int(seed/2%2), rounds: 2000,
 		before: func(round int) {
 			if round < stopAt {
-				ins(st.pool, 90+rng.IntN(40))
+				ins(st.pool, 80+rng.IntN(60))
 				if rng.IntN(4) == 0 {
 					tx, err := st.pool.Begin(ctx)
 					if err != nil {
 						t.Fatal(err)
 					}
-					ins(tx, 1+rng.IntN(10))
+					ins(tx, 1+rng.IntN(20))
 					lates = append(lates, late{tx, round + 1 + rng.IntN(8)})
 				}
 			}
@@ -707,7 +588,7 @@ func randomByteBoundRun(t *testing.T, mode string, seed int64) {
 					if err := lates[i].tx.Commit(ctx); err != nil {
 						t.Fatal(err)
 					}
-					lates = append(lates[:i], lates[i+1:]...)
+					lates = slices.Delete(lates, i, i+1)
 					i--
 				}
 			}
@@ -718,14 +599,14 @@ func randomByteBoundRun(t *testing.T, mode string, seed int64) {
 				} else if len(blockedNow) < 5 {
 					if id := oldest(k, d.inFlight); id > 0 {
 						if rng.IntN(2) == 0 {
-							id++
+							id++ // due: its failed event is read alone
 						}
 						blockedNow[k] = id
 					}
 				}
 			}
 			if round == stopAt {
-				clear(blockedNow)
+				clear(blockedNow) // let everything drain
 			}
 		},
 		blocked: func(int) []keyBlock {
@@ -733,7 +614,9 @@ func randomByteBoundRun(t *testing.T, mode string, seed int64) {
 			for k, id := range blockedNow {
 				out = append(out, keyBlock{key: []byte(k), firstID: id})
 			}
-			// at most 8 shards out: keep it so
+			slices.SortFunc(out, func(a, b keyBlock) int { return bytes.Compare(a.key, b.key) })
+			// at most claimFloorMaxOut shards out, or the claims leave
+			// the floor read this test is about
 			for len(out) > 0 {
 				sh := map[byte]bool{}
 				for _, b := range out {
@@ -744,21 +627,10 @@ func randomByteBoundRun(t *testing.T, mode string, seed int64) {
 				}
 				out = out[1:]
 			}
-			sortBlocks(out)
 			return out
 		},
 	}
 	d.run()
-}
-
-func sortBlocks(out []keyBlock) {
-	for i := range out {
-		for j := i + 1; j < len(out); j++ {
-			if bytes.Compare(out[j].key, out[i].key) < 0 {
-				out[i], out[j] = out[j], out[i]
-			}
-		}
-	}
 }
 
 // Under sustained load (every round full), a blocked key stuck, the other
