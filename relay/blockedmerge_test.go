@@ -381,40 +381,57 @@ func TestBlockedShardBacklogBelowACarriedBase(t *testing.T) {
 }
 
 // A key whose retry is due is read for its failed event (held back from
-// the event after it) whatever its shard's other keys hold
+// the event after it) whatever the blocked shards' other keys hold
 // (TestClaimReadsADueRetryWhateverItsShardsOtherKeysHold): here beside a
 // floor read, with that event just above the base (among the round's
-// oldest events) and the shard's other keys holding more events below the
-// base than the key-hash read's limit. A version that bounded the blocked
-// key's own events by the base too ($34) did not read the failed event by
-// key hash, and mergeBlocked dropped the floor read's copy: the relay then
-// dropped the key's hold (forgetLostRetries).
+// oldest events) and more events than the key-hash read's limit below the
+// base, in the due key's shard or in another blocked shard.
+//   - Same shard: a version that bounded the blocked key's own events by
+//     the base too ($34) did not read the failed event by key hash, and
+//     mergeBlocked dropped the floor read's copy: the relay then dropped
+//     the key's hold (forgetLostRetries).
+//   - Another shard: the key-hash read's outer LIMIT, by id across the
+//     blocked shards, kept the other shard's older events and cut the
+//     failed event (ed2584d too, before the merge). The blocked keys' own
+//     events now come first.
 func TestDueRetryAboveTheBaseBesideABacklogBelowIt(t *testing.T) {
-	t.Parallel()
-	ctx, st, outbox, insert, blocked := claimFloorCase(t)
-	sh := shardOf("stuck")
-	ks := keysInShard(sh, 6, "stuck")
-	fillKeys(t, st, outbox, ks[:5], 70, 1) // the shard's backlog, below the base
-	free := keysOutside(40, sh)
-	base := insert(st.pool, free[0])
-	failed := insert(st.pool, ks[5]) // the due key's failed event
-	insert(st.pool, ks[5])
-	fillKeys(t, st, outbox, free, 1000, 1)
-	blocked = append(blocked, keyBlock{key: []byte(ks[5]), firstID: failed + 1})
-	st.floorFrom = []int64{base}
-	st.lastFull = true
-	pending := keyPending(t, st, outbox, nil)
-	events, err := st.claim(ctx, "me", everyShard(), 100, blocked, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	checkPrefixRound(t, "claim", events, pending, blocked)
-	ids := make([]int64, len(events))
-	for i := range events {
-		ids[i] = events[i].id
-	}
-	if !slices.Contains(ids, failed) {
-		t.Fatalf("the due retry's failed event %d (base %d) was not read: %v", failed, base, ids)
+	for _, sameShard := range []bool{true, false} {
+		t.Run(fmt.Sprint("same shard ", sameShard), func(t *testing.T) {
+			t.Parallel()
+			ctx, st, outbox, insert, blocked := claimFloorCase(t)
+			sh := shardOf("stuck")
+			ks := keysInShard(sh, 6, "stuck")
+			fillKeys(t, st, outbox, ks[:5], 70, 1) // the backlog below the base
+			due := ks[5]
+			if !sameShard {
+				for i := 0; ; i++ {
+					if k := fmt.Sprintf("due%d", i); shardOf(k) != sh {
+						due = k
+						break
+					}
+				}
+			}
+			free := keysOutside(40, sh, shardOf(due))
+			base := insert(st.pool, free[0])
+			failed := insert(st.pool, due) // the due key's failed event
+			insert(st.pool, due)
+			fillKeys(t, st, outbox, free, 1000, 1)
+			blocked = append(blocked, keyBlock{key: []byte(due), firstID: failed + 1})
+			st.floorFrom = []int64{base}
+			st.lastFull = true
+			pending := keyPending(t, st, outbox, nil)
+			events, err := st.claim(ctx, "me", everyShard(), 100, blocked, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			checkPrefixRound(t, "claim", events, pending, blocked)
+			for i := range events {
+				if events[i].id == failed {
+					return
+				}
+			}
+			t.Fatalf("the due retry's failed event %d (base %d, among the round's oldest) was not read; %d events", failed, base, len(events))
+		})
 	}
 }
 
@@ -713,48 +730,6 @@ func blockedShardUnderLoad(t *testing.T, mode string) {
 	if short > 0 || floorRounds < 300 {
 		t.Fatalf("%d short rounds and %d floor reads of 300 under a backlog that fills every round", short, floorRounds)
 	}
-}
-
-// TestDueRetryAboveTheBaseBesideABacklogBelowIt with the backlog below the
-// base in another blocked shard than the due key's. The key-hash read's
-// outer LIMIT, by id across the blocked shards, kept the other shard's
-// older events and cut the due key's failed event, and mergeBlocked took
-// the read for cut and dropped the floor read's copy of it too (on ed2584d
-// too, before the merge: the event was left out all the same). The
-// blocked keys' own events now come first.
-func TestDueRetryBesideABacklogInAnotherBlockedShard(t *testing.T) {
-	t.Parallel()
-	ctx, st, outbox, insert, blocked := claimFloorCase(t)
-	s0 := shardOf("stuck")
-	ks := keysInShard(s0, 5, "stuck")
-	fillKeys(t, st, outbox, ks, 70, 1) // the stuck shard's backlog, below the base
-	var due string
-	for i := 0; ; i++ {
-		if k := fmt.Sprintf("due%d", i); shardOf(k) != s0 {
-			due = k
-			break
-		}
-	}
-	free := keysOutside(40, s0, shardOf(due))
-	base := insert(st.pool, free[0])
-	failed := insert(st.pool, due) // the due key's failed event
-	insert(st.pool, due)
-	fillKeys(t, st, outbox, free, 1000, 1)
-	blocked = append(blocked, keyBlock{key: []byte(due), firstID: failed + 1})
-	st.floorFrom = []int64{base}
-	st.lastFull = true
-	pending := keyPending(t, st, outbox, nil)
-	events, err := st.claim(ctx, "me", everyShard(), 100, blocked, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	checkPrefixRound(t, "claim", events, pending, blocked)
-	for i := range events {
-		if events[i].id == failed {
-			return
-		}
-	}
-	t.Fatalf("the due retry's failed event %d (base %d, among the round's oldest) was not read; %d events", failed, base, len(events))
 }
 
 // The floor read comes short (the stuck key's held events are denser than
