@@ -612,9 +612,14 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 	if s.floorOff > 0 {
 		s.floorOff--
 	}
-	// Reads are guarded (guardBytes) unless a guarded read lately kept an
-	// event it withheld (exactOff).
-	guard := s.exactOff == 0
+	// Reads are guarded (guardBytes) where the round's bytes are bound,
+	// its share of them is large enough, and no guarded read lately kept
+	// an event it withheld (exactOff).
+	var share int64
+	if s.maxBytes > 0 {
+		share = s.maxBytes / int64(limit)
+	}
+	guard := s.maxBytes > 0 && share >= minGuardShare && s.exactOff == 0
 	switch {
 	case len(free) == NumShards:
 		if limit != s.claimAllLimit {
@@ -637,7 +642,7 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 		if bounded == 1 {
 			st.args = append(st.args, s.proof.below)
 		}
-		if share := s.maxBytes / int64(limit); s.maxBytes > 0 && share >= minGuardShare && guard {
+		if guard {
 			exact := boundBytes(st, s.maxBytes)
 			st = guardBytes(st, share)
 			st.exact = &exact
@@ -661,7 +666,7 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 			// (mergeBlocked) unless the round's bytes are bound in SQL: the
 			// key-hash read may then stop short of its limit for that, and
 			// the merge would drop their rows from every round.
-			withBlocked := s.maxBytes == 0 || s.maxBytes/int64(limit) >= minGuardShare && guard
+			withBlocked := s.maxBytes == 0 || guard
 			notRead, hashes, froms := notIn(free), [][]byte{}, []int64{}
 			if withBlocked {
 				notRead = notIn(shards)
@@ -721,12 +726,11 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 		s.exactOff--
 	}
 	if s.maxBytes > 0 {
-		share := s.maxBytes / int64(limit)
 		for i := range out {
 			if out[i].exact != nil {
 				continue // bound on the client (claim)
 			}
-			if out[i].guard && share >= minGuardShare && guard {
+			if out[i].guard && guard {
 				// As claimAll's read, and for the same reason: the
 				// running sum's window cost a third of a floor read
 				// beside a stuck key (0.5 of 1.5 ms), a sixth of a
