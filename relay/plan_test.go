@@ -247,6 +247,12 @@ func sqlLiteral(a any) string {
 		return "'" + pgArray(v) + "'::int2[]"
 	case []int32:
 		return "'" + pgArray(v) + "'::int4[]"
+	case []string:
+		parts := make([]string, len(v))
+		for i, s := range v {
+			parts[i] = sqlLiteral(s)
+		}
+		return "ARRAY[" + strings.Join(parts, ", ") + "]::text[]"
 	case []byte:
 		return `'\x` + hex.EncodeToString(v) + `'::bytea`
 	case [][]byte:

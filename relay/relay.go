@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"slices"
 	"sort"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -671,10 +672,11 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		}
 	}
 	if len(r.blocked) > 0 {
+		var buf []byte
 		for i := range events {
-			bk := blockKey(&events[i])
-			if k := r.blocked[bk]; k != nil && !failedKeys[bk] && !k.timedOut {
-				delete(r.blocked, bk) // the side retry keeps its own keys
+			buf = appendBlockKey(buf[:0], &events[i])
+			if k := r.blocked[string(buf)]; k != nil && !failedKeys[string(buf)] && !k.timedOut {
+				delete(r.blocked, string(buf)) // the side retry keeps its own keys
 			}
 		}
 		r.forgetStaleBlocks(start)
@@ -995,13 +997,23 @@ func (r *Relay) withoutBlocked(events []pendingEvent, now time.Time) []pendingEv
 	if len(r.blocked) == 0 {
 		return events
 	}
-	out := events[:0:0]
+	var buf []byte
+	var out []pendingEvent // a copy only once an event is dropped
 	for i := range events {
-		k := r.blocked[blockKey(&events[i])]
+		buf = appendBlockKey(buf[:0], &events[i])
+		k := r.blocked[string(buf)]
 		if k != nil && now.Before(k.retryAt) && events[i].id >= k.firstID {
+			if out == nil {
+				out = append(make([]pendingEvent, 0, len(events)-1), events[:i]...)
+			}
 			continue
 		}
-		out = append(out, events[i])
+		if out != nil {
+			out = append(out, events[i])
+		}
+	}
+	if out == nil {
+		return events
 	}
 	return out
 }
@@ -1074,10 +1086,18 @@ func toRecordIn(e *pendingEvent, one []Header) Record {
 }
 
 func blockKey(e *pendingEvent) string {
+	return string(appendBlockKey(nil, e))
+}
+
+// appendBlockKey appends e's blockKey to buf. A map lookup by
+// string(appendBlockKey(buf[:0], e)) does not allocate, where blockKey
+// does: the round's checks run it for every event of every round while a
+// key is held (a string a time, a tenth of a millisecond a round).
+func appendBlockKey(buf []byte, e *pendingEvent) []byte {
 	if e.key == nil {
-		return fmt.Sprintf("\x00id:%d", e.id)
+		return strconv.AppendInt(append(buf, "\x00id:"...), e.id, 10)
 	}
-	return "k:" + string(e.key)
+	return append(append(buf, "k:"...), e.key...)
 }
 
 // errHeldBack fails an event not published because an earlier event of its

@@ -955,6 +955,11 @@ func putUUID(b []byte, u [16]byte) {
 // relay_rounds row.
 func (s *store) finish(ctx context.Context, owner string, shards []int16, acked []int64, dead []deadEvent, failed []failedEvent, round roundKey) (deleted int64, err error) {
 	b := &pgx.Batch{}
+	// Generic plans, as for the claims (local to the batch's implicit
+	// transaction): beside a large backlog PostgreSQL kept a custom plan
+	// for the deletes on every round (the generic estimate of a range of
+	// the primary key grows with the table), 0.15 ms of planning a round.
+	b.Queue(`SELECT set_config('plan_cache_mode', 'force_generic_plan', true)`)
 	if len(acked) > 0 {
 		count := func(tag pgconn.CommandTag) error {
 			deleted += tag.RowsAffected()

@@ -542,6 +542,25 @@ SELECT 'bench', ('key-' || (g % 1000))::bytea, repeat('x', 256)::bytea FROM gene
 	if n := topBuffers(plan); n > 1_100 {
 		t.Fatalf("the delete of a run of 1,000 touched %d buffers:\n%s", n, plan)
 	}
+	// The round's other statements run generic plans too (finish forces
+	// them): each finds its rows through the primary key, not a scan.
+	ids := make([]int64, 1000)
+	errs := make([]string, len(ids))
+	runs := make([]int16, len(ids))
+	for i := range ids {
+		ids[i], errs[i] = first+int64(2*i), "failed"
+	}
+	for name, stmt := range map[string]statement{
+		"delete by id":  {sql: st.deleteSQL, args: []any{ids, "me", everyShard()}},
+		"failure":       {sql: st.failSQL, args: []any{ids, errs, runs}},
+		"dead letters":  {sql: st.deadSQL, args: []any{ids, errs, "me"}},
+		"delete by row": {sql: st.deleteOwnedSQL, args: []any{ids, "me"}},
+	} {
+		plan := explainGeneric(t, stmt)
+		if !strings.Contains(plan, "using outbox_pkey") || strings.Contains(plan, "Seq Scan on outbox") || strings.Contains(plan, "JIT") {
+			t.Errorf("the %s statement's generic plan does not go through the primary key:\n%s", name, plan)
+		}
+	}
 }
 
 func TestLongestRun(t *testing.T) {

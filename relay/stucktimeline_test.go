@@ -119,6 +119,8 @@ func BenchmarkStuckKeyTimeline(b *testing.B) {
 	}
 	firstAck := map[bool][]float64{}
 	drain := map[bool][]float64{}
+	busy := map[bool][]float64{} // the machine's busy CPU over each drain, ms
+	self := map[bool][]float64{} // this process's (the relay's and kfake's)
 	for _, withStuck := range order {
 		fillStuckBench(b, bu, topic, withStuck, stuck, others)
 		tl := &timeline{}
@@ -152,6 +154,7 @@ func BenchmarkStuckKeyTimeline(b *testing.B) {
 			}
 			return a
 		}}))
+		cpu0, self0 := machineCPU(), statCPU("/proc/self/stat")
 		tl.t0 = time.Now()
 		_, stop := bu.startRelayWith(b, pool, pub, relay.Config{Observer: drained, Logger: logger})
 		select {
@@ -160,6 +163,9 @@ func BenchmarkStuckKeyTimeline(b *testing.B) {
 			b.Fatal("the other keys did not drain in 10 minutes")
 		}
 		took := time.Since(tl.t0)
+		cpu1 := machineCPU()
+		busy[withStuck] = append(busy[withStuck], 10*(cpu1[0]-cpu0[0])) // ticks of 10 ms
+		self[withStuck] = append(self[withStuck], 1e3*(statCPU("/proc/self/stat")-self0))
 		stop()
 		pool.Close()
 		var out bytes.Buffer
@@ -179,8 +185,8 @@ func BenchmarkStuckKeyTimeline(b *testing.B) {
 		os.Stdout.Write(out.Bytes())
 		pgtest.DropSchema(b, bu.schema)
 	}
-	fmt.Printf("medians of %d: with the stuck key: drained in %.1f ms, first acknowledged at %.1f ms; without: %.1f ms, %.1f ms\n",
-		pairs, median(drain[true]), median(firstAck[true]), median(drain[false]), median(firstAck[false]))
+	fmt.Printf("medians of %d: with the stuck key: drained in %.1f ms, first acknowledged at %.1f ms, machine CPU %.0f ms (this process %.0f); without: %.1f ms, %.1f ms, %.0f ms (%.0f)\n",
+		pairs, median(drain[true]), median(firstAck[true]), median(busy[true]), median(self[true]), median(drain[false]), median(firstAck[false]), median(busy[false]), median(self[false]))
 }
 
 // firstPub notes when a Publish call first acknowledged a record.
