@@ -828,3 +828,43 @@ func TestRoundsStayWholeBesideAHotBlockedShard(t *testing.T) {
 		})
 	}
 }
+
+// Many keys' retries fall due at once (a partition's outage ended), more
+// than the key-hash read's share of a full round (64 here): each due key's
+// failed event, below the floor's base, is read by key hash alone, and
+// every one of them must come back, or the relay drops the hold of the
+// keys left out and their backoff starts over (forgetLostRetries). The
+// read's limit leaves room for the blocked keys' own events.
+func TestManyDueRetriesBesideAFloorRead(t *testing.T) {
+	t.Parallel()
+	ctx, st, outbox, insert, blocked := claimFloorCase(t)
+	sh := shardOf("stuck")
+	other := shardOf(keysOutside(1, sh)[0])
+	dueKeys := append(keysInShard(sh, 50, "stuck"), keysInShard(other, 50, "")...)
+	failed := map[int64]bool{}
+	for _, k := range dueKeys {
+		id := insert(st.pool, k)
+		failed[id] = true
+		blocked = append(blocked, keyBlock{key: []byte(k), firstID: id + 1})
+	}
+	for _, k := range dueKeys {
+		insert(st.pool, k) // held behind the failed one
+	}
+	free := keysOutside(40, sh, other)
+	base := insert(st.pool, free[0])
+	fillKeys(t, st, outbox, free, 1000, 1)
+	st.floorFrom = []int64{base}
+	st.lastFull = true
+	pending := keyPending(t, st, outbox, nil)
+	events, err := st.claim(ctx, "me", everyShard(), 100, blocked, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkPrefixRound(t, "claim", events, pending, blocked)
+	for i := range events {
+		delete(failed, events[i].id)
+	}
+	if len(failed) > 0 {
+		t.Fatalf("%d of %d due retries' failed events not read (the round's %d events)", len(failed), len(dueKeys), len(events))
+	}
+}

@@ -144,32 +144,39 @@ func claimBlockedQuery(outbox string, shards [][]segment, limit int, below int64
 		return len(args)
 	}
 	b.WriteString(`SELECT id, event_id, topic, key, value, headers, created_at, refused_for, refused_kind, size FROM (`)
+	held := 0 // segments of the blocked keys' own events, across the shards
 	for i, segs := range shards {
 		if i > 0 {
 			b.WriteString(`
 UNION ALL `)
 		}
 		b.WriteString(`(SELECT * FROM (`)
+		shardHeld := 0
 		for j, g := range segs {
 			if j > 0 {
 				b.WriteString(`
     UNION ALL `)
 			}
 			if g.eq != nil {
+				shardHeld++
 				fmt.Fprintf(&b, `(SELECT `+claimColumns+`, true AS held FROM %s o WHERE `+keyHashSQL+` = $%d::bytea AND o.id < $%d::bigint AND `+notExcluded+` ORDER BY `+keyHashSQL+`, o.id LIMIT %d)`, outbox, param(g.eq), param(g.before), limit)
 			} else {
 				fmt.Fprintf(&b, `(SELECT `+claimColumns+`, false AS held FROM %s o WHERE `+keyHashSQL+` >= $%d::bytea AND `+keyHashSQL+` < $%d::bytea AND o.id < $34::bigint AND `+notExcluded+` ORDER BY `+keyHashSQL+`, o.id LIMIT %d)`, outbox, param(g.lo), param(g.hi), limit)
 			}
 		}
-		fmt.Fprintf(&b, `) AS s LIMIT %d)`, limit)
+		fmt.Fprintf(&b, `) AS s LIMIT %d)`, limit+shardHeld)
+		held += shardHeld
 	}
 	// The blocked keys' own events first: the limit across the shards
 	// must not leave a due retry's failed event out for another shard's
 	// older events (mergeBlocked would then drop the floor read's copy).
+	// And room for them beyond the limit, one event per blocked key (a
+	// due key's failed one): many keys falling due at once would fill the
+	// limit and leave some out, their holds dropped (forgetLostRetries).
 	fmt.Fprintf(&b, `
 ) AS m
 ORDER BY m.held DESC, m.id
-LIMIT %d`, limit)
+LIMIT %d`, limit+held)
 	return b.String(), args
 }
 
