@@ -417,14 +417,7 @@ func TestDueRetryAboveTheBaseBesideABacklogBelowIt(t *testing.T) {
 			insert(st.pool, due)
 			fillKeys(t, st, outbox, free, 1000, 1)
 			blocked = append(blocked, keyBlock{key: []byte(due), firstID: failed + 1})
-			st.floorFrom = []int64{base}
-			st.lastFull = true
-			pending := keyPending(t, st, outbox, nil)
-			events, err := st.claim(ctx, "me", everyShard(), 100, blocked, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			checkPrefixRound(t, "claim", events, pending, blocked)
+			events := claimAboveABase(ctx, t, st, outbox, base, blocked)
 			for i := range events {
 				if events[i].id == failed {
 					return
@@ -853,6 +846,20 @@ func TestManyDueRetriesBesideAFloorRead(t *testing.T) {
 	free := keysOutside(40, sh, other)
 	base := insert(st.pool, free[0])
 	fillKeys(t, st, outbox, free, 1000, 1)
+	events := claimAboveABase(ctx, t, st, outbox, base, blocked)
+	for i := range events {
+		delete(failed, events[i].id)
+	}
+	if len(failed) > 0 {
+		t.Fatalf("%d of %d due retries' failed events not read (the round's %d events)", len(failed), len(dueKeys), len(events))
+	}
+}
+
+// claimAboveABase claims a round of 100 from the floor, the earlier floor
+// reads having read from base on, and checks that it is a prefix of each
+// key's pending events.
+func claimAboveABase(ctx context.Context, t *testing.T, st *store, outbox string, base int64, blocked []keyBlock) []pendingEvent {
+	t.Helper()
 	st.floorFrom = []int64{base}
 	st.lastFull = true
 	pending := keyPending(t, st, outbox, nil)
@@ -861,10 +868,5 @@ func TestManyDueRetriesBesideAFloorRead(t *testing.T) {
 		t.Fatal(err)
 	}
 	checkPrefixRound(t, "claim", events, pending, blocked)
-	for i := range events {
-		delete(failed, events[i].id)
-	}
-	if len(failed) > 0 {
-		t.Fatalf("%d of %d due retries' failed events not read (the round's %d events)", len(failed), len(dueKeys), len(events))
-	}
+	return events
 }
