@@ -1,0 +1,283 @@
+package relay_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/internal/pgtest"
+	"github.com/onceflow/onceflow/relay"
+)
+
+// randomPublisher fails records at random (retriably), and every record of
+// one key while that key is stuck; once a key fails in a call, its later
+// records in that call fail too (as one partition does). It records each
+// value's first acknowledgement.
+type randomPublisher struct {
+	mu       sync.Mutex
+	rng      *rand.Rand
+	failP    float64
+	stuckKey string // fails every record of this key until released
+	stuckOn  bool
+	acked    []string
+	seen     map[string]bool
+	calls    int
+	delay    time.Duration
+}
+
+func (p *randomPublisher) Publish(_ context.Context, records []relay.Record) []error {
+	if p.delay > 0 {
+		time.Sleep(p.delay)
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.calls++
+	errs := make([]error, len(records))
+	failed := map[string]bool{}
+	for i, r := range records {
+		k := "\x00nokey"
+		if r.Key != nil {
+			k = r.Topic + "/" + string(r.Key)
+		}
+		if r.Key != nil && failed[k] {
+			errs[i] = errors.New("held: earlier failed")
+			continue
+		}
+		if p.rng.Float64() < p.failP || (p.stuckOn && r.Key != nil && string(r.Key) == p.stuckKey) {
+			errs[i] = errors.New("not enough replicas")
+			failed[k] = true
+			continue
+		}
+		v := string(r.Value)
+		if !p.seen[v] {
+			p.seen[v] = true
+			p.acked = append(p.acked, v)
+		}
+	}
+	return errs
+}
+
+func (p *randomPublisher) Close() error { return nil }
+
+type randomMode struct {
+	batch, batchBytes int
+	failP             float64
+	topics            int
+	keyless           int // 1 in n keyless
+	bigP              float64
+	heldKeys          int
+	stuck             bool
+	delay             time.Duration
+	relays            int
+}
+
+// Random relay runs against real PostgreSQL: writers commit batches over
+// 40 keys (4 hot, a tenth keyless), a fifth of them late (their keys not
+// written by others meanwhile: G3 orders one writer's events), while the
+// publisher fails records at random, holds one key stuck for a while, or
+// is slow enough for full rounds, read-ahead and floor reads; with a byte
+// bound and large values, two topics per key, a held-keys cap of 3
+// (ceilings), and two relays sharing the shards. Each key's first
+// publications come in write order (G3) and every event is published (G4).
+// ONCEFLOW_RANDOM_SEEDS runs more seeds per mode (default 1).
+func TestRandomRelayRunsKeepKeyOrderAndDrain(t *testing.T) {
+	seeds := 1
+	if n, err := strconv.Atoi(os.Getenv("ONCEFLOW_RANDOM_SEEDS")); err == nil && n > 0 {
+		seeds = n
+	}
+	modes := map[string]randomMode{
+		"plain":      {batch: 20, failP: 0.03, topics: 1, keyless: 10},
+		"bytes":      {batch: 20, batchBytes: 40_000, failP: 0.03, topics: 1, keyless: 10, bigP: 0.05},
+		"topics":     {batch: 20, failP: 0.03, topics: 2, keyless: 10},
+		"ceiling":    {batch: 20, failP: 0.05, topics: 1, keyless: 10, heldKeys: 3},
+		"stuck":      {batch: 20, failP: 0.01, topics: 1, keyless: 10, stuck: true},
+		"slow-stuck": {batch: 30, failP: 0.01, topics: 1, keyless: 10, stuck: true, delay: 15 * time.Millisecond},
+		"slow-bytes": {batch: 30, batchBytes: 60_000, failP: 0.02, topics: 1, keyless: 10, bigP: 0.05, stuck: true, delay: 15 * time.Millisecond},
+		"two-relays": {batch: 20, failP: 0.02, topics: 1, keyless: 10, stuck: true, delay: 5 * time.Millisecond, relays: 2},
+	}
+	for name, m := range modes {
+		for seed := range seeds {
+			t.Run(fmt.Sprintf("%s seed %d", name, seed), func(t *testing.T) {
+				t.Parallel()
+				randomRelayRun(t, m, uint64(seed))
+			})
+		}
+	}
+}
+
+func randomRelayRun(t *testing.T, m randomMode, seed uint64) {
+	ctx := context.Background()
+	schema := pgtest.Schema(t)
+	pool := pgtest.Pool(t)
+	outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
+	rng := rand.New(rand.NewPCG(seed, 7))
+	pub := &randomPublisher{rng: rand.New(rand.NewPCG(seed, 11)), failP: m.failP, seen: map[string]bool{}, stuckKey: "key0", delay: m.delay}
+	cfg := relay.Config{Schema: schema, BatchSize: m.batch, BatchBytes: m.batchBytes, PollInterval: 20 * time.Millisecond,
+		LeaseDuration: 2 * time.Second, MaxRetryBackoff: 80 * time.Millisecond, MaxHeldKeys: m.heldKeys, PublishTimeout: 5 * time.Second}
+	rctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 2)
+	for i := range max(1, m.relays) {
+		c := cfg
+		c.InstanceID = fmt.Sprintf("r%d", i)
+		r, err := relay.New(pool, pub, &c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		go func() { done <- r.Run(rctx) }()
+	}
+	defer func() {
+		cancel()
+		for range max(1, m.relays) {
+			<-done
+		}
+	}()
+
+	keys := make([]string, 40)
+	for i := range keys {
+		keys[i] = "key" + strconv.Itoa(i)
+	}
+	seq := map[string]int{}
+	total := 0
+	type open struct {
+		tx    pgx.Tx
+		keys  []string
+		until time.Time
+	}
+	var opens []open
+	locked := map[string]bool{}
+	if m.stuck {
+		pub.mu.Lock()
+		pub.stuckOn = true
+		pub.mu.Unlock()
+	}
+	start := time.Now()
+	for time.Since(start) < 3*time.Second {
+		// commit the late ones that are due
+		now := time.Now()
+		for i := 0; i < len(opens); i++ {
+			if now.After(opens[i].until) {
+				if err := opens[i].tx.Commit(ctx); err != nil {
+					t.Fatal(err)
+				}
+				for _, k := range opens[i].keys {
+					delete(locked, k)
+				}
+				opens = slices.Delete(opens, i, i+1)
+				i--
+			}
+		}
+		if m.stuck && time.Since(start) > 2*time.Second {
+			pub.mu.Lock()
+			pub.stuckOn = false
+			pub.mu.Unlock()
+		}
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		n := 1 + rng.IntN(30)
+		var used []string
+		var ks [][]byte
+		var vals [][]byte
+		var topics []string
+		for range n {
+			var key []byte
+			var kname string
+			if rng.IntN(m.keyless) != 0 {
+				// hot keys more often
+				var k string
+				if rng.IntN(2) == 0 {
+					k = keys[rng.IntN(4)]
+				} else {
+					k = keys[rng.IntN(len(keys))]
+				}
+				if locked[k] {
+					continue
+				}
+				key, kname = []byte(k), k
+				if !slices.Contains(used, k) {
+					used = append(used, k)
+				}
+			} else {
+				kname = "~"
+			}
+			seq[kname]++
+			total++
+			size := 1
+			if m.bigP > 0 && rng.Float64() < m.bigP {
+				size = 3000 + rng.IntN(30000)
+			}
+			v := fmt.Sprintf("%s|%d|%s", kname, seq[kname], strings.Repeat("x", size))
+			ks = append(ks, key)
+			vals = append(vals, []byte(v))
+			topics = append(topics, "t"+strconv.Itoa(rng.IntN(m.topics)))
+		}
+		if len(vals) > 0 {
+			if _, err := tx.Exec(ctx, `INSERT INTO `+outbox+` (topic, key, value)
+SELECT t, k, v FROM unnest($1::text[], $2::bytea[], $3::bytea[]) WITH ORDINALITY AS x(t, k, v, n) ORDER BY n`, topics, ks, vals); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if rng.IntN(5) == 0 {
+			for _, k := range used {
+				locked[k] = true
+			}
+			opens = append(opens, open{tx: tx, keys: used, until: time.Now().Add(time.Duration(rng.IntN(300)) * time.Millisecond)})
+		} else if err := tx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(time.Duration(rng.IntN(8)) * time.Millisecond)
+	}
+	for _, o := range opens {
+		if err := o.tx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	pub.mu.Lock()
+	pub.stuckOn = false
+	pub.failP = 0
+	pub.mu.Unlock()
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		var n int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+outbox).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		if n == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d events still pending after 60s (G4)", n)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	pub.mu.Lock()
+	defer pub.mu.Unlock()
+	last := map[string]int{}
+	for i, v := range pub.acked {
+		parts := strings.SplitN(v, "|", 3)
+		k := parts[0]
+		s, _ := strconv.Atoi(parts[1])
+		if k == "~" {
+			continue
+		}
+		if s != last[k]+1 {
+			t.Fatalf("key %s: first publication #%d is seq %d after seq %d (G3)", k, i, s, last[k])
+		}
+		last[k] = s
+	}
+	if len(pub.acked) != total {
+		t.Fatalf("%d of %d events acknowledged", len(pub.acked), total)
+	}
+	t.Logf("%d events, %d calls", total, pub.calls)
+}
