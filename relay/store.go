@@ -720,6 +720,9 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 		blockedExcluded(args, runs, rest)
 		// Guarded where the reads may be: a byte bound in SQL may stop it
 		// short of its limit, and mergeBlocked must then take it for cut.
+		// sweepLimit is the limit without the room claimBlockedQuery adds
+		// for the blocked keys' own events: a read that reached it may
+		// have been cut in one of its shards, and counts as cut.
 		out = append(out, statement{sql: sql, args: args, noBitmap: true, guard: true, sweepLimit: blockedLimit, belowBase: besideFloor, sweptShards: blockedShards})
 	}
 	if s.exactOff > 0 {
