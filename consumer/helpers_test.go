@@ -213,3 +213,27 @@ func redeliver(t *testing.T, b *bundle, m consumer.Message) (*memTransport, *con
 	tr := &memTransport{}
 	return tr, start(t, p, tr, m)
 }
+
+// newLedgerProcessor builds the "ledger" consumer that runs handle per
+// message, or, with batch, for each message of a batch in one transaction.
+func newLedgerProcessor(t *testing.T, pool *pgxpool.Pool, batch bool, handle consumer.Handler, cfg *consumer.Config) *consumer.Processor {
+	t.Helper()
+	var p *consumer.Processor
+	var err error
+	if batch {
+		p, err = consumer.NewBatch(pool, "ledger", func(ctx context.Context, tx pgx.Tx, ms []consumer.Message) error {
+			for _, m := range ms {
+				if err := handle(ctx, tx, m); err != nil {
+					return err
+				}
+			}
+			return nil
+		}, cfg)
+	} else {
+		p, err = consumer.New(pool, "ledger", handle, cfg)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}

@@ -58,23 +58,7 @@ func TestHandlerLosingItsConnectionIsDeadLettered(t *testing.T) {
 				return b.record(ctx, tx, "ledger", m)
 			}
 			cfg := &consumer.Config{Schema: b.schema, MaxAttempts: 2, MinBackoff: time.Millisecond, MaxBackoff: 5 * time.Millisecond, Concurrency: tc.concurrency}
-			var p *consumer.Processor
-			var err error
-			if tc.batch {
-				p, err = consumer.NewBatch(b.pool, "ledger", func(ctx context.Context, tx pgx.Tx, ms []consumer.Message) error {
-					for _, m := range ms {
-						if err := handle(ctx, tx, m); err != nil {
-							return err
-						}
-					}
-					return nil
-				}, cfg)
-			} else {
-				p, err = consumer.New(b.pool, "ledger", handle, cfg)
-			}
-			if err != nil {
-				t.Fatal(err)
-			}
+			p := newLedgerProcessor(t, b.pool, tc.batch, handle, cfg)
 			tr := &memTransport{}
 			msgs := []consumer.Message{msg(0, "a", "fine")}
 			msgs = append(msgs, msg(1, "b", "slow"))

@@ -649,23 +649,7 @@ func TestStopClosesTheConnectionOfAnAbandonedHandler(t *testing.T) {
 				}
 				return b.record(ctx, tx, "ledger", m)
 			}
-			var p *consumer.Processor
-			var err error
-			if batch {
-				p, err = consumer.NewBatch(pool, "ledger", func(ctx context.Context, tx pgx.Tx, ms []consumer.Message) error {
-					for _, m := range ms {
-						if err := handle(ctx, tx, m); err != nil {
-							return err
-						}
-					}
-					return nil
-				}, &consumer.Config{Schema: b.schema})
-			} else {
-				p, err = consumer.New(pool, "ledger", handle, &consumer.Config{Schema: b.schema})
-			}
-			if err != nil {
-				t.Fatal(err)
-			}
+			p := newLedgerProcessor(t, pool, batch, handle, &consumer.Config{Schema: b.schema})
 			defer func() {
 				select {
 				case <-release:

@@ -124,23 +124,7 @@ func randomRebalances(t *testing.T, concurrency int, batch bool, seed uint64) {
 	pool := ownPool(t, func(c *pgxpool.Config) { c.MaxConns = 6 })
 	cfg := &consumer.Config{Schema: b.schema, Concurrency: concurrency, BatchSize: 8, MaxAttempts: 2,
 		MinBackoff: time.Millisecond, MaxBackoff: 2 * time.Millisecond}
-	var p *consumer.Processor
-	var err error
-	if batch {
-		p, err = consumer.NewBatch(pool, "ledger", func(ctx context.Context, tx pgx.Tx, ms []consumer.Message) error {
-			for _, m := range ms {
-				if err := handle(ctx, tx, m); err != nil {
-					return err
-				}
-			}
-			return nil
-		}, cfg)
-	} else {
-		p, err = consumer.New(pool, "ledger", handle, cfg)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
+	p := newLedgerProcessor(t, pool, batch, handle, cfg)
 
 	bad := &violations{}
 	marks := newMarkAudit(b, ids, bad)
