@@ -251,6 +251,49 @@ SELECT 't', ('k' || (g % 40))::bytea FROM generate_series(1, 600) g`); err != ni
 	}
 }
 
+// The floor reads that follow claims through the primary key (a key about
+// to be blocked among their oldest events) prove their floor within a few
+// claims. The floor proof the claims through the primary key had started
+// is dropped with their history (floorShape), and so is the wait it set
+// before the next may start: the floor reads used to descend all 255 free
+// shards for claimProofEvery claims more (0.6-6 ms a claim, at the start
+// of every drain beside a stuck key).
+func TestFloorReadsAfterClaimsThroughThePrimaryKeyProveTheirFloorSoon(t *testing.T) {
+	t.Parallel()
+	ctx, st, outbox, _, blocked := claimFloorCase(t)
+	if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key)
+SELECT 't', ('k' || (g % 40))::bytea FROM generate_series(1, 2000) g`); err != nil {
+		t.Fatal(err)
+	}
+	// The stuck key's oldest events, read through the primary key twice
+	// (a round and its read-ahead) before it fails: a proof starts.
+	for range 2 {
+		st.lastFull = true
+		claimedIDs(t, st, everyShard(), 100, nil, nil)
+	}
+	if st.proving == nil && st.proof.below == 0 {
+		t.Fatal("the claims through the primary key started no floor proof")
+	}
+	const within = 3 // one to set the base, one to start, one to confirm
+	for i := 1; st.proof.below == 0; i++ {
+		if i > within {
+			t.Fatalf("no floor proof after %d floor reads with no transaction holding an id, want one within %d", within, within)
+		}
+		st.lastFull = true
+		if stmts := st.claimStatements(everyShard(), 100, blocked, nil); !stmts[0].floor {
+			t.Fatalf("floor read %d: the free shards are not read from their floor", i)
+		}
+		got := claimedIDs(t, st, everyShard(), 100, blocked, nil)
+		if _, err := st.pool.Exec(ctx, `DELETE FROM `+outbox+` WHERE id = ANY($1)`, got); err != nil {
+			t.Fatal(err)
+		}
+	}
+	st.lastFull = true
+	if descend := st.claimStatements(everyShard(), 100, blocked, nil)[0].args[0].([]int16); len(descend) != 0 {
+		t.Fatalf("with the floor proof, the floor read still descends %d shards", len(descend))
+	}
+}
+
 // Whatever the runs of ids in flight it steps over (none, a few, every
 // slot taken, more runs than slots), a floor read reads exactly the oldest
 // events that are neither excluded nor the blocked key's.

@@ -269,11 +269,14 @@ func (s *store) noteFloor(from int64) {
 // about to be blocked among them; the floor reads that follow once it is
 // must not take those ids for their base, nor for a proof's id: they would
 // walk that key's events from there, come short of the round and send the
-// next claimFloorOff claims to the free shards' shares.
+// next claimFloorOff claims to the free shards' shares. The wait before
+// the next proof goes with the dropped one: the new shape's reads start
+// theirs as soon as they have a base (else a floor read beside a newly
+// blocked key descended every free shard for claimProofEvery claims).
 func (s *store) floorShape(all bool) {
 	if len(s.floorFrom) > 0 && s.floorFromAll != all {
 		s.floorFrom = s.floorFrom[:0]
-		s.proof, s.proving = floorProof{}, nil
+		s.proof, s.proving, s.proofWait = floorProof{}, nil, 0
 	}
 	s.floorFromAll = all
 }
