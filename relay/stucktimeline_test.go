@@ -95,7 +95,8 @@ func (o *tlObserver) ObserveBatch(s relay.BatchStats) {
 // time and when the first event of the other keys was acknowledged (the
 // first round's cost), then their medians; with ONCEFLOW_TIMELINE_MS it
 // prints each run's statements (start, end, duration, backend, tag) and the
-// relay's debug log up to that many ms from the relay's start.
+// relay's debug log up to that many ms from the relay's start. With
+// ONCEFLOW_TIMELINE_ONLY=with or =without it runs that side only.
 //
 //	ONCEFLOW_BENCH_TIMELINE=3 ONCEFLOW_TIMELINE_MS=150 go test -run '^$' -bench StuckKeyTimeline -benchtime 1x ./relay/
 func BenchmarkStuckKeyTimeline(b *testing.B) {
@@ -113,9 +114,21 @@ func BenchmarkStuckKeyTimeline(b *testing.B) {
 	}
 	bu := setupBench(b)
 	topic := bu.kafka.Topic(b, 8)
+	// ONCEFLOW_TIMELINE_ONLY=with (or without) runs one side only, so that
+	// a CPU profile (-cpuprofile, or perf on the backends) holds one.
+	sides := []bool{true, false}
+	switch v := os.Getenv("ONCEFLOW_TIMELINE_ONLY"); v {
+	case "":
+	case "with":
+		sides = []bool{true}
+	case "without":
+		sides = []bool{false}
+	default:
+		b.Fatalf("ONCEFLOW_TIMELINE_ONLY: %q is neither with nor without", v)
+	}
 	var order []bool
 	for range pairs {
-		order = append(order, true, false)
+		order = append(order, sides...)
 	}
 	firstAck := map[bool][]float64{}
 	drain := map[bool][]float64{}
@@ -184,6 +197,13 @@ func BenchmarkStuckKeyTimeline(b *testing.B) {
 		tl.mu.Unlock()
 		os.Stdout.Write(out.Bytes())
 		pgtest.DropSchema(b, bu.schema)
+	}
+	for _, m := range []map[bool][]float64{firstAck, drain, busy, self} {
+		for _, side := range []bool{true, false} {
+			if len(m[side]) == 0 {
+				m[side] = []float64{0} // a side not run
+			}
+		}
 	}
 	fmt.Printf("medians of %d: with the stuck key: drained in %.1f ms, first acknowledged at %.1f ms, machine CPU %.0f ms (this process %.0f); without: %.1f ms, %.1f ms, %.0f ms (%.0f)\n",
 		pairs, median(drain[true]), median(firstAck[true]), median(busy[true]), median(self[true]), median(drain[false]), median(firstAck[false]), median(busy[false]), median(self[false]))
