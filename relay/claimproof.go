@@ -63,8 +63,9 @@ import (
 // "floor read" below is either: each records the lowest id it read); pg_locks
 // (which takes every lock-table partition's lock; 0.07-0.15 ms here) is read at the start and then at most once per floor read while
 // waiting (backing off to every claimProofEvery-th), and a new proof is
-// started at most every claimProofEvery floor reads, once the reads have
-// moved past C. A run of floor reads that ends (store.noteFloor) drops it.
+// started at most every claimProofEvery floor reads of one shape, once the
+// reads have moved past C. A run of floor reads that ends (store.noteFloor)
+// drops it; a change of shape (store.floorShape) drops it and its wait.
 type floorProof struct {
 	below int64 // C; 0: no proof
 	sure  [NumShards / 64]uint64
@@ -103,7 +104,7 @@ const (
 )
 
 // claimProofEvery is how many floor reads at least separate the starts of
-// two floor proofs.
+// two floor proofs while the reads keep their shape (store.floorShape).
 const claimProofEvery = 8
 
 // claimProofBack is how many floor reads before the last one a proof's
