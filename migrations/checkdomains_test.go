@@ -18,7 +18,10 @@ import (
 
 // checkDomainsVersion is the migration that moved the outbox's CHECK
 // expressions into domains.
-const checkDomainsVersion = 6
+const (
+	checkDomainsVersion  = 6
+	strictHeadersVersion = 7
+)
 
 // upTo applies the migrations up to and including version, the way another
 // tool applies `onceflow migrate print --version N`.
@@ -149,9 +152,11 @@ func TestCheckDomainsKeepRowsAndRevertToVersion5Exactly(t *testing.T) {
 	if len(before) != 3 {
 		t.Fatalf("rows before: %+v", before)
 	}
-	if _, err := migrations.Up(ctx, pool, schema); err != nil {
+	step, err := migrations.Script(schema, checkDomainsVersion, false)
+	if err != nil {
 		t.Fatal(err)
 	}
+	execScript(t, step)
 	if got := describeOutbox(t, schema); got == want {
 		t.Fatal("migration 6 changed nothing in the outbox's schema")
 	}
@@ -221,16 +226,21 @@ func TestPlainSQLProducersKeepTheirHeadersAndMalformedOnesAreRefused(t *testing.
 		sql        string
 		constraint string
 	}{
-		"number value":        {`INSERT INTO ` + outbox + ` (topic, headers) VALUES ('orders', '{"a":1}')`, "outbox_headers_check"},
-		"nested object":       {`INSERT INTO ` + outbox + ` (topic, headers) VALUES ('orders', '{"a":{"b":"c"}}')`, "outbox_headers_check"},
-		"one bad among good":  {`INSERT INTO ` + outbox + ` (topic, headers) VALUES ('orders', '{"a":"b","c":null}')`, "outbox_headers_check"},
-		"array":               {`INSERT INTO ` + outbox + ` (topic, headers) VALUES ('orders', '["a"]')`, "outbox_headers_check"},
-		"JSON null":           {`INSERT INTO ` + outbox + ` (topic, headers) VALUES ('orders', 'null')`, "outbox_headers_check"},
-		"string":              {`INSERT INTO ` + outbox + ` (topic, headers) VALUES ('orders', '"a"')`, "outbox_headers_check"},
-		"empty topic":         {`INSERT INTO ` + outbox + ` (topic) VALUES ('')`, "outbox_topic_check"},
-		"250-character topic": {`INSERT INTO ` + outbox + ` (topic) VALUES (repeat('t', 250))`, "outbox_topic_check"},
-		"bad row in a batch":  {`INSERT INTO ` + outbox + ` (topic, headers) VALUES ('orders', '{"a":"b"}'), ('orders', '{"a":2}')`, "outbox_headers_check"},
-		"replayed dead row":   {`INSERT INTO ` + outbox + ` (topic, headers) SELECT 'orders', '{"a":true}'::jsonb`, "outbox_headers_check"},
+		"number value":       {`INSERT INTO ` + outbox + ` (topic, headers) VALUES ('orders', '{"a":1}')`, "outbox_headers_check"},
+		"nested object":      {`INSERT INTO ` + outbox + ` (topic, headers) VALUES ('orders', '{"a":{"b":"c"}}')`, "outbox_headers_check"},
+		"one bad among good": {`INSERT INTO ` + outbox + ` (topic, headers) VALUES ('orders', '{"a":"b","c":null}')`, "outbox_headers_check"},
+		"array":              {`INSERT INTO ` + outbox + ` (topic, headers) VALUES ('orders', '["a"]')`, "outbox_headers_check"},
+		// A lax path unwraps arrays: these passed before migration 7, and
+		// the relay published the event's headers as one bad-headers header.
+		"array of strings value": {`INSERT INTO ` + outbox + ` (topic, headers) VALUES ('orders', '{"type":"created","tags":["a"]}')`, "outbox_headers_check"},
+		"empty array value":      {`INSERT INTO ` + outbox + ` (topic, headers) VALUES ('orders', '{"a":[]}')`, "outbox_headers_check"},
+		"two strings array":      {`INSERT INTO ` + outbox + ` (topic, headers) VALUES ('orders', '{"a":["x","y"]}')`, "outbox_headers_check"},
+		"JSON null":              {`INSERT INTO ` + outbox + ` (topic, headers) VALUES ('orders', 'null')`, "outbox_headers_check"},
+		"string":                 {`INSERT INTO ` + outbox + ` (topic, headers) VALUES ('orders', '"a"')`, "outbox_headers_check"},
+		"empty topic":            {`INSERT INTO ` + outbox + ` (topic) VALUES ('')`, "outbox_topic_check"},
+		"250-character topic":    {`INSERT INTO ` + outbox + ` (topic) VALUES (repeat('t', 250))`, "outbox_topic_check"},
+		"bad row in a batch":     {`INSERT INTO ` + outbox + ` (topic, headers) VALUES ('orders', '{"a":"b"}'), ('orders', '{"a":2}')`, "outbox_headers_check"},
+		"replayed dead row":      {`INSERT INTO ` + outbox + ` (topic, headers) SELECT 'orders', '{"a":true}'::jsonb`, "outbox_headers_check"},
 	}
 	for name, c := range refused {
 		_, err := pool.Exec(ctx, c.sql)
@@ -242,5 +252,38 @@ func TestPlainSQLProducersKeepTheirHeadersAndMalformedOnesAreRefused(t *testing.
 	var n int
 	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+outbox).Scan(&n); err != nil || n != len(accepted) {
 		t.Fatalf("outbox holds %d rows (err %v), want the %d accepted", n, err, len(accepted))
+	}
+}
+
+// Migration 7 only makes the headers domain's check strict, and its revert
+// restores version 6's check exactly.
+func TestStrictHeadersRevertToVersion6Exactly(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t)
+	check := func(schema string) string {
+		t.Helper()
+		var def string
+		if err := pool.QueryRow(ctx, `SELECT pg_get_constraintdef(c.oid) FROM pg_constraint c
+JOIN pg_type ty ON ty.oid = c.contypid JOIN pg_namespace n ON n.oid = ty.typnamespace
+WHERE n.nspname = $1 AND ty.typname = 'outbox_headers'`, schema).Scan(&def); err != nil {
+			t.Fatal(err)
+		}
+		return def
+	}
+	ref := pgtest.EmptySchema(t)
+	upTo(t, ref, strictHeadersVersion-1)
+	schema := pgtest.EmptySchema(t)
+	if _, err := migrations.Up(ctx, pool, schema); err != nil {
+		t.Fatal(err)
+	}
+	if check(schema) == check(ref) {
+		t.Fatal("migration 7 left the headers check as it was")
+	}
+	if reverted, err := migrations.Down(ctx, pool, schema, 1); err != nil || !slices.Equal(reverted, []int{strictHeadersVersion}) {
+		t.Fatalf("Down: reverted %v, err %v", reverted, err)
+	}
+	if got, want := check(schema), check(ref); got != want {
+		t.Fatalf("after reverting migration 7 the headers check is\n%s\nwant version 6's\n%s", got, want)
 	}
 }

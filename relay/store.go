@@ -877,8 +877,10 @@ func scanEvents(rows pgx.Rows, out []pendingEvent) ([]pendingEvent, error) {
 		}
 		if len(headers) > 0 {
 			if err := json.Unmarshal(headers, &e.headers); err != nil {
-				// The table's CHECK makes this unreachable for valid
-				// rows; publish without headers rather than stall.
+				// The table's CHECK refuses such headers at INSERT
+				// (before migration 7 it let arrays of strings through:
+				// rows written then may still be pending); publish
+				// them as one header rather than stall.
 				e.headers = map[string]string{"onceflow-bad-headers": string(headers)}
 			}
 		}
