@@ -129,6 +129,8 @@ func Up(ctx context.Context, db Beginner, schema string) ([]int, error) {
 // the versions it reverted, newest first. It refuses, reverting nothing, with
 // a *DataLossError when a table it would drop holds rows (pending events,
 // dead letters, dedup records, idempotency keys); DownForce drops them.
+// It locks those tables before it counts their rows, so it waits for the
+// transactions writing to them, and counts what they commit.
 // A schema that was never migrated is left alone: Down creates nothing.
 func Down(ctx context.Context, db Beginner, schema string, steps int) ([]int, error) {
 	return down(ctx, db, schema, steps, false)
@@ -181,7 +183,9 @@ func down(ctx context.Context, db Beginner, schema string, steps int, force bool
 	}
 	var reverted []int
 	err = inLockedTx(ctx, db, schema, false, func(tx pgx.Tx, done map[int]time.Time) error {
-		// Rows held by each data table, before anything is dropped.
+		// Rows held by each data table, before anything is dropped. Each is
+		// locked first, so that a producer's transaction that commits while
+		// Down waits is counted, not dropped with its table.
 		held := map[string]int64{}
 		for _, table := range dataTables {
 			var exists bool
@@ -190,6 +194,11 @@ func down(ctx context.Context, db Beginner, schema string, steps int, force bool
 			}
 			if !exists {
 				continue
+			}
+			if !force {
+				if _, err := tx.Exec(ctx, `LOCK TABLE `+pgx.Identifier{schema, table}.Sanitize()+` IN ACCESS EXCLUSIVE MODE`); err != nil {
+					return fmt.Errorf("migrations: lock %s: %w", table, err)
+				}
 			}
 			var n int64
 			if err := tx.QueryRow(ctx, `SELECT count(*) FROM (SELECT 1 FROM `+pgx.Identifier{schema, table}.Sanitize()+` LIMIT 1001) r`).Scan(&n); err != nil {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 
@@ -97,5 +98,64 @@ func TestDownOnAMissingSchemaCreatesNothing(t *testing.T) {
 	}
 	if tableExists(t, schema, "schema_migrations") {
 		t.Fatal("Down created the version table")
+	}
+}
+
+// An event whose transaction commits while Down runs is counted before
+// anything is dropped: Down locks the data tables first. It used to count
+// them unlocked, wait for the producer at its first ALTER TABLE, and drop
+// the outbox with the event that had committed meanwhile.
+func TestDownCountsAnEventThatCommitsWhileItWaits(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t)
+	schema := pgtest.Schema(t)
+	producer, err := pgtest.Conn(t).Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = producer.Rollback(ctx) }()
+	if _, err := producer.Exec(ctx, `INSERT INTO `+pgx.Identifier{schema, "outbox"}.Sanitize()+` (topic, value) VALUES ('t', 'pending')`); err != nil {
+		t.Fatal(err)
+	}
+	all, _ := migrations.All()
+	type result struct {
+		reverted []int
+		err      error
+	}
+	done := make(chan result, 1)
+	go func() {
+		reverted, err := migrations.Down(ctx, pool, schema, len(all))
+		done <- result{reverted, err}
+	}()
+	// Down waits for the producer's lock on the outbox.
+	waitFor(t, func() bool {
+		var waiting bool
+		_ = pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_locks WHERE NOT granted AND relation = to_regclass($1))`,
+			pgx.Identifier{schema, "outbox"}.Sanitize()).Scan(&waiting)
+		return waiting
+	})
+	if err := producer.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	got := <-done
+	var lossErr *migrations.DataLossError
+	if !errors.As(got.err, &lossErr) || len(got.reverted) != 0 {
+		t.Fatalf("Down: reverted %v, err %v; want a DataLossError and nothing reverted", got.reverted, got.err)
+	}
+	var n int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+pgx.Identifier{schema, "outbox"}.Sanitize()).Scan(&n); err != nil || n != 1 {
+		t.Fatalf("the outbox holds %d rows (err %v), want the committed event", n, err)
+	}
+}
+
+func waitFor(t *testing.T, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatal("timed out waiting")
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }
