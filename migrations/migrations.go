@@ -284,15 +284,20 @@ func List(ctx context.Context, db Beginner, schema string) ([]Status, error) {
 	return out, nil
 }
 
-// ValidateSchema rejects schema names that cannot be a PostgreSQL identifier.
+// ValidateSchema rejects schema names that cannot be a PostgreSQL identifier
+// or that would name another schema than the one they spell.
 func ValidateSchema(schema string) error {
 	switch {
 	case schema == "":
 		return errors.New("schema name is empty")
 	case len(schema) > 63:
 		return fmt.Errorf("schema name %q is longer than 63 bytes", schema)
-	case strings.ContainsRune(schema, 0):
-		return fmt.Errorf("schema name %q contains a NUL byte", schema)
+	case strings.ContainsFunc(schema, func(r rune) bool { return r < 0x20 || r == 0x7f }):
+		// A line break would end the printed script's comment naming it.
+		return fmt.Errorf("schema name %q contains a control character", schema)
+	case schema == "$user":
+		// In a search_path, "$user" means the current role's schema.
+		return errors.New(`schema name "$user" names the current role's schema in a search_path; choose another`)
 	}
 	return nil
 }

@@ -110,3 +110,25 @@ func TestSchemaNameIsQuotedNotPasted(t *testing.T) {
 		t.Fatal("outbox not created in the oddly named schema")
 	}
 }
+
+// Names that would not mean the schema they spell are refused before
+// anything runs (Up, Down, List and Check validate as Script does): "$user" in a search_path is the current role's schema
+// (the tables went to public while status looked in "$user"), and a line
+// break ended the printed script's header comment, so the rest of the name
+// ran as SQL.
+func TestSchemaNamesThatWouldMeanSomethingElseAreRefused(t *testing.T) {
+	t.Parallel()
+	for _, name := range []string{"$user", "zz_probe\nSELECT 1/0; --", "a\rb", "tab\tname", "del\x7f"} {
+		if err := migrations.ValidateSchema(name); err == nil {
+			t.Errorf("ValidateSchema(%q) accepted it", name)
+		}
+		if _, err := migrations.Script(name, 0, false); err == nil {
+			t.Errorf("Script(%q) printed a script", name)
+		}
+	}
+	for _, name := range []string{"onceflow", "Q\"uo te,Sch", "user", "$usr", "schéma"} {
+		if err := migrations.ValidateSchema(name); err != nil {
+			t.Errorf("ValidateSchema(%q): %v", name, err)
+		}
+	}
+}
