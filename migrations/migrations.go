@@ -326,8 +326,14 @@ func inLockedTx(ctx context.Context, db Beginner, schema string, create bool, fn
 				return fmt.Errorf("migrations: create schema %s: %w", ident, err)
 			}
 		}
-		// public stays on the path for gen_random_uuid and extensions.
-		if _, err := tx.Exec(ctx, `SELECT set_config('search_path', $1, true)`, ident+", public"); err != nil {
+		// public stays on the path for gen_random_uuid and extensions, but
+		// not for a revert: its DROP ... IF EXISTS of a table the schema
+		// lacks would find public's.
+		path := ident + ", public"
+		if !create {
+			path = ident
+		}
+		if _, err := tx.Exec(ctx, `SELECT set_config('search_path', $1, true)`, path); err != nil {
 			return fmt.Errorf("migrations: set search_path: %w", err)
 		}
 		done := map[int]time.Time{}

@@ -28,7 +28,10 @@ func Latest() int {
 //
 // version 0 means every migration, in order, as one script; otherwise only
 // that version's step. With down, the step's revert (which unrecords it);
-// down needs a version.
+// down needs a version, and its script is one transaction that first
+// checks the schema holds that step, with the schema alone on its
+// search_path: applied to the wrong schema, or twice, it fails whole and
+// drops nothing.
 func Script(schema string, version int, down bool) (string, error) {
 	if err := ValidateSchema(schema); err != nil {
 		return "", fmt.Errorf("migrations: %w", err)
@@ -57,12 +60,29 @@ func Script(schema string, version int, down bool) (string, error) {
 	}
 	fmt.Fprintf(&b, "-- onceflow schema migrations (%s) for schema %s, printed by `onceflow migrate print`.\n", direction, ident)
 	b.WriteString("-- Each step records itself in schema_migrations, which `onceflow migrate up` and the relay read.\n")
-	if !down {
+	if down {
+		// One transaction, and the schema alone on the path: a revert must
+		// never reach public's tables of the same names (a mistyped
+		// schema, a step reverted twice), and psql, which goes on after an
+		// error, must not run the steps after a failed one. The guard
+		// fails unless the schema exists and holds this step.
+		b.WriteString("BEGIN;\n")
+		fmt.Fprintf(&b, "SET LOCAL search_path TO %s;\n", ident)
+		// The body names no schema (search_path does), so no name can
+		// end its quoting.
+		fmt.Fprintf(&b, `DO $onceflow$ BEGIN
+    IF current_schema() IS NULL OR to_regclass('schema_migrations') IS NULL THEN
+        RAISE EXCEPTION 'onceflow: schema %% does not exist or was never migrated', current_setting('search_path');
+    END IF;
+    IF NOT EXISTS (SELECT FROM schema_migrations WHERE version = %d) THEN
+        RAISE EXCEPTION 'onceflow: migration %d is not applied in schema %%', current_schema();
+    END IF;
+END $onceflow$;
+`, version, version)
+	} else {
 		fmt.Fprintf(&b, "CREATE SCHEMA IF NOT EXISTS %s;\n", ident)
-	}
-	// public stays on the path for gen_random_uuid and extensions.
-	fmt.Fprintf(&b, "SET search_path TO %s, public;\n", ident)
-	if !down {
+		// public stays on the path for gen_random_uuid and extensions.
+		fmt.Fprintf(&b, "SET search_path TO %s, public;\n", ident)
 		b.WriteString(versionTableSQL + ";\n")
 	}
 	for _, m := range steps {
@@ -75,7 +95,11 @@ func Script(schema string, version int, down bool) (string, error) {
 			fmt.Fprintf(&b, "INSERT INTO schema_migrations (version, name) VALUES (%d, '%s');\n", m.Version, strings.ReplaceAll(m.Name, "'", "''"))
 		}
 	}
-	b.WriteString("\nRESET search_path;\n")
+	if down {
+		b.WriteString("\nCOMMIT;\n")
+	} else {
+		b.WriteString("\nRESET search_path;\n")
+	}
 	return b.String(), nil
 }
 
