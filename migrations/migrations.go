@@ -322,8 +322,17 @@ func inLockedTx(ctx context.Context, db Beginner, schema string, create bool, fn
 		}
 		ident := pgx.Identifier{schema}.Sanitize()
 		if create {
-			if _, err := tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+ident); err != nil {
-				return fmt.Errorf("migrations: create schema %s: %w", ident, err)
+			// Only when it is missing: PostgreSQL checks the privilege to
+			// create a schema (which a service role that owns its schema
+			// often lacks) before IF NOT EXISTS looks.
+			var exists bool
+			if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)`, schema).Scan(&exists); err != nil {
+				return fmt.Errorf("migrations: look up schema %s: %w", ident, err)
+			}
+			if !exists {
+				if _, err := tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+ident); err != nil {
+					return fmt.Errorf("migrations: create schema %s: %w", ident, err)
+				}
 			}
 		}
 		// public stays on the path for gen_random_uuid and extensions, but

@@ -159,3 +159,51 @@ func waitFor(t *testing.T, cond func() bool) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// A service role that owns its migrated schema but may not create schemas
+// in the database (the default for a role that does not own it) can run Up
+// at start-up: with the schema there, Up does not ask to create it.
+// PostgreSQL checks the privilege of CREATE SCHEMA IF NOT EXISTS before it
+// looks: Up failed with "permission denied for database".
+func TestUpByTheSchemasOwnerWithoutCreateOnTheDatabase(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	admin := pgtest.Pool(t)
+	schema := pgtest.Schema(t)
+	role := "oftest_role_" + schema[len("oftest_"):]
+	ident, roleIdent := pgx.Identifier{schema}.Sanitize(), pgx.Identifier{role}.Sanitize()
+	for _, stmt := range []string{
+		`CREATE ROLE ` + roleIdent + ` LOGIN`,
+		`ALTER SCHEMA ` + ident + ` OWNER TO ` + roleIdent,
+		`GRANT ALL ON ALL TABLES IN SCHEMA ` + ident + ` TO ` + roleIdent,
+	} {
+		if _, err := admin.Exec(ctx, stmt); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() {
+		pgtest.DropSchema(t, schema)
+		for _, stmt := range []string{`DROP OWNED BY ` + roleIdent, `DROP ROLE ` + roleIdent} {
+			if _, err := admin.Exec(context.Background(), stmt); err != nil {
+				t.Error(err)
+			}
+		}
+	})
+	cfg, err := pgx.ParseConfig(pgtest.URL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.User = role
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	var mayCreate bool
+	if err := conn.QueryRow(ctx, `SELECT has_database_privilege(current_database(), 'CREATE')`).Scan(&mayCreate); err != nil || mayCreate {
+		t.Fatalf("the role may create schemas (%v, err %v): the test shows nothing", mayCreate, err)
+	}
+	if applied, err := migrations.Up(ctx, conn, schema); err != nil || len(applied) != 0 {
+		t.Fatalf("Up by the schema's owner: applied %v, err %v; want nothing to do", applied, err)
+	}
+}
