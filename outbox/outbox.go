@@ -6,6 +6,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -31,7 +33,9 @@ type Message struct {
 	Key []byte
 	// Value is the record value; nil publishes a null value (a tombstone).
 	Value []byte
-	// Headers become record headers. "message-id" is reserved.
+	// Headers become record headers. "message-id" is reserved. Names and
+	// values are UTF-8 text without NUL (they are stored as jsonb): encode
+	// binary values, e.g. in base64.
 	Headers map[string]string
 }
 
@@ -182,6 +186,16 @@ func validate(m Message) error {
 	}
 	if _, ok := m.Headers[MessageIDHeader]; ok {
 		return fmt.Errorf("%w: header %q is reserved; set Message.ID instead", ErrInvalidMessage, MessageIDHeader)
+	}
+	// The headers are stored as jsonb, which holds UTF-8 text without NUL:
+	// other bytes would be replaced (a binary value lost silently) or
+	// refused by PostgreSQL.
+	for k, v := range m.Headers {
+		for _, s := range [2]string{k, v} {
+			if !utf8.ValidString(s) || strings.IndexByte(s, 0) >= 0 {
+				return fmt.Errorf("%w: header %q: names and values must be UTF-8 text without NUL (encode binary values, e.g. in base64)", ErrInvalidMessage, k)
+			}
+		}
 	}
 	return nil
 }

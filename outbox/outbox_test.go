@@ -220,6 +220,13 @@ func TestWriteRejectsBadMessages(t *testing.T) {
 		"long topic":      {Topic: string(make([]byte, 250))},
 		"bad id":          {Topic: "t", ID: "42"},
 		"reserved header": {Topic: "t", Headers: map[string]string{"message-id": "x"}},
+		// The headers are stored as jsonb: text without NUL. Bytes that
+		// are not UTF-8 were replaced by U+FFFD (a signature lost
+		// silently), and a NUL failed in PostgreSQL with SQLSTATE 22P05.
+		"binary header value": {Topic: "t", Headers: map[string]string{"sig": "\xca\xfe\xba\xbe"}},
+		"binary header name":  {Topic: "t", Headers: map[string]string{"k\xff": "v"}},
+		"NUL in a value":      {Topic: "t", Headers: map[string]string{"k": "a\x00b"}},
+		"NUL in a name":       {Topic: "t", Headers: map[string]string{"a\x00": "v"}},
 	}
 	for name, m := range cases {
 		err := w.Write(context.Background(), db, outbox.Message{Topic: "ok"}, m)
