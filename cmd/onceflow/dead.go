@@ -1,14 +1,20 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
+	"os"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/relay"
 )
@@ -94,18 +100,39 @@ func runDead(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		if err != nil {
 			return err
 		}
-		return withPool(ctx, &c, func(q relay.Querier) error {
-			gone, err := relay.DiscardDead(ctx, q, c.schema, idList)
+		pool, err := c.connect(ctx)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		// The printed events are the only copy left: the delete commits
+		// only once they are written, and a failed write rolls it back.
+		return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			gone, err := relay.DiscardDead(ctx, tx, c.schema, idList)
 			if err != nil {
 				return err
 			}
+			var copy bytes.Buffer
 			if *asJSON {
-				return printDeadJSON(stdout, gone)
+				if err := printDeadJSON(&copy, gone); err != nil {
+					return err
+				}
+			} else {
+				for _, d := range gone {
+					printDead(&copy, d, true)
+				}
+				fmt.Fprintf(&copy, "discarded %d dead events\n", len(gone))
 			}
-			for _, d := range gone {
-				printDead(stdout, d, true)
+			if _, err := stdout.Write(copy.Bytes()); err != nil {
+				return fmt.Errorf("print the discarded events (nothing was discarded): %w", err)
 			}
-			fmt.Fprintf(stdout, "discarded %d dead events\n", len(gone))
+			if f, ok := stdout.(*os.File); ok {
+				// Written to a file, the copy must be on disk before the
+				// events are gone; a pipe or terminal cannot sync (EINVAL).
+				if err := f.Sync(); err != nil && !errors.Is(err, syscall.EINVAL) && !errors.Is(err, syscall.ENOTSUP) {
+					return fmt.Errorf("print the discarded events (nothing was discarded): %w", err)
+				}
+			}
 			return nil
 		})
 	}

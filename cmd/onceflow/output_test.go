@@ -154,3 +154,28 @@ func TestHelpShowsOnlyTheCommandsFlags(t *testing.T) {
 		}
 	}
 }
+
+// failingWriter fails every write, as stdout does on a full disk or a
+// closed pipe (`onceflow dead discard … | head -1`).
+type failingWriter struct{}
+
+func (failingWriter) Write([]byte) (int, error) { return 0, errors.New("no space left on device") }
+
+// The printed events are the only copy of what dead discard deletes: when
+// they cannot be written, nothing is deleted and the command fails. The
+// rows were deleted first and the write's error ignored (text) or
+// reported after the delete had committed (--json).
+func TestDeadDiscardKeepsTheEventsWhenTheCopyCannotBeWritten(t *testing.T) {
+	t.Parallel()
+	schema, flags := deadSetup(t, 2)
+	for _, extra := range [][]string{nil, {"--json"}} {
+		args := append(append([]string{"dead", "discard", "--ids", "1,2"}, extra...), flags...)
+		var errOut bytes.Buffer
+		if err := run(context.Background(), args, failingWriter{}, &errOut); err == nil {
+			t.Errorf("%v: succeeded with its output lost", extra)
+		}
+		if n := count(t, schema, "outbox_dead"); n != 2 {
+			t.Fatalf("%v: %d dead events left after a discard whose copy was lost, want 2", extra, n)
+		}
+	}
+}
