@@ -183,6 +183,12 @@ func down(ctx context.Context, db Beginner, schema string, steps int, force bool
 	}
 	var reverted []int
 	err = inLockedTx(ctx, db, schema, false, func(tx pgx.Tx, done map[int]time.Time) error {
+		// A newer onceflow's steps above ours: reverting ours beneath them
+		// would leave a schema that neither binary matches.
+		if unknown := unknownVersions(all, done); len(unknown) > 0 {
+			return fmt.Errorf("migrations: schema %s holds migration %v, which this onceflow does not know (a newer one applied it): revert with that version's onceflow",
+				pgx.Identifier{schema}.Sanitize(), unknown)
+		}
 		// Rows held by each data table, before anything is dropped. Each is
 		// locked first, so that a producer's transaction that commits while
 		// Down waits is counted, not dropped with its table.
@@ -243,7 +249,26 @@ func down(ctx context.Context, db Beginner, schema string, steps int, force bool
 	return reverted, err
 }
 
-// List reports every known migration and when it was applied to schema.
+// unknownVersions returns the versions applied (done) that are not among
+// all, in order.
+func unknownVersions(all []Migration, done map[int]time.Time) []int {
+	known := make(map[int]bool, len(all))
+	for _, m := range all {
+		known[m.Version] = true
+	}
+	var out []int
+	for v := range done {
+		if !known[v] {
+			out = append(out, v)
+		}
+	}
+	sort.Ints(out)
+	return out
+}
+
+// List reports every known migration and when it was applied to schema,
+// then any applied version this onceflow does not know (a newer onceflow's:
+// its Name as recorded, no SQL).
 // It only reads: a schema that does not exist lists every migration as
 // pending.
 func List(ctx context.Context, db Beginner, schema string) ([]Status, error) {
@@ -255,19 +280,21 @@ func List(ctx context.Context, db Beginner, schema string) ([]Status, error) {
 		return nil, err
 	}
 	done := map[int]time.Time{}
+	names := map[int]string{}
 	err = pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
 		table := pgx.Identifier{schema, "schema_migrations"}.Sanitize()
 		var exists bool
 		if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, table).Scan(&exists); err != nil || !exists {
 			return err
 		}
-		rows, err := tx.Query(ctx, `SELECT version, applied_at FROM `+table)
+		rows, err := tx.Query(ctx, `SELECT version, name, applied_at FROM `+table)
 		if err != nil {
 			return err
 		}
 		var v int
+		var name string
 		var at time.Time
-		_, err = pgx.ForEachRow(rows, []any{&v, &at}, func() error { done[v] = at; return nil })
+		_, err = pgx.ForEachRow(rows, []any{&v, &name, &at}, func() error { done[v], names[v] = at, name; return nil })
 		return err
 	})
 	if err != nil {
@@ -280,6 +307,10 @@ func List(ctx context.Context, db Beginner, schema string) ([]Status, error) {
 			s.AppliedAt = &at
 		}
 		out = append(out, s)
+	}
+	for _, v := range unknownVersions(all, done) {
+		at := done[v]
+		out = append(out, Status{Migration: Migration{Version: v, Name: names[v]}, AppliedAt: &at})
 	}
 	return out, nil
 }

@@ -207,3 +207,34 @@ func TestUpByTheSchemasOwnerWithoutCreateOnTheDatabase(t *testing.T) {
 		t.Fatalf("Up by the schema's owner: applied %v, err %v; want nothing to do", applied, err)
 	}
 }
+
+// A schema migrated by a newer onceflow (a rollback of the binary) holds
+// versions this one does not know. Down refuses, reverting nothing: it
+// used to revert its own newest step beneath the unknown one, leaving a
+// schema no binary matched. List shows the unknown versions.
+func TestDownRefusesASchemaWithAVersionItDoesNotKnow(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t)
+	schema := pgtest.Schema(t)
+	if _, err := pool.Exec(ctx, `INSERT INTO `+pgx.Identifier{schema, "schema_migrations"}.Sanitize()+` (version, name) VALUES (99, 'future_thing')`); err != nil {
+		t.Fatal(err)
+	}
+	reverted, err := migrations.Down(ctx, pool, schema, 1)
+	if err == nil || len(reverted) != 0 || !strings.Contains(err.Error(), "99") {
+		t.Fatalf("Down: reverted %v, err %v; want a refusal naming version 99", reverted, err)
+	}
+	list, err := migrations.List(ctx, pool, schema)
+	if err != nil {
+		t.Fatal(err)
+	}
+	last := list[len(list)-1]
+	if len(list) != migrations.Latest()+1 || last.Version != 99 || last.Name != "future_thing" || last.AppliedAt == nil {
+		t.Fatalf("List's last entry %+v of %d, want version 99 future_thing, applied", last.Migration, len(list))
+	}
+	for _, s := range list[:len(list)-1] {
+		if s.AppliedAt == nil {
+			t.Fatalf("version %d lost by the refused Down", s.Version)
+		}
+	}
+}

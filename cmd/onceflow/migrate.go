@@ -102,6 +102,9 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 			if s.AppliedAt != nil {
 				state = "applied " + s.AppliedAt.Format("2006-01-02 15:04:05Z07:00")
 			}
+			if s.Version > migrations.Latest() {
+				state += " (unknown to this onceflow: a newer one applied it)"
+			}
 			fmt.Fprintf(stdout, "%04d %-20s %s\n", s.Version, s.Name, state)
 		}
 	}
