@@ -170,9 +170,10 @@ func (r *Relay) LastLoop() time.Time {
 	return time.Time{}
 }
 
-// Run publishes until ctx is done, then lets the in-flight round finish or
-// fail (what was not acknowledged stays pending), hands its shards back and
-// returns nil. It returns an error at once if the outbox cannot be read at
+// Run publishes until ctx is done, then gives the round it has with Kafka
+// up to 5 s more to be acknowledged and records its outcome (what is not
+// acknowledged by then stays pending, for the next owner), hands its shards
+// back and returns nil. It returns an error at once if the outbox cannot be read at
 // start (database unreachable, schema not migrated), and an
 // *InstanceInUseError if a live relay holds the same InstanceID (at start,
 // or later if this relay's lease lapsed and another process took the id:
@@ -610,8 +611,22 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		}
 	}
 	published := make(chan []error, 1)
-	pubCtx, cancelPub := context.WithTimeout(ctx, r.cfg.PublishTimeout)
+	// A stop (ctx done) gives the round with Kafka up to stopGrace more
+	// to be acknowledged, so that its outcome is recorded and a rolling
+	// restart publishes nothing twice; past that it is abandoned and its
+	// events stay pending for the next owner.
+	pubCtx, cancelPub := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.PublishTimeout)
 	defer cancelPub()
+	stopWatch := context.AfterFunc(ctx, func() {
+		t := time.NewTimer(stopGrace)
+		defer t.Stop()
+		select {
+		case <-t.C:
+			cancelPub()
+		case <-pubCtx.Done():
+		}
+	})
+	defer stopWatch()
 	if len(toSend) == 0 {
 		published <- nil
 	} else {
@@ -1118,6 +1133,10 @@ func appendBlockKey(buf []byte, e *pendingEvent) []byte {
 	}
 	return append(append(buf, "k:"...), e.key...)
 }
+
+// stopGrace is how long a stopped relay waits for the acknowledgements of
+// the round it has with Kafka (at most PublishTimeout).
+const stopGrace = 5 * time.Second
 
 // errHeldBack fails an event not published because an earlier event of its
 // key failed in the same round.

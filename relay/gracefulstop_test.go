@@ -1,0 +1,74 @@
+package relay_test
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/onceflow/onceflow/outbox"
+	"github.com/onceflow/onceflow/relay"
+)
+
+// gatedPublisher holds each Publish until release is closed (or its
+// context ends: then every record fails with the context's error), and
+// reports on inFlight when one is waiting.
+type gatedPublisher struct {
+	relay.Publisher
+	inFlight chan struct{}
+	release  chan struct{}
+	once     sync.Once
+}
+
+func (p *gatedPublisher) Publish(ctx context.Context, records []relay.Record) []error {
+	p.once.Do(func() { close(p.inFlight) })
+	select {
+	case <-p.release:
+		return p.Publisher.Publish(ctx, records)
+	case <-ctx.Done():
+		errs := make([]error, len(records))
+		for i := range errs {
+			errs[i] = ctx.Err()
+		}
+		return errs
+	}
+}
+
+// A relay stopped (SIGTERM in the binary) while its round is with Kafka
+// waits a little for the acknowledgements and records them, so a rolling
+// restart publishes nothing twice. The stop used to cancel the round's
+// publish at once: its events stayed pending and the next relay published
+// them again, a round of duplicates per stopped relay.
+func TestAStoppedRelayRecordsTheRoundInFlight(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	topic := b.kafka.Topic(t, 4)
+	var msgs []outbox.Message
+	for i := range 20 {
+		msgs = append(msgs, outbox.Message{Topic: topic, Key: []byte(fmt.Sprint("k", i%5)), Value: []byte(fmt.Sprint(i))})
+	}
+	b.write(t, msgs...)
+	pub := &gatedPublisher{Publisher: b.publisher(t), inFlight: make(chan struct{}), release: make(chan struct{})}
+	_, stop := b.startRelayWith(t, b.pool, pub, relay.Config{})
+	select {
+	case <-pub.inFlight:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the relay published nothing")
+	}
+	stopped := make(chan struct{})
+	go func() { stop(); close(stopped) }()
+	time.Sleep(200 * time.Millisecond) // the stop is under way
+	close(pub.release)                 // Kafka acknowledges
+	<-stopped
+	if n := b.count(t, "outbox"); n != 0 {
+		t.Fatalf("%d of the round's 20 events left pending after a stop: they would be published again", n)
+	}
+	seen := map[string]int{}
+	for _, r := range b.kafka.ReadAll(t, topic, len(msgs), 30*time.Second) {
+		seen[messageID(r)]++
+	}
+	if len(seen) != len(msgs) {
+		t.Fatalf("%d distinct events in Kafka, want %d", len(seen), len(msgs))
+	}
+}
