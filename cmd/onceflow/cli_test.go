@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"flag"
 	"strings"
 	"testing"
 
@@ -100,5 +101,53 @@ func TestMigrateStatusDeadReplay(t *testing.T) {
 	}
 	if out, err = runCLI(t, append([]string{"migrate", "down", "--steps", "9", "--force"}, common...)...); err != nil || !strings.Contains(out, "reverted 0001") {
 		t.Fatalf("down: %v\n%s", err, out)
+	}
+}
+
+// Bad input is one line (main prints the returned error) and exit code 2:
+// a flag error printed the whole flag list as well, twice the error with
+// 80 lines between. --help still prints the flag list, and a pool size or
+// HTTP address out of range is bad input too, found before anything
+// connects.
+func TestBadFlagsAreOneLine(t *testing.T) {
+	url := pgtest.URL(t)
+	cases := map[string][]string{
+		"unknown flag":        {"relay", "--bogus-flag"},
+		"flag without value":  {"status", "--database-url"},
+		"bad boolean":         {"relay", "--wait-for-database=maybe"},
+		"dead discard --all":  {"dead", "discard", "--all"},
+		"pool size negative":  {"status", "--database-url", url, "--database-pool-size", "-1"},
+		"relay pool negative": {"relay", "--database-url", url, "--brokers", "127.0.0.1:1", "--database-pool-size", "-1"},
+		"http addr no port":   {"relay", "--database-url", url, "--brokers", "127.0.0.1:1", "--http-addr", "bogus"},
+		"migrate bad flag":    {"migrate", "up", "--nope"},
+		"print bad flag":      {"migrate", "print", "--nope"},
+	}
+	for name, args := range cases {
+		var out, errOut bytes.Buffer
+		err := run(context.Background(), args, &out, &errOut)
+		if !errors.Is(err, errUsage) {
+			t.Errorf("%s: err = %v, want a usage error", name, err)
+		}
+		if errOut.Len() > 0 || out.Len() > 0 {
+			t.Errorf("%s: printed more than the error's line:\n%s%s", name, out.String(), errOut.String())
+		}
+	}
+	if out, err := runCLI(t, "status", "--help"); !errors.Is(err, flag.ErrHelp) || !strings.Contains(out, "-database-url") {
+		t.Errorf("status --help: err %v, output:\n%s", err, out)
+	}
+}
+
+// status and dead on a schema that was never migrated (a typo in
+// ONCEFLOW_SCHEMA) say so and what to run, as the relay does, instead of
+// PostgreSQL's "relation … does not exist (SQLSTATE 42P01)".
+func TestAdminCommandsOnAnUnmigratedSchemaSaySo(t *testing.T) {
+	url := pgtest.URL(t)
+	for _, args := range [][]string{
+		{"status"}, {"status", "--json"}, {"dead", "list"}, {"dead", "replay", "--ids", "1"}, {"dead", "discard", "--ids", "1"},
+	} {
+		_, err := runCLI(t, append(args, "--database-url", url, "--schema", "oftest_never_migrated")...)
+		if err == nil || errors.Is(err, errUsage) || !strings.Contains(err.Error(), "migrate up") || strings.Contains(err.Error(), "SQLSTATE") {
+			t.Errorf("%v: err = %v, want a runtime error saying to run migrate up", args, err)
+		}
 	}
 }

@@ -100,7 +100,7 @@ func runDead(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		if err != nil {
 			return err
 		}
-		pool, err := c.connect(ctx)
+		pool, err := c.connectMigrated(ctx)
 		if err != nil {
 			return err
 		}
@@ -213,7 +213,7 @@ func printDeadJSON(w io.Writer, dead []relay.DeadEvent) error {
 
 // withPool connects, runs fn and closes the pool.
 func withPool(ctx context.Context, c *common, fn func(relay.Querier) error) error {
-	pool, err := c.connect(ctx)
+	pool, err := c.connectMigrated(ctx)
 	if err != nil {
 		return err
 	}

@@ -152,12 +152,29 @@ func envInt(name string, fallback int) int {
 
 func newFlagSet(name, summary string, stderr io.Writer) *flag.FlagSet {
 	fs := flag.NewFlagSet("onceflow "+name, flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	// A parse error is returned, and main prints it as the one line bad
+	// input gets: the flag package's own copy of it (written here first)
+	// and the flag list after it are not printed. --help prints the list.
+	parseErr := &seenWriter{}
+	fs.SetOutput(parseErr)
 	fs.Usage = func() {
+		if parseErr.seen {
+			return
+		}
 		fmt.Fprintf(stderr, "Usage: onceflow %s\n\n%s\n\nFlags:\n", name, summary)
+		fs.SetOutput(stderr)
 		fs.PrintDefaults()
+		fs.SetOutput(parseErr)
 	}
 	return fs
+}
+
+// seenWriter discards what is written and notes that something was.
+type seenWriter struct{ seen bool }
+
+func (w *seenWriter) Write(p []byte) (int, error) {
+	w.seen = true
+	return len(p), nil
 }
 
 func (c *common) register(fs *flag.FlagSet, withBrokers bool) {
@@ -193,6 +210,9 @@ func (c *common) parse(fs *flag.FlagSet, args []string, needBrokers bool) error 
 	}
 	if err := migrations.ValidateSchema(c.schema); err != nil {
 		return fmt.Errorf("%w: --schema: %v", errUsage, err)
+	}
+	if c.poolSize < 0 || c.poolSize > 10000 {
+		return fmt.Errorf("%w: --database-pool-size: %d is not between 0 and 10000", errUsage, c.poolSize)
 	}
 	if needBrokers && len(c.brokerList()) == 0 {
 		return fmt.Errorf("%w: --brokers (or ONCEFLOW_BROKERS) is required", errUsage)
@@ -287,6 +307,21 @@ func (c *common) connect(ctx context.Context) (*pgxpool.Pool, error) {
 		pool.Close()
 		cfg := pool.Config().ConnConfig
 		return nil, fmt.Errorf("connect to database %s@%s:%d/%s: %w", cfg.User, cfg.Host, cfg.Port, cfg.Database, err)
+	}
+	return pool, nil
+}
+
+// connectMigrated is connect for the commands that read onceflow's tables:
+// a schema missing a migration (never migrated: a typo in the schema's name)
+// is said so, with what to run, rather than as a missing relation.
+func (c *common) connectMigrated(ctx context.Context) (*pgxpool.Pool, error) {
+	pool, err := c.connect(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if err := migrations.Check(ctx, pool, c.schema); err != nil {
+		pool.Close()
+		return nil, err
 	}
 	return pool, nil
 }

@@ -71,6 +71,12 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	if *checkEvery <= 0 {
 		return fmt.Errorf("%w: --kafka-check-interval: %s is not positive", errUsage, *checkEvery)
 	}
+	if *httpAddr != "" {
+		// Malformed is bad input; a port in use is found at listen (exit 1).
+		if _, _, err := net.SplitHostPort(*httpAddr); err != nil {
+			return fmt.Errorf("%w: --http-addr: %q is not host:port (e.g. :9090): %v", errUsage, *httpAddr, err)
+		}
+	}
 	log, _ := c.logger(stderr)
 
 	pool, err := c.open(ctx)

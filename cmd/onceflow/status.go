@@ -18,7 +18,7 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	if err := c.parse(fs, args, false); err != nil {
 		return err
 	}
-	pool, err := c.connect(ctx)
+	pool, err := c.connectMigrated(ctx)
 	if err != nil {
 		return err
 	}
