@@ -287,3 +287,46 @@ WHERE n.nspname = $1 AND ty.typname = 'outbox_headers'`, schema).Scan(&def); err
 		t.Fatalf("after reverting migration 7 the headers check is\n%s\nwant version 6's\n%s", got, want)
 	}
 }
+
+// Rows that version 6's lax check let through (a header whose value is an
+// array) are rewritten by migration 7 into the one header the relay
+// publishes for headers it cannot read, "onceflow-bad-headers", holding
+// the JSON: PostgreSQL checks a table's CHECK again on every UPDATE, so
+// left as they were they failed the relay's own updates (its failure and
+// crash charges: a relay that died with one in flight stopped every other
+// relay's start), and a dead one could not be replayed.
+func TestStrictHeadersRewriteTheRowsTheLaxCheckLetThrough(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t)
+	schema := pgtest.EmptySchema(t)
+	upTo(t, schema, strictHeadersVersion-1)
+	outbox, dead := pgx.Identifier{schema, "outbox"}.Sanitize(), pgx.Identifier{schema, "outbox_dead"}.Sanitize()
+	for _, stmt := range []string{
+		`INSERT INTO ` + outbox + ` (topic, headers) VALUES ('t', '{"type":"created","tags":["a"]}'), ('t', '{"a":"b"}'), ('t', NULL)`,
+		`INSERT INTO ` + dead + ` (outbox_id, event_id, topic, headers, created_at, error, attempts) VALUES (1, gen_random_uuid(), 't', '{"a":[]}', now(), 'x', 1)`,
+	} {
+		if _, err := pool.Exec(ctx, stmt); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := migrations.Up(ctx, pool, schema); err != nil {
+		t.Fatal(err)
+	}
+	rows, _ := pool.Query(ctx, `SELECT coalesce(headers::text, 'NULL') FROM `+outbox+` ORDER BY id`)
+	got, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []string{`{"onceflow-bad-headers": "{\"tags\": [\"a\"], \"type\": \"created\"}"}`, `{"a": "b"}`, `NULL`}
+	if !slices.Equal(got, want) {
+		t.Fatalf("outbox headers after migration 7:\n got %q\nwant %q", got, want)
+	}
+	// The relay's updates of those rows, and a replay of the dead one.
+	if _, err := pool.Exec(ctx, `UPDATE `+outbox+` SET attempts = attempts + 1`); err != nil {
+		t.Fatalf("an update of the pending rows: %v", err)
+	}
+	if _, err := pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, headers) SELECT topic, headers FROM `+dead); err != nil {
+		t.Fatalf("a replay of the dead row: %v", err)
+	}
+}
