@@ -29,9 +29,9 @@ func Latest() int {
 // version 0 means every migration, in order, as one script; otherwise only
 // that version's step. With down, the step's revert (which unrecords it);
 // down needs a version, and its script is one transaction that first
-// checks the schema holds that step, with the schema alone on its
-// search_path: applied to the wrong schema, or twice, it fails whole and
-// drops nothing.
+// checks the schema holds that step as its newest, with the schema alone on
+// its search_path: applied to the wrong schema, twice, or beneath a newer
+// step, it fails whole and drops nothing.
 func Script(schema string, version int, down bool) (string, error) {
 	if err := ValidateSchema(schema); err != nil {
 		return "", fmt.Errorf("migrations: %w", err)
@@ -77,8 +77,11 @@ func Script(schema string, version int, down bool) (string, error) {
     IF NOT EXISTS (SELECT FROM schema_migrations WHERE version = %d) THEN
         RAISE EXCEPTION 'onceflow: migration %d is not applied in schema %%', current_schema();
     END IF;
+    IF EXISTS (SELECT FROM schema_migrations WHERE version > %d) THEN
+        RAISE EXCEPTION 'onceflow: schema %% holds migrations newer than %d: revert those first, newest first', current_schema();
+    END IF;
 END $onceflow$;
-`, version, version)
+`, version, version, version, version)
 	} else {
 		fmt.Fprintf(&b, "CREATE SCHEMA IF NOT EXISTS %s;\n", ident)
 		// public stays on the path for gen_random_uuid and extensions.
