@@ -378,8 +378,16 @@ func inLockedTx(ctx context.Context, db Beginner, schema string, create bool, fn
 		}
 		done := map[int]time.Time{}
 		if create {
-			if _, err := tx.Exec(ctx, versionTableSQL); err != nil {
-				return fmt.Errorf("migrations: create version table: %w", err)
+			// Only when it is missing, as the schema: IF NOT EXISTS checks
+			// the privilege to create first.
+			var exists bool
+			if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, pgx.Identifier{schema, "schema_migrations"}.Sanitize()).Scan(&exists); err != nil {
+				return fmt.Errorf("migrations: look up version table: %w", err)
+			}
+			if !exists {
+				if _, err := tx.Exec(ctx, versionTableSQL); err != nil {
+					return fmt.Errorf("migrations: create version table: %w", err)
+				}
 			}
 		} else {
 			var exists bool
