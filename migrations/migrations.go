@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io/fs"
 	"path"
+	"regexp"
 	"sort"
 	"strconv"
 	"strings"
@@ -173,9 +174,9 @@ func (e *DataLossError) Error() string {
 		strings.Join(parts, ", "), pgx.Identifier{e.Schema}.Sanitize())
 }
 
-func down(ctx context.Context, db Beginner, schema string, steps int, force bool) ([]int, error) {
-	if steps < 1 {
-		return nil, fmt.Errorf("migrations: steps must be at least 1, got %d", steps)
+func down(ctx context.Context, db Beginner, schema string, stepCount int, force bool) ([]int, error) {
+	if stepCount < 1 {
+		return nil, fmt.Errorf("migrations: steps must be at least 1, got %d", stepCount)
 	}
 	all, err := All()
 	if err != nil {
@@ -189,11 +190,24 @@ func down(ctx context.Context, db Beginner, schema string, steps int, force bool
 			return fmt.Errorf("migrations: schema %s holds migration %v, which this onceflow does not know (a newer one applied it): revert with that version's onceflow",
 				pgx.Identifier{schema}.Sanitize(), unknown)
 		}
-		// Rows held by each data table, before anything is dropped. Each is
-		// locked first, so that a producer's transaction that commits while
-		// Down waits is counted, not dropped with its table.
+		// The steps to revert, newest first.
+		var steps []Migration
+		for i := len(all) - 1; i >= 0 && len(steps) < stepCount; i-- {
+			if _, ok := done[all[i].Version]; ok {
+				steps = append(steps, all[i])
+			}
+		}
+		// Rows held by each data table those steps drop, before anything
+		// is dropped. Each is locked first, so that a producer's
+		// transaction that commits while Down waits is counted, not
+		// dropped with its table; the others are left alone (a step that
+		// drops none waits for no writer and holds none off).
+		dropped := droppedTables(steps)
 		held := map[string]int64{}
 		for _, table := range dataTables {
+			if !dropped[table] {
+				continue
+			}
 			var exists bool
 			if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, pgx.Identifier{schema, table}.Sanitize()).Scan(&exists); err != nil {
 				return fmt.Errorf("migrations: look up %s: %w", table, err)
@@ -214,11 +228,7 @@ func down(ctx context.Context, db Beginner, schema string, steps int, force bool
 				held[table] = n
 			}
 		}
-		for i := len(all) - 1; i >= 0 && len(reverted) < steps; i-- {
-			m := all[i]
-			if _, ok := done[m.Version]; !ok {
-				continue
-			}
+		for _, m := range steps {
 			if _, err := tx.Exec(ctx, m.Down); err != nil {
 				return fmt.Errorf("migrations: revert %04d_%s: %w", m.Version, m.Name, err)
 			}
@@ -247,6 +257,20 @@ func down(ctx context.Context, db Beginner, schema string, steps int, force bool
 		return nil
 	})
 	return reverted, err
+}
+
+// dropTable finds the tables a migration's revert drops.
+var dropTable = regexp.MustCompile(`(?i)DROP\s+TABLE\s+(?:IF\s+EXISTS\s+)?([a-z_]+)`)
+
+// droppedTables returns the tables the reverts of steps drop.
+func droppedTables(steps []Migration) map[string]bool {
+	out := map[string]bool{}
+	for _, m := range steps {
+		for _, match := range dropTable.FindAllStringSubmatch(m.Down, -1) {
+			out[match[1]] = true
+		}
+	}
+	return out
 }
 
 // unknownVersions returns the versions applied (done) that are not among

@@ -254,3 +254,33 @@ func TestDownRefusesASchemaWithAVersionItDoesNotKnow(t *testing.T) {
 		}
 	}
 }
+
+// Down locks only the data tables its steps would drop: reverting a step
+// that changes no table (7 changes a domain) does not wait for, nor hold
+// off, the transactions writing events and dedup records. It locked all
+// four, so it waited behind an open consumer transaction while producers
+// queued behind it, and deadlocked with one that wrote both tables.
+func TestDownLocksOnlyTheTablesItWouldDrop(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t)
+	schema := pgtest.Schema(t)
+	writer, err := pgtest.Conn(t).Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = writer.Rollback(ctx) }()
+	for _, stmt := range []string{
+		`INSERT INTO ` + pgx.Identifier{schema, "processed_messages"}.Sanitize() + ` (consumer, message_id) VALUES ('c', 'm')`,
+		`INSERT INTO ` + pgx.Identifier{schema, "outbox"}.Sanitize() + ` (topic) VALUES ('t')`,
+	} {
+		if _, err := writer.Exec(ctx, stmt); err != nil {
+			t.Fatal(err)
+		}
+	}
+	quick, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	if reverted, err := migrations.Down(quick, pool, schema, 1); err != nil || len(reverted) != 1 || reverted[0] != migrations.Latest() {
+		t.Fatalf("Down of the newest step beside an open writer: reverted %v, err %v", reverted, err)
+	}
+}
