@@ -108,6 +108,13 @@ func runDead(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		// The printed events are the only copy left: the delete commits
 		// only once they are written, and a failed write rolls it back.
 		return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			// A stdout that blocks (a pipe nobody reads) must not keep the
+			// transaction, its row locks and the vacuum horizon, for long:
+			// past this the server ends it and nothing is discarded.
+			if _, err := tx.Exec(ctx, `SELECT set_config('idle_in_transaction_session_timeout', $1, true)`,
+				strconv.FormatInt(discardWriteTimeout.Milliseconds(), 10)); err != nil {
+				return err
+			}
 			gone, err := relay.DiscardDead(ctx, tx, c.schema, idList)
 			if err != nil {
 				return err
@@ -137,6 +144,10 @@ func runDead(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		})
 	}
 }
+
+// discardWriteTimeout is how long dead discard's transaction may wait for
+// its copy to be written.
+var discardWriteTimeout = 10 * time.Second
 
 // parseIDs reads --ids; with all (only allowed when the flag set has --all)
 // it returns nil, meaning every dead event. A blank list is an error: only

@@ -179,3 +179,26 @@ func TestDeadDiscardKeepsTheEventsWhenTheCopyCannotBeWritten(t *testing.T) {
 		}
 	}
 }
+
+// slowWriter takes its time over each write, as a stdout piped into a
+// reader that does not read does.
+type slowWriter struct{ d time.Duration }
+
+func (w slowWriter) Write(p []byte) (int, error) { time.Sleep(w.d); return len(p), nil }
+
+// dead discard does not hold its transaction (row locks, the vacuum
+// horizon) open for as long as its stdout blocks: past
+// discardWriteTimeout the server ends it and nothing is discarded.
+func TestDeadDiscardDoesNotWaitOnABlockedStdoutForever(t *testing.T) {
+	schema, flags := deadSetup(t, 1)
+	defer func(d time.Duration) { discardWriteTimeout = d }(discardWriteTimeout)
+	discardWriteTimeout = 200 * time.Millisecond
+	var errOut bytes.Buffer
+	err := run(context.Background(), append([]string{"dead", "discard", "--ids", "1"}, flags...), slowWriter{time.Second}, &errOut)
+	if err == nil {
+		t.Fatal("discard succeeded though its transaction sat idle past the timeout")
+	}
+	if n := count(t, schema, "outbox_dead"); n != 1 {
+		t.Fatalf("%d dead events left, want 1: nothing discarded", n)
+	}
+}
