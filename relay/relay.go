@@ -618,6 +618,11 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 	pubCtx, cancelPub := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.PublishTimeout)
 	defer cancelPub()
 	stopWatch := context.AfterFunc(ctx, func() {
+		var inUse *InstanceInUseError
+		if errors.As(context.Cause(ctx), &inUse) {
+			cancelPub() // another process has this relay's id: stop at once
+			return
+		}
 		t := time.NewTimer(stopGrace)
 		defer t.Stop()
 		select {

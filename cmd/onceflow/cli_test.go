@@ -119,6 +119,7 @@ func TestBadFlagsAreOneLine(t *testing.T) {
 		"pool size negative":  {"status", "--database-url", url, "--database-pool-size", "-1"},
 		"relay pool negative": {"relay", "--database-url", url, "--brokers", "127.0.0.1:1", "--database-pool-size", "-1"},
 		"http addr no port":   {"relay", "--database-url", url, "--brokers", "127.0.0.1:1", "--http-addr", "bogus"},
+		"http port too high":  {"relay", "--database-url", url, "--brokers", "127.0.0.1:1", "--http-addr", ":99999"},
 		"migrate bad flag":    {"migrate", "up", "--nope"},
 		"print bad flag":      {"migrate", "print", "--nope"},
 	}

@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"strconv"
 	"strings"
 	"time"
 
@@ -73,8 +74,12 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	}
 	if *httpAddr != "" {
 		// Malformed is bad input; a port in use is found at listen (exit 1).
-		if _, _, err := net.SplitHostPort(*httpAddr); err != nil {
+		_, port, err := net.SplitHostPort(*httpAddr)
+		if err != nil {
 			return fmt.Errorf("%w: --http-addr: %q is not host:port (e.g. :9090): %v", errUsage, *httpAddr, err)
+		}
+		if n, err := strconv.Atoi(port); err == nil && (n < 0 || n > 65535) {
+			return fmt.Errorf("%w: --http-addr: port %d is not between 0 and 65535", errUsage, n)
 		}
 	}
 	log, _ := c.logger(stderr)
