@@ -65,7 +65,7 @@ func Script(schema string, version int, down bool) (string, error) {
 		// never reach public's tables of the same names (a mistyped
 		// schema, a step reverted twice), and psql, which goes on after an
 		// error, must not run the steps after a failed one. The guard
-		// fails unless the schema exists and holds this step.
+		// fails unless the schema exists and holds this step as its newest.
 		b.WriteString("BEGIN;\n")
 		fmt.Fprintf(&b, "SET LOCAL search_path TO %s;\n", ident)
 		// The body names no schema (search_path does), so no name can
