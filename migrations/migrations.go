@@ -376,18 +376,18 @@ func inLockedTx(ctx context.Context, db Beginner, schema string, create bool, fn
 			return fmt.Errorf("migrations: take lock: %w", err)
 		}
 		ident := pgx.Identifier{schema}.Sanitize()
-		if create {
-			// Only when it is missing: PostgreSQL checks the privilege to
-			// create a schema (which a service role that owns its schema
-			// often lacks) before IF NOT EXISTS looks.
-			var exists bool
-			if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)`, schema).Scan(&exists); err != nil {
-				return fmt.Errorf("migrations: look up schema %s: %w", ident, err)
-			}
-			if !exists {
-				if _, err := tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+ident); err != nil {
-					return fmt.Errorf("migrations: create schema %s: %w", ident, err)
-				}
+		// What exists decides what is created: only what is missing, since
+		// PostgreSQL checks the privilege to create a schema or a table
+		// (which a service role using its schema often lacks) before IF
+		// NOT EXISTS looks.
+		var hasSchema, hasVersions bool
+		if err := tx.QueryRow(ctx, `SELECT to_regnamespace($1) IS NOT NULL, to_regclass($2) IS NOT NULL`,
+			ident, pgx.Identifier{schema, "schema_migrations"}.Sanitize()).Scan(&hasSchema, &hasVersions); err != nil {
+			return fmt.Errorf("migrations: look up schema %s: %w", ident, err)
+		}
+		if create && !hasSchema {
+			if _, err := tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+ident); err != nil {
+				return fmt.Errorf("migrations: create schema %s: %w", ident, err)
 			}
 		}
 		// public stays on the path for gen_random_uuid and extensions, but
@@ -401,25 +401,12 @@ func inLockedTx(ctx context.Context, db Beginner, schema string, create bool, fn
 			return fmt.Errorf("migrations: set search_path: %w", err)
 		}
 		done := map[int]time.Time{}
-		if create {
-			// Only when it is missing, as the schema: IF NOT EXISTS checks
-			// the privilege to create first.
-			var exists bool
-			if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, pgx.Identifier{schema, "schema_migrations"}.Sanitize()).Scan(&exists); err != nil {
-				return fmt.Errorf("migrations: look up version table: %w", err)
-			}
-			if !exists {
-				if _, err := tx.Exec(ctx, versionTableSQL); err != nil {
-					return fmt.Errorf("migrations: create version table: %w", err)
-				}
-			}
-		} else {
-			var exists bool
-			if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, pgx.Identifier{schema, "schema_migrations"}.Sanitize()).Scan(&exists); err != nil {
-				return fmt.Errorf("migrations: look up version table: %w", err)
-			}
-			if !exists {
+		if !hasVersions {
+			if !create {
 				return fn(tx, done)
+			}
+			if _, err := tx.Exec(ctx, versionTableSQL); err != nil {
+				return fmt.Errorf("migrations: create version table: %w", err)
 			}
 		}
 		rows, err := tx.Query(ctx, `SELECT version, applied_at FROM schema_migrations`)
