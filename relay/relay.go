@@ -83,6 +83,7 @@ type Relay struct {
 	finishingIDs    []int64
 	finishingFailed map[string]bool
 	stopRun         func(error) // ends Run (its context) with a cause
+	stmtLoss        statementLoss
 	// sideDone delivers the side retry in flight, nil if none (sideretry.go).
 	sideDone chan sideResult
 	sideSQL  string
@@ -179,7 +180,10 @@ func (r *Relay) LastLoop() time.Time {
 // or later if this relay's lease lapsed and another process took the id:
 // then it stops publishing at once and hands nothing back). Later database
 // and broker failures are logged and retried: events are never lost or
-// dead-lettered because of them.
+// dead-lettered because of them. The one exception: a pool whose server
+// connections do not keep the statements pgx prepares on them (a pooler in
+// transaction mode, without default_query_exec_mode=exec) ends the run
+// with an error wrapping ErrPreparedStatementsLost, as a stop does.
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.ran.CompareAndSwap(false, true) {
 		return errors.New("relay: Run called twice")
@@ -212,6 +216,10 @@ func (r *Relay) Run(ctx context.Context) error {
 		// The shards and the instance row are the other process's now.
 		return inUse
 	}
+	var stopErr error
+	if cause := context.Cause(ctx); errors.Is(cause, ErrPreparedStatementsLost) {
+		stopErr = cause
+	}
 	release, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	if err := r.leases.releaseAll(release); err != nil {
@@ -219,7 +227,7 @@ func (r *Relay) Run(ctx context.Context) error {
 		r.log.Warn("relay: hand back shards at shutdown", "error", err)
 	}
 	r.log.Info("relay stopped")
-	return nil
+	return stopErr
 }
 
 // start takes the instance id and the first shards. The database answered
@@ -254,6 +262,9 @@ func (r *Relay) start(ctx context.Context) error {
 		case ctx.Err() != nil:
 			return fmt.Errorf("relay: first lease round: %w", err)
 		default:
+			if stop := r.stmtLoss.note(err, time.Now()); stop != nil {
+				return stop
+			}
 			r.log.Warn("relay: first lease round failed; retrying", "error", err)
 		}
 		sleep(ctx, min(bo.NextBackOff(), r.leases.interval()))
@@ -262,12 +273,18 @@ func (r *Relay) start(ctx context.Context) error {
 
 func (r *Relay) checkSchema(ctx context.Context) error {
 	if err := migrations.Check(ctx, r.pool, r.cfg.Schema); err != nil {
+		if isStatementLoss(err) {
+			return fmt.Errorf("%w (the last: %w)", ErrPreparedStatementsLost, err)
+		}
 		return fmt.Errorf("relay: %w", err)
 	}
 	// The probe reads the sequence behind outbox.id (quoted by the server).
 	table := pgx.Identifier{r.cfg.Schema, "outbox"}.Sanitize()
 	var seq *string
 	if err := r.pool.QueryRow(ctx, `SELECT pg_get_serial_sequence($1, 'id')`, table).Scan(&seq); err != nil {
+		if isStatementLoss(err) {
+			return fmt.Errorf("%w (the last: %w)", ErrPreparedStatementsLost, err)
+		}
 		return fmt.Errorf("relay: find the id sequence of %s: %w", table, err)
 	}
 	if seq == nil {
@@ -307,6 +324,7 @@ func (r *Relay) leaseLoop(ctx context.Context) {
 		case err != nil:
 			failing = true
 			r.log.Warn("relay: lease upkeep failed; shards lapse unless it recovers", "error", err)
+			r.noteDBError(err)
 			if lost := r.leases.lapse(); lost > 0 {
 				r.log.Warn("relay: shard leases lapsed; publishing paused until the database answers", "shards", lost)
 			}
@@ -351,6 +369,7 @@ func (r *Relay) publishLoop(ctx context.Context) {
 		case err != nil && ctx.Err() == nil:
 			wait := r.roundBackoff.NextBackOff()
 			r.log.Warn("relay: publish round failed", "error", err, "backoff", wait)
+			r.noteDBError(err)
 			sleep(ctx, wait)
 		case res.claimed > res.held && res.acked == 0 && res.dead == 0 && res.failedKeys > 1:
 			// Everything failed, for more than one key: the broker is
@@ -449,6 +468,7 @@ func (r *Relay) probe(ctx context.Context) bool {
 	var v int64
 	var visible bool
 	if err := r.pool.QueryRow(ctx, r.st.probeSQL).Scan(&v, &visible); err != nil {
+		r.noteDBError(err)
 		return false
 	}
 	r.lastVisible = visible
@@ -748,6 +768,7 @@ func (r *Relay) record(ctx context.Context, start time.Time, o outcome, shards [
 		stats.Published, stats.NotDeleted = 0, 0
 		r.log.Warn("relay: events were published but their outcome could not be recorded; they will be published again",
 			"events", len(acked), "error", err)
+		r.noteDBError(err)
 	}
 	r.cfg.Observer.ObserveBatch(stats)
 	if stats.NotDeleted > 0 {
@@ -906,6 +927,7 @@ func (r *Relay) graceOver(e *pendingEvent, kind refusal) bool {
 func (r *Relay) forgetRound(ctx context.Context, round roundKey) {
 	if _, err := r.pool.Exec(context.WithoutCancel(ctx), r.st.landedSQL, r.cfg.InstanceID, round.lo, round.hi); err != nil {
 		r.log.Warn("relay: forget an unsent round", "error", err)
+		r.noteDBError(err)
 	}
 }
 

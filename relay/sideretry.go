@@ -91,6 +91,7 @@ func (r *Relay) startSideRetry(ctx context.Context) {
 	if err != nil {
 		if ctx.Err() == nil {
 			r.log.Warn("relay: read events to retry", "error", err)
+			r.noteDBError(err)
 		}
 		return // tried again next time round
 	}
@@ -112,6 +113,7 @@ func (r *Relay) startSideRetry(ctx context.Context) {
 	if _, err := r.pool.Exec(ctx, r.st.markSQL, r.cfg.InstanceID, round.lo, round.hi, shards); err != nil {
 		if ctx.Err() == nil {
 			r.log.Warn("relay: record a retry in flight", "error", err)
+			r.noteDBError(err)
 		}
 		return
 	}
