@@ -72,12 +72,18 @@ func heldBack(blocked []keyBlock) map[string]int64 {
 }
 
 // rotate returns segs (in key-hash order) starting at the key hash from,
-// wrapping around: the range holding from is split there.
+// wrapping around: the range holding from is split there. Where none is
+// split (no from, or from where a segment starts), an empty range goes
+// last: the shard's read has one segment more than segs either way, so
+// claimBlockedQuery's text (prepared and planned per pool connection)
+// does not change as the sweep moves.
 func rotate(segs []segment, from []byte) []segment {
+	empty := segment{lo: segs[0].at(), hi: segs[0].at()}
 	if from == nil {
-		return segs
+		return append(slices.Clip(segs), empty)
 	}
 	var after, before []segment
+	split := false
 	for _, g := range segs {
 		switch {
 		case bytes.Compare(g.at(), from) >= 0:
@@ -87,7 +93,11 @@ func rotate(segs []segment, from []byte) []segment {
 		default: // lo < from < hi
 			after = append(after, segment{lo: from, hi: g.hi})
 			before = append(before, segment{lo: g.lo, hi: from})
+			split = true
 		}
+	}
+	if !split {
+		before = append(before, empty)
 	}
 	// A segment starting at from goes first even if it is the blocked hash.
 	return append(after, before...)
@@ -122,12 +132,14 @@ func heldFirst(segs []segment) []segment {
 // read the range whole and sort it): a key stuck with 300,000 events is never
 // walked, and neither are the other events of its shard beyond the round.
 // Each key's events come in id order, so the events read of each key are a
-// prefix of its pending ones, whatever the cut. Ranges and ids are
-// parameters ($35 on): they change as the sweep moves, and a text per claim would be
-// prepared (and planned) per claim; with bitmap scans off, the plan is an
-// ordered index scan per range whatever the estimates. The excluded ids
-// are $1 to $33 (notExcluded), left for the caller to set. The key-hash
-// ranges read only ids below $34 (below): the floor's base beside a floor
+// prefix of its pending ones, whatever the cut. Ranges, ids and the limit
+// are parameters (after below): they change as the sweep moves and as the
+// rounds fill (store.claimStatements), and a text per claim would be
+// prepared (and planned) per claim and pool connection; with bitmap scans
+// off, the plan is an ordered index scan per range whatever the estimates.
+// The excluded ids come first (notExcluded's, 1+2*claimFloorSkips of
+// them), left for the caller to set. The key-hash ranges read only ids
+// below the next parameter (below): the floor's base beside a floor
 // read, which reads these shards' other keys from the floor up with the
 // free shards (see mergeBlocked), else the largest bigint. A blocked key's
 // events before its held-back id are read whatever their id, and come
@@ -136,9 +148,10 @@ func heldFirst(segs []segment) []segment {
 // base, in its shard or another.
 func claimBlockedQuery(outbox string, shards [][]segment, limit int, below int64) (string, []any) {
 	var b strings.Builder
-	// $1 to $33: the excluded ids, set by the caller (blockedExcluded).
+	// The excluded ids, set by the caller (blockedExcluded), then below.
 	args := make([]any, 1+2*claimFloorSkips, 2+2*claimFloorSkips+4*len(shards))
-	args = append(args, below) // $34
+	args = append(args, below, limit)
+	belowParam, limitParam := len(args)-1, len(args)
 	param := func(v any) int {
 		args = append(args, v)
 		return len(args)
@@ -159,12 +172,12 @@ UNION ALL `)
 			}
 			if g.eq != nil {
 				shardHeld++
-				fmt.Fprintf(&b, `(SELECT `+claimColumns+`, true AS held FROM %s o WHERE `+keyHashSQL+` = $%d::bytea AND o.id < $%d::bigint AND `+notExcluded+` ORDER BY `+keyHashSQL+`, o.id LIMIT %d)`, outbox, param(g.eq), param(g.before), limit)
+				fmt.Fprintf(&b, `(SELECT `+claimColumns+`, true AS held FROM %s o WHERE `+keyHashSQL+` = $%d::bytea AND o.id < $%d::bigint AND `+notExcluded+` ORDER BY `+keyHashSQL+`, o.id LIMIT $%d::bigint)`, outbox, param(g.eq), param(g.before), limitParam)
 			} else {
-				fmt.Fprintf(&b, `(SELECT `+claimColumns+`, false AS held FROM %s o WHERE `+keyHashSQL+` >= $%d::bytea AND `+keyHashSQL+` < $%d::bytea AND o.id < $34::bigint AND `+notExcluded+` ORDER BY `+keyHashSQL+`, o.id LIMIT %d)`, outbox, param(g.lo), param(g.hi), limit)
+				fmt.Fprintf(&b, `(SELECT `+claimColumns+`, false AS held FROM %s o WHERE `+keyHashSQL+` >= $%d::bytea AND `+keyHashSQL+` < $%d::bytea AND o.id < $%d::bigint AND `+notExcluded+` ORDER BY `+keyHashSQL+`, o.id LIMIT $%d::bigint)`, outbox, param(g.lo), param(g.hi), belowParam, limitParam)
 			}
 		}
-		fmt.Fprintf(&b, `) AS s LIMIT %d)`, limit+shardHeld)
+		fmt.Fprintf(&b, `) AS s LIMIT $%d::bigint + %d)`, limitParam, shardHeld)
 		held += shardHeld
 	}
 	// The blocked keys' own events first: the limit across the shards
@@ -176,12 +189,12 @@ UNION ALL `)
 	fmt.Fprintf(&b, `
 ) AS m
 ORDER BY m.held DESC, m.id
-LIMIT %d`, limit+held)
+LIMIT $%d::bigint + %d`, limitParam, held)
 	return b.String(), args
 }
 
 // notExcluded leaves out the excluded ids inside each key-hash range,
-// before its limit: the runs of them skipRuns found ($2 to $33: lowest and
+// before its limit: the runs of them skipRuns found ($2 on: lowest and
 // highest id each, an empty range where there are fewer runs) by
 // comparison, the rest ($1) by a hashed subplan per range (a few per
 // blocked shard).

@@ -178,11 +178,29 @@ LIMIT %d`, 2*limit, n, n+1, n+2, limit)
 
 // claimFloorSkips is the most runs of excluded ids claimFloorQuery steps
 // over, and claimFloorSkipMin the fewest ids in such a run: shorter ones
-// are walked and dropped.
+// are walked and dropped. A floor read always steps over claimFloorSkips
+// runs (padRuns), so a pool connection prepares and plans one floor-read
+// text, not one per count of runs: the first floor reads beside a newly
+// blocked key met 0, 5, 1, 5 and 3 runs, and each new text cost 1-2 ms of
+// parsing and planning per connection on the drain's critical path. An
+// empty run costs its read a descent of the primary key (4-20 µs in a
+// 900 µs read).
 const (
-	claimFloorSkips   = 16
+	claimFloorSkips   = 4
 	claimFloorSkipMin = 16
 )
+
+// padRuns returns runs (in id order, at most claimFloorSkips) padded to
+// claimFloorSkips with empty runs above every id: a run from the largest
+// bigint down to one below it, whose branches of claimFloorQuery read what
+// one branch above the last real run would (the ids up to the largest
+// bigint, then ids above it: none).
+func padRuns(runs [][2]int64) [][2]int64 {
+	for len(runs) < claimFloorSkips {
+		runs = append(runs, [2]int64{math.MaxInt64, math.MaxInt64 - 1})
+	}
+	return runs
+}
 
 // skipRuns returns the runs of consecutive ids in excluded (sorted in
 // place) that claimFloorQuery steps over, as lowest and highest id each, in
@@ -191,10 +209,10 @@ const (
 // their NOT IN. A NOT IN's hash is built per index range read (one more
 // than the runs for the floor read, one per key-hash range for a blocked
 // shard's read): on the 2,000 ids of a read-ahead's rounds, 4 ms a claim
-// for a blocked shard's read of 64 events. Up to 16 runs: the rounds in
-// flight beside a blocked key are one run, but may be split where a round
-// left out a blocked shard's events (the first floor read of a run, a
-// key-hash read at its limit, a round bound by bytes in SQL).
+// for a blocked shard's read of 64 events. Up to claimFloorSkips runs: the
+// rounds in flight beside a blocked key are one run, but may be split where
+// a round left out a blocked shard's events (the first floor read of a run,
+// a key-hash read at its limit, a round bound by bytes in SQL).
 func skipRuns(excluded []int64) (runs [][2]int64, rest []int64) {
 	slices.Sort(excluded)
 	for i := 0; i < len(excluded); {

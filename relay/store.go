@@ -59,18 +59,18 @@ type store struct {
 	claimLimit     int
 	claimFreeSQL   string // many free shards (claimFreeQuery), for claimFreeLimit
 	claimFreeLimit int
-	claimFloorSQL  [claimFloorSkips + 1]string // nearly every shard free (claimFloorQuery, by runs stepped over), for claimFreeLimit
-	floorFrom      []int64                     // see floorBase
-	floorFromAll   bool                        // floorFrom holds claimAll reads' ids (floorShape)
-	proof          floorProof                  // see floorProof
-	proving        *proving                    // a floor proof under way
-	proofWait      int                         // floor reads before another proof may start
-	seqChecked     bool                        // proofSequence ran
-	seqName        string                      // the outbox's id sequence (quoted), "" if none
-	dbOID          uint32                      // the database's oid (pg_locks.database)
-	floorOff       int                         // claims left before claimFloorQuery is tried again
-	exactOff       int                         // claims left before claimAllQuery is guarded again (guardBytes)
-	freeK          map[int16]int               // see freeKs
+	claimFloorSQL  string        // nearly every shard free (claimFloorQuery), for claimFreeLimit
+	floorFrom      []int64       // see floorBase
+	floorFromAll   bool          // floorFrom holds claimAll reads' ids (floorShape)
+	proof          floorProof    // see floorProof
+	proving        *proving      // a floor proof under way
+	proofWait      int           // floor reads before another proof may start
+	seqChecked     bool          // proofSequence ran
+	seqName        string        // the outbox's id sequence (quoted), "" if none
+	dbOID          uint32        // the database's oid (pg_locks.database)
+	floorOff       int           // claims left before claimFloorQuery is tried again
+	exactOff       int           // claims left before claimAllQuery is guarded again (guardBytes)
+	freeK          map[int16]int // see freeKs
 	// sweep is, per shard holding blocked keys, the key hash its next read
 	// starts from (nil: the shard's start); see claimBlockedQuery.
 	sweep            map[int16][]byte
@@ -651,9 +651,7 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 	case len(free) > claimFreeMin:
 		if limit != s.claimFreeLimit || s.claimFreeSQL == "" {
 			s.claimFreeSQL = claimFreeQuery(s.outbox, limit)
-			for i := range s.claimFloorSQL {
-				s.claimFloorSQL[i] = claimFloorQuery(s.outbox, limit, i)
-			}
+			s.claimFloorSQL = claimFloorQuery(s.outbox, limit, claimFloorSkips)
 			s.claimFreeLimit = limit
 		}
 		free := slices.Clone(free)
@@ -675,14 +673,15 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 				}
 			}
 			args := []any{descend, notRead, rest, base}
-			for _, r := range runs {
+			padded := padRuns(slices.Clone(runs))
+			for _, r := range padded {
 				args = append(args, r[0], r[1])
 			}
 			args = append(args, append([]int16{}, blockedShards...), hashes, froms)
 			if withBlocked {
 				below, besideFloor = base, true
 			}
-			out = append(out, statement{sql: s.claimFloorSQL[len(runs)], args: args, short: &shares, floor: true, guard: true})
+			out = append(out, statement{sql: s.claimFloorSQL, args: args, short: &shares, floor: true, guard: true})
 		} else {
 			shares.guard = true
 			out = append(out, shares)

@@ -109,7 +109,9 @@ func TestClaimSweepsABlockedShardByKeyHashWithoutStarvingAKey(t *testing.T) {
 }
 
 // rotate starts a shard's segments at the sweep position, splitting the
-// range that holds it, and keeps every segment exactly once.
+// range that holds it, and keeps every segment exactly once; where it
+// splits none, an empty range takes the split's place, so the shard's
+// read keeps one text as the sweep moves.
 func TestRotateSplitsTheRangeHoldingTheSweepPosition(t *testing.T) {
 	t.Parallel()
 	segs := blockedSegments([]keyBlock{{key: []byte("stuck"), firstID: 10}})
@@ -123,8 +125,14 @@ func TestRotateSplitsTheRangeHoldingTheSweepPosition(t *testing.T) {
 	if len(got) != 4 || !bytes.Equal(got[0].lo, below) || !bytes.Equal(got[3].hi, below) || got[1].eq == nil {
 		t.Fatalf("rotate at %x: %+v", below, got)
 	}
-	if got := rotate(segs[sh], h); got[0].eq == nil || len(got) != 3 {
-		t.Fatalf("rotate at the blocked hash: %+v, want it first", got)
+	for _, from := range [][]byte{h, nil} {
+		got := rotate(segs[sh], from)
+		if len(got) != 4 || (from != nil) != (got[0].eq != nil) {
+			t.Fatalf("rotate at %x: %+v, want four segments, the blocked hash first if from is it", from, got)
+		}
+		if last := got[3]; last.eq != nil || !bytes.Equal(last.lo, last.hi) {
+			t.Fatalf("rotate at %x: %+v, want an empty range last", from, got)
+		}
 	}
 	if sweepOrder([]byte{h[0], 0}, []byte{h[0], 0xff}, []byte{h[0], 0x80}) <= 0 {
 		t.Fatal("a hash before the sweep position must come after one past it")
