@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"fmt"
+	"math"
 	"slices"
 	"testing"
 
@@ -409,4 +410,37 @@ WHERE key <> 'stuck' AND id <> ALL($1::bigint[]) ORDER BY id`, append([]int64{},
 		t.Fatal(err)
 	}
 	return p
+}
+
+// floorBranches covers every id outside the runs exactly once, in
+// claimFloorSkips+1 branches whatever the runs, the unused ones empty.
+func TestFloorBranchesCoverEveryIDOutsideTheRuns(t *testing.T) {
+	t.Parallel()
+	for _, runs := range [][][2]int64{
+		nil,
+		{{10, 20}},
+		{{10, 20}, {21, 30}}, // adjacent: no range between them
+		{{math.MinInt64, 5}, {7, 7}, {100, math.MaxInt64}},
+		{{1, 2}, {4, 5}, {7, 8}, {10, 11}},
+	} {
+		got := floorBranches(runs)
+		if len(got) != claimFloorSkips+1 {
+			t.Fatalf("runs %v: %d branches, want %d", runs, len(got), claimFloorSkips+1)
+		}
+		for _, id := range []int64{math.MinInt64, math.MinInt64 + 1, -1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 20, 21, 25, 30, 31, 99, 100, 101, math.MaxInt64 - 1, math.MaxInt64} {
+			inRun := false
+			for _, r := range runs {
+				inRun = inRun || r[0] <= id && id <= r[1]
+			}
+			n := 0
+			for _, b := range got {
+				if b[0] <= id && id <= b[1] {
+					n++
+				}
+			}
+			if want := map[bool]int{true: 0, false: 1}[inRun]; n != want {
+				t.Fatalf("runs %v, branches %v: id %d in %d branches, want %d", runs, got, id, n, want)
+			}
+		}
+	}
 }

@@ -112,12 +112,12 @@ const claimFloorOff = 16
 // one, the base follows the rounds (a proof is renewed every few floor
 // reads), and the read walks past fewer of them.
 //
-// skips is the number of runs of excluded ids (consecutive integers, each
-// wholly excluded: the rounds in flight) the read steps over ($5 on: each
-// run's lowest and highest id) instead of fetching their rows to drop them
-// (two rounds, 2,000 rows, for a read-ahead): the read is one index range
-// of the primary key between each two runs, merged in id order. $3 holds
-// the other excluded ids only (skipRuns).
+// The read steps over runs of excluded ids (consecutive integers, each
+// wholly excluded: the rounds in flight) instead of fetching their rows to
+// drop them (two rounds, 2,000 rows, for a read-ahead): it is branches
+// index ranges of the primary key ($5 on: each range's lowest and highest
+// id, inclusive; floorBranches makes them the ranges between the runs),
+// merged in id order. $3 holds the other excluded ids only (skipRuns).
 //
 // The walk stops after twice the round of rows not excluded: where the
 // dropped rows are denser than that, the read comes short and the claim
@@ -127,42 +127,35 @@ const claimFloorOff = 16
 //
 // The owned shards holding blocked keys are read with the free shards,
 // leaving out only the blocked keys' events from the id each is held back
-// from: the shards at $(5+2*skips), the blocked keys' hashes (keyHashSQL)
+// from: the shards at $(5+2*branches), the blocked keys' hashes (keyHashSQL)
 // and those ids after it. Their other keys' events below the base (at or
 // above the floor) are read by key hash (claimBlockedQuery), and the claim
 // merges the two (mergeBlocked). Where the round's bytes are bound in SQL
 // those shards are in $2 instead and read by key hash alone
 // (claimStatements).
-func claimFloorQuery(outbox string, limit, skips int) string {
+func claimFloorQuery(outbox string, limit, branches int) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, `WITH f AS MATERIALIZED (
     SELECT coalesce(min(f.id), $4::bigint) AS id FROM unnest($1::int2[]) AS s(shard),
         LATERAL (SELECT p.id FROM %s p WHERE p.shard = s.shard AND p.id < $4::bigint ORDER BY p.id LIMIT 1) AS f)
 SELECT id, event_id, topic, key, value, headers, created_at, refused_for, refused_kind, size FROM (
 SELECT * FROM (`, outbox)
-	for i := 0; i <= skips; i++ {
+	for i := range branches {
 		if i > 0 {
 			b.WriteString(`
 UNION ALL `)
 		}
-		cond := ``
-		if i > 0 {
-			cond += fmt.Sprintf(` AND o.id > $%d::bigint`, 4+2*i)
-		}
-		if i < skips {
-			cond += fmt.Sprintf(` AND o.id < $%d::bigint`, 5+2*i)
-		}
 		fmt.Fprintf(&b, `(SELECT `+claimColumns+`, o.shard
 FROM %s o
-WHERE o.id >= (SELECT f.id FROM f)%s
+WHERE o.id >= (SELECT f.id FROM f) AND o.id BETWEEN $%[2]d::bigint AND $%[3]d::bigint AND $%[2]d::bigint <= $%[3]d::bigint
     AND o.id NOT IN (SELECT unnest($3::bigint[]))
 ORDER BY o.id
-LIMIT %d)`, outbox, cond, 2*limit)
+LIMIT %[4]d)`, outbox, 5+2*i, 6+2*i, 2*limit)
 	}
 	// The blocked keys' events from where each is held back on are left
 	// out in a CASE: only for rows of the shards holding them ($n), so the
 	// key's hash is computed for a few rows a round.
-	n := 5 + 2*skips
+	n := 5 + 2*branches
 	fmt.Fprintf(&b, `
 ) AS u
 ORDER BY u.id
@@ -178,28 +171,40 @@ LIMIT %d`, 2*limit, n, n+1, n+2, limit)
 
 // claimFloorSkips is the most runs of excluded ids claimFloorQuery steps
 // over, and claimFloorSkipMin the fewest ids in such a run: shorter ones
-// are walked and dropped. A floor read always steps over claimFloorSkips
-// runs (padRuns), so a pool connection prepares and plans one floor-read
-// text, not one per count of runs: the first floor reads beside a newly
-// blocked key met 0, 5, 1, 5 and 3 runs, and each new text cost 1-2 ms of
-// parsing and planning per connection on the drain's critical path. An
-// empty run costs its read a descent of the primary key (4-20 µs in a
-// 900 µs read).
+// are walked and dropped. A floor read always has claimFloorSkips+1
+// branches (floorBranches), so a pool connection prepares and plans one
+// floor-read text, not one per count of runs: the first floor reads beside
+// a newly blocked key met 0, 5, 1, 5 and 3 runs, and each new text cost
+// 1-2 ms of parsing and planning per connection on the drain's critical
+// path.
 const (
 	claimFloorSkips   = 4
 	claimFloorSkipMin = 16
 )
 
-// padRuns returns runs (in id order, at most claimFloorSkips) padded to
-// claimFloorSkips with empty runs above every id: a run from the largest
-// bigint down to one below it, whose branches of claimFloorQuery read what
-// one branch above the last real run would (the ids up to the largest
-// bigint, then ids above it: none).
-func padRuns(runs [][2]int64) [][2]int64 {
-	for len(runs) < claimFloorSkips {
-		runs = append(runs, [2]int64{math.MaxInt64, math.MaxInt64 - 1})
+// floorBranches returns claimFloorQuery's branches for runs (in id order,
+// disjoint, at most claimFloorSkips): the ranges of ids around them, each
+// inclusive, then empty ranges (1 to 0) up to claimFloorSkips+1. A branch
+// whose bounds are the wrong way round is never run (the query's
+// "$lo <= $hi", a one-time filter above its index scan): an unused branch
+// costs nothing, where an empty range's scan would still descend the
+// primary key (PostgreSQL 15 does not see the contradiction first).
+func floorBranches(runs [][2]int64) [][2]int64 {
+	out := make([][2]int64, 0, claimFloorSkips+1)
+	lo, open := int64(math.MinInt64), true
+	for _, r := range runs {
+		if open && r[0] > lo {
+			out = append(out, [2]int64{lo, r[0] - 1})
+		}
+		lo, open = r[1]+1, r[1] < math.MaxInt64
 	}
-	return runs
+	if open {
+		out = append(out, [2]int64{lo, math.MaxInt64})
+	}
+	for len(out) < claimFloorSkips+1 {
+		out = append(out, [2]int64{1, 0})
+	}
+	return out
 }
 
 // skipRuns returns the runs of consecutive ids in excluded (sorted in

@@ -163,6 +163,15 @@ FROM generate_series(1, 1000000) g`); err != nil {
 					t.Errorf("claim plan lacks %q", g)
 				}
 			}
+			// A floor read's branches the runs in flight leave unused
+			// (floorBranches) are never run.
+			if strings.Contains(text, "CTE f") {
+				runs, _ := skipRuns(slices.Clone(c.excluded))
+				unused := regexp.MustCompile(`Index Scan using outbox_pkey on outbox o\S*\s+\(cost=[^)]*\) \(never executed\)`).FindAllString(text, -1)
+				if want := claimFloorSkips - len(runs); len(unused) < want {
+					t.Errorf("%d of the floor read's branches never ran, want at least the %d unused ones", len(unused), want)
+				}
+			}
 			// Walking the stuck key's rows or another relay's shards
 			// would cost hundreds of thousands of each.
 			for _, plan := range plans {

@@ -651,7 +651,7 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 	case len(free) > claimFreeMin:
 		if limit != s.claimFreeLimit || s.claimFreeSQL == "" {
 			s.claimFreeSQL = claimFreeQuery(s.outbox, limit)
-			s.claimFloorSQL = claimFloorQuery(s.outbox, limit, claimFloorSkips)
+			s.claimFloorSQL = claimFloorQuery(s.outbox, limit, claimFloorSkips+1)
 			s.claimFreeLimit = limit
 		}
 		free := slices.Clone(free)
@@ -673,8 +673,7 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 				}
 			}
 			args := []any{descend, notRead, rest, base}
-			padded := padRuns(slices.Clone(runs))
-			for _, r := range padded {
+			for _, r := range floorBranches(runs) {
 				args = append(args, r[0], r[1])
 			}
 			args = append(args, append([]int16{}, blockedShards...), hashes, froms)
