@@ -72,3 +72,70 @@ func TestAStoppedRelayRecordsTheRoundInFlight(t *testing.T) {
 		t.Fatalf("%d distinct events in Kafka, want %d", len(seen), len(msgs))
 	}
 }
+
+// sidePublisher lets its first Publish time out, then holds the next one
+// (the side retry of the key that timed out) until release is closed or
+// its context ends, reporting on inFlight when it waits.
+type sidePublisher struct {
+	relay.Publisher
+	calls    int
+	mu       sync.Mutex
+	inFlight chan struct{}
+	release  chan struct{}
+}
+
+func (p *sidePublisher) Publish(ctx context.Context, records []relay.Record) []error {
+	p.mu.Lock()
+	p.calls++
+	call := p.calls
+	p.mu.Unlock()
+	fail := func() []error {
+		errs := make([]error, len(records))
+		for i := range errs {
+			errs[i] = ctx.Err()
+		}
+		return errs
+	}
+	switch call {
+	case 1: // Kafka does not answer: the publish timeout
+		<-ctx.Done()
+		return fail()
+	case 2: // the side retry
+		close(p.inFlight)
+		select {
+		case <-p.release:
+		case <-ctx.Done():
+			return fail()
+		}
+	}
+	return p.Publisher.Publish(ctx, records)
+}
+
+// A relay stopped while the side retry of a key that timed out is with
+// Kafka gives it the same grace as a round: the retry used its run's
+// context and was cut at once, so its event stayed pending and the next
+// relay published it again.
+func TestAStoppedRelayRecordsTheSideRetryInFlight(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	topic := b.kafka.Topic(t, 1)
+	b.write(t, outbox.Message{Topic: topic, Key: []byte("slow"), Value: []byte("v")})
+	pub := &sidePublisher{Publisher: b.publisher(t), inFlight: make(chan struct{}), release: make(chan struct{})}
+	_, stop := b.startRelayWith(t, b.pool, pub, relay.Config{PublishTimeout: 300 * time.Millisecond, MaxRetryBackoff: 100 * time.Millisecond})
+	select {
+	case <-pub.inFlight:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the key that timed out was not retried")
+	}
+	stopped := make(chan struct{})
+	go func() { stop(); close(stopped) }()
+	time.Sleep(200 * time.Millisecond) // the stop is under way
+	close(pub.release)                 // Kafka acknowledges the retry
+	<-stopped
+	if n := b.count(t, "outbox"); n != 0 {
+		t.Fatalf("the retried event is still pending after a stop: it would be published again")
+	}
+	if got := b.kafka.ReadAll(t, topic, 1, 30*time.Second); len(got) != 1 {
+		t.Fatalf("%d records in Kafka, want the event once", len(got))
+	}
+}

@@ -631,27 +631,8 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		}
 	}
 	published := make(chan []error, 1)
-	// A stop (ctx done) gives the round with Kafka up to stopGrace more
-	// to be acknowledged, so that its outcome is recorded and a rolling
-	// restart publishes nothing twice; past that it is abandoned and its
-	// events stay pending for the next owner.
-	pubCtx, cancelPub := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.PublishTimeout)
-	defer cancelPub()
-	stopWatch := context.AfterFunc(ctx, func() {
-		var inUse *InstanceInUseError
-		if errors.As(context.Cause(ctx), &inUse) {
-			cancelPub() // another process has this relay's id: stop at once
-			return
-		}
-		t := time.NewTimer(stopGrace)
-		defer t.Stop()
-		select {
-		case <-t.C:
-			cancelPub()
-		case <-pubCtx.Done():
-		}
-	})
-	defer stopWatch()
+	pubCtx, donePub := r.publishContext(ctx)
+	defer donePub()
 	if len(toSend) == 0 {
 		published <- nil
 	} else {
@@ -1164,6 +1145,31 @@ func appendBlockKey(buf []byte, e *pendingEvent) []byte {
 // stopGrace is how long a stopped relay waits for the acknowledgements of
 // the round it has with Kafka (at most PublishTimeout).
 const stopGrace = 5 * time.Second
+
+// publishContext returns the context a publish of events read under ctx
+// runs in, and the function that releases it: PublishTimeout, and once ctx
+// is done (a stop) up to stopGrace more, so that what Kafka acknowledges
+// meanwhile is recorded and a rolling restart publishes nothing twice; past
+// that the publish is abandoned and its events stay pending for the next
+// owner. A relay whose instance id another process took stops at once.
+func (r *Relay) publishContext(ctx context.Context) (context.Context, func()) {
+	pubCtx, cancelPub := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.PublishTimeout)
+	stopWatch := context.AfterFunc(ctx, func() {
+		var inUse *InstanceInUseError
+		if errors.As(context.Cause(ctx), &inUse) {
+			cancelPub() // another process has this relay's id
+			return
+		}
+		t := time.NewTimer(stopGrace)
+		defer t.Stop()
+		select {
+		case <-t.C:
+			cancelPub()
+		case <-pubCtx.Done():
+		}
+	})
+	return pubCtx, func() { stopWatch(); cancelPub() }
+}
 
 // errHeldBack fails an event not published because an earlier event of its
 // key failed in the same round.

@@ -128,8 +128,8 @@ func (r *Relay) startSideRetry(ctx context.Context) {
 	r.sideDone = done
 	res := sideResult{start: time.Now(), shards: shards, round: round, events: events}
 	go func() {
-		pubCtx, cancel := context.WithTimeout(ctx, r.cfg.PublishTimeout)
-		defer cancel()
+		pubCtx, release := r.publishContext(ctx) // a stop's grace, as for a round
+		defer release()
 		res.errs = r.pub.Publish(pubCtx, records)
 		res.ctx, res.acked = pubCtx, time.Now()
 		done <- res
