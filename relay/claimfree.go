@@ -114,10 +114,11 @@ const claimFloorOff = 16
 //
 // The read steps over runs of excluded ids (consecutive integers, each
 // wholly excluded: the rounds in flight) instead of fetching their rows to
-// drop them (two rounds, 2,000 rows, for a read-ahead): it is branches
-// index ranges of the primary key ($5 on: each range's lowest and highest
-// id, inclusive; floorBranches makes them the ranges between the runs),
-// merged in id order. $3 holds the other excluded ids only (skipRuns).
+// drop them (two rounds, 2,000 rows, for a read-ahead): it reads a number
+// of index ranges of the primary key (branches; $5 on: each range's lowest
+// and highest id, inclusive; floorBranches makes them the ranges between
+// the runs), merged in id order. $3 holds the other excluded ids only
+// (skipRuns).
 //
 // The walk stops after twice the round of rows not excluded: where the
 // dropped rows are denser than that, the read comes short and the claim

@@ -54,6 +54,12 @@ func (l *statementLoss) note(err error, now time.Time) error {
 	if l.seen = append(l.seen, now); len(l.seen) < statementLossLimit {
 		return nil
 	}
+	return lostStatements(err)
+}
+
+// lostStatements returns ErrPreparedStatementsLost wrapping err, the last
+// such database error.
+func lostStatements(err error) error {
 	return fmt.Errorf("%w (the last: %w)", ErrPreparedStatementsLost, err)
 }
 

@@ -274,7 +274,7 @@ func (r *Relay) start(ctx context.Context) error {
 func (r *Relay) checkSchema(ctx context.Context) error {
 	if err := migrations.Check(ctx, r.pool, r.cfg.Schema); err != nil {
 		if isStatementLoss(err) {
-			return fmt.Errorf("%w (the last: %w)", ErrPreparedStatementsLost, err)
+			return lostStatements(err)
 		}
 		return fmt.Errorf("relay: %w", err)
 	}
@@ -283,7 +283,7 @@ func (r *Relay) checkSchema(ctx context.Context) error {
 	var seq *string
 	if err := r.pool.QueryRow(ctx, `SELECT pg_get_serial_sequence($1, 'id')`, table).Scan(&seq); err != nil {
 		if isStatementLoss(err) {
-			return fmt.Errorf("%w (the last: %w)", ErrPreparedStatementsLost, err)
+			return lostStatements(err)
 		}
 		return fmt.Errorf("relay: find the id sequence of %s: %w", table, err)
 	}
