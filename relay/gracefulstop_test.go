@@ -3,6 +3,7 @@ package relay_test
 import (
 	"context"
 	"fmt"
+	"github.com/jackc/pgx/v5"
 	"sync"
 	"testing"
 	"time"
@@ -138,4 +139,71 @@ func TestAStoppedRelayRecordsTheSideRetryInFlight(t *testing.T) {
 	if got := b.kafka.ReadAll(t, topic, 1, 30*time.Second); len(got) != 1 {
 		t.Fatalf("%d records in Kafka, want the event once", len(got))
 	}
+}
+
+// refusingSidePublisher lets its first Publish time out, then refuses every
+// record with a broker error until release is closed.
+type refusingSidePublisher struct {
+	relay.Publisher
+	mu      sync.Mutex
+	calls   int
+	release chan struct{}
+}
+
+func (p *refusingSidePublisher) Publish(ctx context.Context, records []relay.Record) []error {
+	p.mu.Lock()
+	p.calls++
+	call := p.calls
+	p.mu.Unlock()
+	errs := make([]error, len(records))
+	if call == 1 {
+		<-ctx.Done()
+		for i := range errs {
+			errs[i] = ctx.Err()
+		}
+		return errs
+	}
+	select {
+	case <-p.release:
+		return p.Publisher.Publish(ctx, records)
+	default:
+	}
+	for i := range errs {
+		errs[i] = errNotEnoughReplicas
+	}
+	return errs
+}
+
+// A side retry that Kafka refuses (not one it leaves unanswered) is
+// recorded as that refusal: its outcome was judged after its publish
+// context had been released, so every failure of a side retry counted as
+// a timeout ("not acknowledged within the publish timeout" in last_error,
+// BatchStats.TimedOut).
+func TestASideRetryRefusedIsNotRecordedAsATimeout(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	topic := b.kafka.Topic(t, 1)
+	b.write(t, outbox.Message{Topic: topic, Key: []byte("slow"), Value: []byte("v")})
+	pub := &refusingSidePublisher{Publisher: b.publisher(t), release: make(chan struct{})}
+	_, stop := b.startRelayWith(t, b.pool, pub, relay.Config{PublishTimeout: 300 * time.Millisecond, MaxRetryBackoff: 100 * time.Millisecond})
+	defer stop()
+	table := pgx.Identifier{b.schema, "outbox"}.Sanitize()
+	lastError := func() string {
+		var e *string
+		if err := b.pool.QueryRow(context.Background(), `SELECT last_error FROM `+table).Scan(&e); err != nil || e == nil {
+			return ""
+		}
+		return *e
+	}
+	waitFor(t, "the side retry's refusal to be recorded", 30*time.Second, func() bool {
+		pub.mu.Lock()
+		calls := pub.calls
+		pub.mu.Unlock()
+		return calls >= 3 && lastError() != ""
+	})
+	if got := lastError(); got != errNotEnoughReplicas.Error() {
+		t.Fatalf("last_error after the side retry was refused: %q, want %q", got, errNotEnoughReplicas.Error())
+	}
+	close(pub.release)
+	waitFor(t, "the event to be published", 30*time.Second, func() bool { return b.count(t, "outbox") == 0 })
 }

@@ -30,8 +30,11 @@ type sideResult struct {
 	round  roundKey
 	events []pendingEvent
 	errs   []error
-	ctx    context.Context // its publish context (its deadline)
-	acked  time.Time       // when Publish returned
+	// ctx is its publish context, live until the outcome is judged (its
+	// deadline tells a timeout from a refusal); release ends it.
+	ctx     context.Context
+	release func()
+	acked   time.Time // when Publish returned
 }
 
 // sideSQL re-reads the events to retry: still pending, on shards this
@@ -129,9 +132,8 @@ func (r *Relay) startSideRetry(ctx context.Context) {
 	res := sideResult{start: time.Now(), shards: shards, round: round, events: events}
 	go func() {
 		pubCtx, release := r.publishContext(ctx) // a stop's grace, as for a round
-		defer release()
 		res.errs = r.pub.Publish(pubCtx, records)
-		res.ctx, res.acked = pubCtx, time.Now()
+		res.ctx, res.release, res.acked = pubCtx, release, time.Now()
 		done <- res
 	}()
 }
@@ -153,6 +155,7 @@ func (r *Relay) finishSideRetry(ctx context.Context, wait bool) {
 		}
 	}
 	r.sideDone = nil
+	defer res.release()
 	for i := range res.events {
 		if k := r.blocked[blockKey(&res.events[i])]; k != nil {
 			k.onSide = false
