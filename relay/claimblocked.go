@@ -149,7 +149,7 @@ func heldFirst(segs []segment) []segment {
 func claimBlockedQuery(outbox string, shards [][]segment, limit int, below int64) (string, []any) {
 	var b strings.Builder
 	// The excluded ids, set by the caller (blockedExcluded), then below.
-	args := make([]any, 1+2*claimFloorSkips, 2+2*claimFloorSkips+4*len(shards))
+	args := make([]any, 1+2*claimFloorSkips, 3+2*claimFloorSkips+8*len(shards))
 	args = append(args, below, limit)
 	belowParam, limitParam := len(args)-1, len(args)
 	param := func(v any) int {

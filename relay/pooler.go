@@ -1,32 +1,26 @@
 package relay
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"sync"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// ErrPreparedStatementsLost is returned by Run (wrapping the last such
-// database error) when the server connections behind the pool do not keep
-// the statements pgx prepared on them: a pooler in transaction mode lends
-// each transaction whichever server connection is free. The relay cannot
-// work there: a round published and then not recorded is published again,
-// and most statements fail.
+// ErrPreparedStatementsLost is returned by Run (wrapping the database error
+// that showed it) when the pool talks to a pooler whose server connections
+// do not keep the statements pgx prepared on them: in transaction mode it
+// lends each transaction whichever server connection is free. The relay
+// cannot work there: a round published and then not recorded is published
+// again, and most statements fail.
 var ErrPreparedStatementsLost = errors.New("relay: the database connections lose their prepared statements between transactions (SQLSTATE 26000 or 42P05): " +
 	"a pooler in transaction mode (PgBouncer before 1.21, or without max_prepared_statements) lends each transaction another server connection; " +
 	"add default_query_exec_mode=exec to the database URL, or pool in session mode")
-
-// statementLossLimit errors within statementLossWindow stop the relay. One
-// alone does not: pgx's statement cache has had bugs of its own that
-// raised them once (jackc/pgx#1847); behind a pooler in transaction mode
-// they come many times a second.
-const (
-	statementLossLimit  = 3
-	statementLossWindow = time.Minute
-)
 
 // isStatementLoss reports whether err says a prepared statement is missing
 // on the server connection (26000), or already there (42P05).
@@ -35,39 +29,85 @@ func isStatementLoss(err error) bool {
 	return errors.As(err, &pgErr) && (pgErr.Code == "26000" || pgErr.Code == "42P05")
 }
 
-// statementLoss counts isStatementLoss errors. Safe for concurrent use.
-type statementLoss struct {
-	mu   sync.Mutex
-	seen []time.Time // within the window, oldest first
+// lostStatements returns ErrPreparedStatementsLost wrapping err.
+func lostStatements(err error) error {
+	return fmt.Errorf("%w (the last: %w)", ErrPreparedStatementsLost, err)
 }
 
-// note records err and returns the error Run should stop with, or nil.
-func (l *statementLoss) note(err error, now time.Time) error {
+// statementLoss decides whether a lost statement means a pooler in
+// transaction mode. A statement can be lost on a connection of its own
+// too, once: another user of a shared pool ran DISCARD ALL or DEALLOCATE
+// ALL on it, and pgx prepares it again; every statement cached on that
+// connection fails once, so counting errors cannot tell the two apart. A
+// pooler can: it makes up the process id a connection's start-up announces
+// (it has to route cancel requests itself), so that id differs from the
+// server's pg_backend_pid(). Behind one, a lost statement stops the relay;
+// without one, it is logged and the relay goes on. Safe for concurrent
+// use.
+type statementLoss struct {
+	mu      sync.Mutex
+	known   bool // pooled is known
+	pooled  bool
+	stopped bool // the run was stopped for it
+}
+
+// check returns the error Run should stop with for err, or nil; the first
+// time it meets a lost statement it asks the database whether the pool
+// talks to a pooler (a failed question is asked again next time).
+func (l *statementLoss) check(pool *pgxpool.Pool, err error) error {
 	if !isStatementLoss(err) {
 		return nil
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	for len(l.seen) > 0 && now.Sub(l.seen[0]) > statementLossWindow {
-		l.seen = l.seen[1:]
+	if !l.known {
+		pooled, qErr := behindPooler(pool)
+		if qErr != nil {
+			return nil
+		}
+		l.known, l.pooled = true, pooled
 	}
-	if l.seen = append(l.seen, now); len(l.seen) < statementLossLimit {
+	if !l.pooled {
 		return nil
 	}
 	return lostStatements(err)
 }
 
-// lostStatements returns ErrPreparedStatementsLost wrapping err, the last
-// such database error.
-func lostStatements(err error) error {
-	return fmt.Errorf("%w (the last: %w)", ErrPreparedStatementsLost, err)
+// behindPooler reports whether pool's connections talk to a pooler rather
+// than to PostgreSQL: the server's process id differs from the one the
+// connection's start-up announced. Asked by the simple protocol, which
+// prepares nothing.
+func behindPooler(pool *pgxpool.Pool) (bool, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	c, err := pool.Acquire(ctx)
+	if err != nil {
+		return false, err
+	}
+	defer c.Release()
+	var pid int64
+	if err := c.Conn().QueryRow(ctx, `SELECT pg_backend_pid()`, pgx.QueryExecModeSimpleProtocol).Scan(&pid); err != nil {
+		return false, err
+	}
+	return pid != int64(c.Conn().PgConn().PID()), nil
 }
 
-// noteDBError stops the run if err is the last straw of isStatementLoss
-// errors. Called where the relay logs a database error and goes on.
+// noteDBError stops the run if err is a lost statement behind a pooler
+// (statementLoss), and logs one without. Called where the relay logs a
+// database error and goes on.
 func (r *Relay) noteDBError(err error) {
-	if stop := r.stmtLoss.note(err, time.Now()); stop != nil {
-		r.log.Error("relay: stopping: the server connections do not keep the prepared statements", "error", stop)
-		r.stopRun(stop)
+	stop := r.stmtLoss.check(r.pool, err)
+	switch {
+	case stop != nil:
+		r.stmtLoss.mu.Lock()
+		first := !r.stmtLoss.stopped
+		r.stmtLoss.stopped = true
+		r.stmtLoss.mu.Unlock()
+		if first {
+			r.log.Error("relay: stopping: the pooler's server connections do not keep the prepared statements", "error", stop)
+			r.stopRun(stop)
+		}
+	case isStatementLoss(err):
+		r.log.Warn("relay: a prepared statement was missing on its connection (did another user of the pool run DISCARD ALL or DEALLOCATE?); prepared again", "error", err)
 	}
 }

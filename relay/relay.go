@@ -180,10 +180,12 @@ func (r *Relay) LastLoop() time.Time {
 // or later if this relay's lease lapsed and another process took the id:
 // then it stops publishing at once and hands nothing back). Later database
 // and broker failures are logged and retried: events are never lost or
-// dead-lettered because of them. The one exception: a pool whose server
-// connections do not keep the statements pgx prepares on them (a pooler in
-// transaction mode, without default_query_exec_mode=exec) ends the run
-// with an error wrapping ErrPreparedStatementsLost, as a stop does.
+// dead-lettered because of them. The one exception: a pool that talks to a
+// pooler whose server connections do not keep the statements pgx prepares
+// on them (transaction mode, without default_query_exec_mode=exec) ends
+// the run with an error wrapping ErrPreparedStatementsLost, at start or
+// once a statement is found lost (the round with Kafka gets its stop's
+// grace, the shards are handed back).
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.ran.CompareAndSwap(false, true) {
 		return errors.New("relay: Run called twice")
@@ -262,7 +264,7 @@ func (r *Relay) start(ctx context.Context) error {
 		case ctx.Err() != nil:
 			return fmt.Errorf("relay: first lease round: %w", err)
 		default:
-			if stop := r.stmtLoss.note(err, time.Now()); stop != nil {
+			if stop := r.stmtLoss.check(r.pool, err); stop != nil {
 				return stop
 			}
 			r.log.Warn("relay: first lease round failed; retrying", "error", err)
@@ -273,8 +275,8 @@ func (r *Relay) start(ctx context.Context) error {
 
 func (r *Relay) checkSchema(ctx context.Context) error {
 	if err := migrations.Check(ctx, r.pool, r.cfg.Schema); err != nil {
-		if isStatementLoss(err) {
-			return lostStatements(err)
+		if stop := r.stmtLoss.check(r.pool, err); stop != nil {
+			return stop
 		}
 		return fmt.Errorf("relay: %w", err)
 	}
@@ -282,8 +284,8 @@ func (r *Relay) checkSchema(ctx context.Context) error {
 	table := pgx.Identifier{r.cfg.Schema, "outbox"}.Sanitize()
 	var seq *string
 	if err := r.pool.QueryRow(ctx, `SELECT pg_get_serial_sequence($1, 'id')`, table).Scan(&seq); err != nil {
-		if isStatementLoss(err) {
-			return lostStatements(err)
+		if stop := r.stmtLoss.check(r.pool, err); stop != nil {
+			return stop
 		}
 		return fmt.Errorf("relay: find the id sequence of %s: %w", table, err)
 	}

@@ -194,6 +194,66 @@ func eventIDs(t *testing.T, table string) map[string]bool {
 	return out
 }
 
+// Behind a pooler, a statement lost mid-run (DEALLOCATE ALL on the relay's
+// idle connections: what transaction mode does to each transaction, here
+// through session mode so that the run starts cleanly) stops the relay
+// with ErrPreparedStatementsLost, after its start.
+func TestRelayBehindAPoolerStopsWhenItsStatementsAreLostMidRun(t *testing.T) {
+	e := pgbouncertest.Start(t)
+	schema := pgtest.Schema(t)
+	k := kafkatest.New(t)
+	topic := k.Topic(t, 2)
+	pool := poolFor(t, e.SessionURL)
+	pub, err := kgopublisher.New(k.Brokers, &kgopublisher.Config{Opts: []kgo.Opt{kgo.MetadataMinAge(100 * time.Millisecond)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pub.Close()
+	r, err := relay.New(pool, pub, &relay.Config{Schema: schema, PollInterval: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- r.Run(context.Background()) }()
+	w, _ := outbox.NewWriter(&outbox.Config{Schema: schema})
+	write := func() {
+		if err := pgx.BeginFunc(context.Background(), pgtest.Pool(t), func(tx pgx.Tx) error {
+			return w.Write(context.Background(), tx, outbox.Message{Topic: topic, Key: []byte("k"), Value: []byte("v")})
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write()
+	outboxTable := pgx.Identifier{schema, "outbox"}.Sanitize()
+	waitUntil(t, "the first event to be published", 30*time.Second, func() bool {
+		var n int
+		_ = pgtest.Pool(t).QueryRow(context.Background(), `SELECT count(*) FROM `+outboxTable).Scan(&n)
+		return n == 0
+	})
+	deadline := time.After(30 * time.Second)
+	for {
+		for _, c := range pool.AcquireAllIdle(context.Background()) {
+			_, err := c.Conn().PgConn().Exec(context.Background(), "DEALLOCATE ALL").ReadAll()
+			c.Release()
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+		write()
+		select {
+		case err = <-done:
+		case <-time.After(50 * time.Millisecond):
+			continue
+		case <-deadline:
+			t.Fatal("the relay still runs 30 s after its statements began to be lost behind a pooler")
+		}
+		break
+	}
+	if !errors.Is(err, relay.ErrPreparedStatementsLost) {
+		t.Fatalf("relay.Run returned %v, want relay.ErrPreparedStatementsLost", err)
+	}
+}
+
 // messageID is a record's onceflow message id header.
 func messageID(rec *kgo.Record) string {
 	for _, h := range rec.Headers {
