@@ -560,7 +560,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		// the same instant); if one is not, the read waits, so that a
 		// retry reads its event with this failure recorded (attempts,
 		// refusal run).
-		if !r.finishingHeld(start) {
+		if !r.finishingHeld(start) || r.finished() {
 			r.waitFinish()
 		}
 		excluded := ids
@@ -919,6 +919,22 @@ func (r *Relay) waitFinish() {
 	if r.finishing != nil {
 		<-r.finishing
 		r.finishing, r.finishingIDs, r.finishingFailed = nil, nil, nil
+	}
+}
+
+// finished reports whether the last round's outcome has been recorded (or
+// failed to be), so that reads need not leave its events out: if its
+// deletes failed, those events are pending and must be read again, also
+// when no other round comes along to clear finishingIDs.
+func (r *Relay) finished() bool {
+	if r.finishing == nil {
+		return true
+	}
+	select {
+	case <-r.finishing:
+		return true
+	default:
+		return false
 	}
 }
 
