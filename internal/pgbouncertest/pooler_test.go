@@ -60,6 +60,27 @@ func poolFor(t *testing.T, url string) *pgxpool.Pool {
 	return p
 }
 
+// relayBehind returns a relay, not running yet, whose pool (also returned)
+// goes through url, on a fresh schema, with an in-process Kafka and a topic
+// of two partitions there; batchSize 0 is the default.
+func relayBehind(t *testing.T, url string, batchSize int) (schema, topic string, k *kafkatest.Kafka, pool *pgxpool.Pool, r *relay.Relay) {
+	t.Helper()
+	schema = pgtest.Schema(t)
+	k = kafkatest.New(t)
+	topic = k.Topic(t, 2)
+	pool = poolFor(t, url)
+	pub, err := kgopublisher.New(k.Brokers, &kgopublisher.Config{Opts: []kgo.Opt{kgo.MetadataMinAge(100 * time.Millisecond)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = pub.Close() })
+	r, err = relay.New(pool, pub, &relay.Config{Schema: schema, PollInterval: 100 * time.Millisecond, BatchSize: batchSize})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return schema, topic, k, pool, r
+}
+
 // TestRelayBehindPgBouncer: a relay whose pool goes through PgBouncer
 // publishes every event and empties the outbox, in session and in
 // transaction mode.
@@ -67,19 +88,7 @@ func TestRelayBehindPgBouncer(t *testing.T) {
 	for mode, url := range modes(t) {
 		t.Run(mode, func(t *testing.T) {
 			t.Parallel()
-			schema := pgtest.Schema(t)
-			k := kafkatest.New(t)
-			topic := k.Topic(t, 2)
-			pool := poolFor(t, url)
-			pub, err := kgopublisher.New(k.Brokers, &kgopublisher.Config{Opts: []kgo.Opt{kgo.MetadataMinAge(100 * time.Millisecond)}})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer pub.Close()
-			r, err := relay.New(pool, pub, &relay.Config{Schema: schema, PollInterval: 100 * time.Millisecond})
-			if err != nil {
-				t.Fatal(err)
-			}
+			schema, topic, k, pool, r := relayBehind(t, url, 0)
 			ctx, cancel := context.WithCancel(context.Background())
 			done := make(chan error, 1)
 			go func() { done <- r.Run(ctx) }()
@@ -120,15 +129,8 @@ func TestRelayBehindPgBouncer(t *testing.T) {
 // lose nothing: every event is still pending or was published.
 func TestRelayStopsWhereTheServerConnectionChangesUnderItsStatements(t *testing.T) {
 	e := pgbouncertest.Start(t)
-	schema := pgtest.Schema(t)
-	k := kafkatest.New(t)
-	topic := k.Topic(t, 2)
-	pool := poolFor(t, e.TransactionURL) // no default_query_exec_mode: pgx prepares
-	pub, err := kgopublisher.New(k.Brokers, &kgopublisher.Config{Opts: []kgo.Opt{kgo.MetadataMinAge(100 * time.Millisecond)}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pub.Close()
+	// No default_query_exec_mode: pgx prepares.
+	schema, topic, k, _, r := relayBehind(t, e.TransactionURL, 200)
 	const events = 20_000
 	outboxTable := pgx.Identifier{schema, "outbox"}.Sanitize()
 	if _, err := pgtest.Pool(t).Exec(context.Background(), `INSERT INTO `+outboxTable+` (topic, key, value)
@@ -136,12 +138,9 @@ SELECT $1, ('k' || (g % 100))::bytea, 'v'::bytea FROM generate_series(1, $2) g`,
 		t.Fatal(err)
 	}
 	all := eventIDs(t, outboxTable)
-	r, err := relay.New(pool, pub, &relay.Config{Schema: schema, PollInterval: 100 * time.Millisecond, BatchSize: 200})
-	if err != nil {
-		t.Fatal(err)
-	}
 	done := make(chan error, 1)
 	go func() { done <- r.Run(context.Background()) }()
+	var err error
 	select {
 	case err = <-done:
 	case <-time.After(60 * time.Second):
@@ -200,19 +199,7 @@ func eventIDs(t *testing.T, table string) map[string]bool {
 // with ErrPreparedStatementsLost, after its start.
 func TestRelayBehindAPoolerStopsWhenItsStatementsAreLostMidRun(t *testing.T) {
 	e := pgbouncertest.Start(t)
-	schema := pgtest.Schema(t)
-	k := kafkatest.New(t)
-	topic := k.Topic(t, 2)
-	pool := poolFor(t, e.SessionURL)
-	pub, err := kgopublisher.New(k.Brokers, &kgopublisher.Config{Opts: []kgo.Opt{kgo.MetadataMinAge(100 * time.Millisecond)}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pub.Close()
-	r, err := relay.New(pool, pub, &relay.Config{Schema: schema, PollInterval: 100 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
+	schema, topic, _, pool, r := relayBehind(t, e.SessionURL, 0)
 	done := make(chan error, 1)
 	go func() { done <- r.Run(context.Background()) }()
 	w, _ := outbox.NewWriter(&outbox.Config{Schema: schema})
@@ -231,6 +218,7 @@ func TestRelayBehindAPoolerStopsWhenItsStatementsAreLostMidRun(t *testing.T) {
 		return n == 0
 	})
 	deadline := time.After(30 * time.Second)
+	var err error
 	for {
 		for _, c := range pool.AcquireAllIdle(context.Background()) {
 			_, err := c.Conn().PgConn().Exec(context.Background(), "DEALLOCATE ALL").ReadAll()
