@@ -28,12 +28,17 @@ func (p *gatedPublisher) Publish(ctx context.Context, records []relay.Record) []
 	case <-p.release:
 		return p.Publisher.Publish(ctx, records)
 	case <-ctx.Done():
-		errs := make([]error, len(records))
-		for i := range errs {
-			errs[i] = ctx.Err()
-		}
-		return errs
+		return failAll(len(records), ctx.Err())
 	}
+}
+
+// failAll fails each of n records with err.
+func failAll(n int, err error) []error {
+	errs := make([]error, n)
+	for i := range errs {
+		errs[i] = err
+	}
+	return errs
 }
 
 // A relay stopped (SIGTERM in the binary) while its round is with Kafka
@@ -90,13 +95,7 @@ func (p *sidePublisher) Publish(ctx context.Context, records []relay.Record) []e
 	p.calls++
 	call := p.calls
 	p.mu.Unlock()
-	fail := func() []error {
-		errs := make([]error, len(records))
-		for i := range errs {
-			errs[i] = ctx.Err()
-		}
-		return errs
-	}
+	fail := func() []error { return failAll(len(records), ctx.Err()) }
 	switch call {
 	case 1: // Kafka does not answer: the publish timeout
 		<-ctx.Done()
@@ -155,23 +154,16 @@ func (p *refusingSidePublisher) Publish(ctx context.Context, records []relay.Rec
 	p.calls++
 	call := p.calls
 	p.mu.Unlock()
-	errs := make([]error, len(records))
 	if call == 1 {
 		<-ctx.Done()
-		for i := range errs {
-			errs[i] = ctx.Err()
-		}
-		return errs
+		return failAll(len(records), ctx.Err())
 	}
 	select {
 	case <-p.release:
 		return p.Publisher.Publish(ctx, records)
 	default:
 	}
-	for i := range errs {
-		errs[i] = errNotEnoughReplicas
-	}
-	return errs
+	return failAll(len(records), errNotEnoughReplicas)
 }
 
 // A side retry that Kafka refuses (not one it leaves unanswered) is
