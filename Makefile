@@ -3,7 +3,7 @@
 # suites against a real Apache Kafka broker started by scripts/kafka.sh).
 GO ?= go
 
-.PHONY: test check vet fmt-check staticcheck race bench demo services services-stop kafka-start kafka-stop test-kafka
+.PHONY: test check vet fmt-check staticcheck race bench bench-quick demo services services-stop kafka-start kafka-stop test-kafka
 
 test: check race
 
@@ -23,8 +23,27 @@ fmt-check:
 race:
 	$(GO) test -race -count=1 -timeout 14m ./...
 
+# Every benchmark at the sizes issue 10's table names (BENCHMARKS.md, "Relay
+# under production shapes"): producer overhead at 1/8/16/32 writers, the
+# drain at 100k/300k/1M/3M for the naive loop, one relay and four relay
+# processes (the 3M/100k ratio is the "here / at the first backlog" line),
+# the stuck key, the claim at 1M, commit→Kafka latency, the idle relay, the
+# consumer's modes against raw PostgreSQL and the /metrics scrape at 1M and
+# 10M, one package at a time (-p 1: benchmarks of two packages must not
+# share the cores). About 45 minutes on the project's 2-core VM; stop the Java broker
+# first (make kafka-stop): it is not used and takes a core's share.
+BENCH_DRAIN ?= 100000,300000,1000000,3000000
+BENCH_SCRAPE ?= 1000000,10000000
+BENCH_PACKAGES = ./relay/ ./relay/relayprom/ ./consumer/ ./idempotency/ ./otelonceflow/
+
 bench:
-	$(GO) test -run '^$$' -bench . -benchtime 1x ./relay/ ./consumer/ ./idempotency/ ./otelonceflow/
+	ONCEFLOW_BENCH_DRAIN=$(BENCH_DRAIN) ONCEFLOW_BENCH_SCRAPE=$(BENCH_SCRAPE) \
+		$(GO) test -run '^$$' -p 1 -bench . -benchtime 1x -timeout 150m $(BENCH_PACKAGES)
+
+# The same benchmarks at their small default sizes (300k drain, 100k
+# scrape): a few minutes, for checking a change before the full run.
+bench-quick:
+	$(GO) test -run '^$$' -p 1 -bench . -benchtime 1x -timeout 60m $(BENCH_PACKAGES)
 
 demo:
 	$(GO) run ./cmd/onceflow demo

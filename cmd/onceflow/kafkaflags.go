@@ -75,7 +75,8 @@ func (k *kafkaFlags) conn(brokers []string) ([]string, kafkaconn.Config, error) 
 	if wantTLS || proto.TLS() {
 		c.TLS = &kafkaconn.TLS{CAFile: k.caFile, CertFile: k.certFile, KeyFile: k.keyFile, ServerName: k.serverName, InsecureSkipVerify: k.tlsInsecure}
 	}
-	password, fromEnv := os.LookupEnv("ONCEFLOW_KAFKA_SASL_PASSWORD")
+	password := os.Getenv("ONCEFLOW_KAFKA_SASL_PASSWORD")
+	fromEnv := password != "" // empty counts as unset, as for every setting
 	if k.mechanism == "" {
 		if k.username != "" || k.passwordFile != "" || fromEnv {
 			return nil, c, errors.New("--kafka-sasl-mechanism: required when a SASL user or password is given")

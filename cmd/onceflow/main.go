@@ -113,8 +113,11 @@ type common struct {
 	logFormat    string
 }
 
+// env reads a text setting. An empty variable counts as unset, as it does
+// for numbers, durations and booleans: a deployment template substituting a
+// variable nobody set passes an empty value, which means "the default".
 func env(name, fallback string) string {
-	if v, ok := os.LookupEnv(name); ok {
+	if v := os.Getenv(name); v != "" {
 		return v
 	}
 	return fallback
