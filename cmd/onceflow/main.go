@@ -26,6 +26,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/migrations"
@@ -300,7 +301,27 @@ func flatten(s string) string {
 // connect opens a pool and checks the database answers, so a bad URL or a
 // database that is down fails at start with one line.
 func (c *common) connect(ctx context.Context) (*pgxpool.Pool, error) {
-	pool, err := c.open(ctx)
+	return c.connectWith(ctx, c.poolConfig)
+}
+
+// connectAdmin is connect for the commands that run a few statements and
+// exit (migrate, status, dead). Prepared and cached statements gain them
+// nothing, and behind a pooler in transaction mode they fail (the server
+// connection of the next transaction has other statements: SQLSTATE 42P05
+// or 26000), so unless the URL names a mode other than pgx's default they
+// use the exec mode, which works through any pooler.
+func (c *common) connectAdmin(ctx context.Context) (*pgxpool.Pool, error) {
+	return c.connectWith(ctx, func() (*pgxpool.Config, error) {
+		cfg, err := c.poolConfig()
+		if err == nil && cfg.ConnConfig.DefaultQueryExecMode == pgx.QueryExecModeCacheStatement {
+			cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec
+		}
+		return cfg, err
+	})
+}
+
+func (c *common) connectWith(ctx context.Context, config func() (*pgxpool.Config, error)) (*pgxpool.Pool, error) {
+	pool, err := openWith(ctx, config)
 	if err != nil {
 		return nil, err
 	}
@@ -318,7 +339,7 @@ func (c *common) connect(ctx context.Context) (*pgxpool.Pool, error) {
 // a schema missing a migration (never migrated: a typo in the schema's name)
 // is said so, with what to run, rather than as a missing relation.
 func (c *common) connectMigrated(ctx context.Context) (*pgxpool.Pool, error) {
-	pool, err := c.connect(ctx)
+	pool, err := c.connectAdmin(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -332,7 +353,11 @@ func (c *common) connectMigrated(ctx context.Context) (*pgxpool.Pool, error) {
 // open returns a pool without waiting for the database: pgxpool connects
 // on first use.
 func (c *common) open(ctx context.Context) (*pgxpool.Pool, error) {
-	cfg, err := c.poolConfig()
+	return openWith(ctx, c.poolConfig)
+}
+
+func openWith(ctx context.Context, config func() (*pgxpool.Config, error)) (*pgxpool.Pool, error) {
+	cfg, err := config()
 	if err != nil {
 		return nil, err
 	}

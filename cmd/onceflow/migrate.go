@@ -60,7 +60,7 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 			return err
 		}
 	}
-	pool, err := c.connect(ctx)
+	pool, err := c.connectAdmin(ctx)
 	if err != nil {
 		return err
 	}

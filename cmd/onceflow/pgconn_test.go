@@ -113,3 +113,42 @@ func TestDatabasePoolSize(t *testing.T) {
 		t.Fatalf("--database-pool-size -1: %v", err)
 	}
 }
+
+// TestAdminCommandsWorkBehindATransactionPooler: status, dead and migrate
+// run a few statements and exit, so they gain nothing from pgx's cached
+// prepared statements; behind PgBouncer in transaction mode those failed
+// ("prepared statement … already exists (SQLSTATE 42P05)" from the second
+// run on, the server connection keeping the first run's statements). They
+// now use the exec mode unless the URL names a mode.
+func TestAdminCommandsWorkBehindATransactionPooler(t *testing.T) {
+	pgb := pgbouncertest.Start(t)
+	schema := pgtest.Schema(t)
+	ctx := context.Background()
+	if _, err := pgtest.Pool(t).Exec(ctx, `INSERT INTO `+schema+`.outbox_dead (outbox_id, event_id, topic, key, value, created_at, error, attempts)
+SELECT g, gen_random_uuid(), 'gone', 'k', 'v', now(), 'unknown topic', 3 FROM generate_series(1, 3) g`); err != nil {
+		t.Fatal(err)
+	}
+	through := []string{"--database-url", pgb.TransactionURL, "--schema", schema}
+	for run := 1; run <= 3; run++ {
+		steps := []struct {
+			args []string
+			want string
+		}{
+			{[]string{"migrate", "status"}, "0007 outbox_headers_strict"},
+			{[]string{"migrate", "up"}, "is up to date"},
+			{[]string{"status"}, "dead letters:    " + fmt.Sprint(4-run)},
+			{[]string{"dead", "list"}, "unknown topic"},
+			{[]string{"dead", "replay", "--ids", fmt.Sprint(run)}, "replayed 1"},
+		}
+		for _, s := range steps {
+			out, err := runCLI(t, append(s.args, through...)...)
+			if err != nil || !strings.Contains(out, s.want) {
+				t.Fatalf("run %d, %s through the transaction pooler: %v\n%s", run, strings.Join(s.args, " "), err, out)
+			}
+		}
+	}
+	var backlog int
+	if err := pgtest.Pool(t).QueryRow(ctx, `SELECT count(*) FROM `+schema+`.outbox`).Scan(&backlog); err != nil || backlog != 3 {
+		t.Fatalf("outbox after three replays: %d rows (%v), want 3", backlog, err)
+	}
+}
