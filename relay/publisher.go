@@ -53,7 +53,9 @@ type Publisher interface {
 //
 // ok is false when the publisher cannot tell: the topic's partition count is
 // not known yet, or the record has no key and the partitioner places it as
-// it goes. Partition must be safe for concurrent use.
+// it goes. Partition must be safe for concurrent use. A Publisher that wraps
+// another (to time or trace its calls) should pass Partition through: the
+// relay finds it by a type assertion on the Publisher it is given.
 type PartitionReporter interface {
 	Partition(topic string, key []byte) (partition int32, ok bool)
 }

@@ -69,6 +69,19 @@ func (w *brokerWatch) Publish(ctx context.Context, records []relay.Record) []err
 	return w.Publisher.Publish(ctx, records)
 }
 
+// Partition passes relay.PartitionReporter through: the relay asks its
+// publisher for it, and without it a refusing partition is learned one key
+// at a time (every round waiting out the publish timeout) and the held-keys
+// cap stops every partition instead of the sick one.
+func (w *brokerWatch) Partition(topic string, key []byte) (int32, bool) {
+	if p, ok := w.Publisher.(relay.PartitionReporter); ok {
+		return p.Partition(topic, key)
+	}
+	return 0, false
+}
+
+var _ relay.PartitionReporter = (*brokerWatch)(nil)
+
 func (w *brokerWatch) waiting() time.Duration {
 	if s := w.since.Load(); s != 0 {
 		return time.Since(time.Unix(0, s))
