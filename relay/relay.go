@@ -174,8 +174,9 @@ func (r *Relay) LastLoop() time.Time {
 // Run publishes until ctx is done, then gives the round it has with Kafka
 // up to 5 s more to be acknowledged and records its outcome (what is not
 // acknowledged by then stays pending, for the next owner), hands its shards
-// back and returns nil. It returns an error at once if the outbox cannot be read at
-// start (database unreachable, schema not migrated), and an
+// back and returns nil (nil too for a stop while it is still starting). It
+// returns an error at once if the outbox cannot be read at start (database
+// unreachable, schema not migrated), and an
 // *InstanceInUseError if a live relay holds the same InstanceID (at start,
 // or later if this relay's lease lapsed and another process took the id:
 // then it stops publishing at once and hands nothing back). Later database
@@ -191,10 +192,10 @@ func (r *Relay) Run(ctx context.Context) error {
 		return errors.New("relay: Run called twice")
 	}
 	if err := r.checkSchema(ctx); err != nil {
-		return err
+		return stoppedWhileStarting(ctx, err)
 	}
 	if err := r.start(ctx); err != nil {
-		return err
+		return stoppedWhileStarting(ctx, err)
 	}
 	r.log.Info("relay started", "schema", r.cfg.Schema)
 	// The lease loop ends the run if another process takes this
@@ -271,6 +272,18 @@ func (r *Relay) start(ctx context.Context) error {
 		}
 		sleep(ctx, min(bo.NextBackOff(), r.leases.interval()))
 	}
+}
+
+// stoppedWhileStarting is nil for a start that failed because ctx ended (a
+// stop while waiting for a held instance id or a first lease round: nothing
+// was taken, so nothing is handed back), and err otherwise. A refusal (the
+// id is in use, the pooler loses statements) is reported whatever ctx says.
+func stoppedWhileStarting(ctx context.Context, err error) error {
+	var inUse *InstanceInUseError
+	if ctx.Err() != nil && !errors.As(err, &inUse) && !errors.Is(err, ErrPreparedStatementsLost) {
+		return nil
+	}
+	return err
 }
 
 func (r *Relay) checkSchema(ctx context.Context) error {
