@@ -100,6 +100,15 @@ func (k *kafkaFlags) conn(brokers []string) ([]string, kafkaconn.Config, error) 
 			}
 		}
 		c.SASL = &kafkaconn.SASL{Mechanism: m, Username: k.username, Password: password, AWSRegion: k.awsRegion}
+		if m == kafkaconn.AWSMSKIAM && k.awsRegion != "" {
+			// franz-go's AWS_MSK_IAM takes the region from the broker's host
+			// name, else from AWS_REGION only (it has no setting for it);
+			// this process's AWS_REGION is the flag's way to reach it.
+			// kafka-go reads SASL.AWSRegion, which wins over AWS_REGION too.
+			if err := os.Setenv("AWS_REGION", k.awsRegion); err != nil {
+				return nil, c, fmt.Errorf("--kafka-aws-region: %w", err)
+			}
+		}
 	}
 	if err := c.Validate(); err != nil {
 		return nil, c, errors.New(flagNames(err.Error()))
