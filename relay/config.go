@@ -75,7 +75,9 @@ type Config struct {
 	// Defaults to 1m.
 	TopicForbiddenGrace time.Duration
 	// MaxRetryBackoff caps the wait before a key whose event failed is tried
-	// again. Defaults to 10s.
+	// again, before jitter: each wait is drawn ±50% around the exponential
+	// backoff's interval, so at the cap a key waits 5-15 s by default.
+	// Defaults to 10s.
 	MaxRetryBackoff time.Duration
 	// MaxHeldKeys caps how many keys the relay holds back at once (keys
 	// whose event failed, timed out or waits on a sick partition), since

@@ -16,7 +16,7 @@ import (
 
 func (c *common) registerPG(fs *flag.FlagSet) {
 	fs.StringVar(&c.passwordFile, "database-password-file", env("ONCEFLOW_DATABASE_PASSWORD_FILE", ""), "file holding the database password (one trailing newline ignored), e.g. a mounted secret; overrides the URL's, PGPASSWORD and .pgpass (env ONCEFLOW_DATABASE_PASSWORD_FILE)")
-	fs.IntVar(&c.poolSize, "database-pool-size", envInt("ONCEFLOW_DATABASE_POOL_SIZE", 0), "most connections the pool opens; 0: the URL's pool_max_conns, else pgx's default (4 or the CPU count) (env ONCEFLOW_DATABASE_POOL_SIZE)")
+	fs.IntVar(&c.poolSize, "database-pool-size", envInt("ONCEFLOW_DATABASE_POOL_SIZE", 0), "most connections the pool opens; 0: the URL's pool_max_conns, else pgx's default (the greater of 4 and the CPU count) (env ONCEFLOW_DATABASE_POOL_SIZE)")
 }
 
 // applyPG applies the password file and pool size to cfg.
