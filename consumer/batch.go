@@ -139,10 +139,10 @@ func (p *Processor) batchTx(ctx context.Context, stop <-chan struct{}, msgs []Me
 			o, n = Processed, 1
 		}
 		if traces != nil {
-			p.finished(traces[i], m, o, n, dur, len(msgs))
+			p.finished(traces[i], m, o, n, dur, len(msgs), true)
 			continue
 		}
-		p.finished(ctx, m, o, n, dur, len(msgs))
+		p.finished(ctx, m, o, n, dur, len(msgs), true)
 	}
 	return nil
 }

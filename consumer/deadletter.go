@@ -113,6 +113,6 @@ func (p *Processor) deadLetter(ctx context.Context, stop <-chan struct{}, msg Me
 	if len(p.hooks.trace) > 0 {
 		p.traceDeadLetter(ctx, cause, rec.Topic)
 	}
-	p.finished(ctx, msg, DeadLettered, attempts, 0, 1)
+	p.finished(ctx, msg, DeadLettered, attempts, 0, 1, false)
 	return nil
 }

@@ -6,8 +6,11 @@
 // For every message the Processor begins a transaction, records the message
 // id with
 //
-//	INSERT INTO onceflow.processed_messages (consumer, message_id) VALUES ($1, $2) ON CONFLICT DO NOTHING
+//	INSERT INTO onceflow.processed_messages (consumer, message_id) VALUES ($1, $2)
 //
+// (sent with BEGIN in one round trip, a row already there failing on the
+// primary key; with Config.PlainBegin, a Beginner that is not a pool, or in
+// batch mode, with ON CONFLICT DO NOTHING and the count of rows inserted)
 // and, if the row is new, runs your handler with that same transaction and
 // commits. If the row already exists the message is a duplicate: nothing
 // runs and nothing commits. Only after the commit is the offset marked for

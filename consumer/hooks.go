@@ -48,6 +48,12 @@ type DoneEvent struct {
 	// BatchSize is the size of the batch the message was processed in; 1
 	// in per-message mode.
 	BatchSize int
+	// Batched is true when a batch transaction (batch mode) finished the
+	// message, a batch of one included; HookBatch reports that
+	// transaction, so Duration here is the batch's, not the message's own.
+	// False for per-message transactions, the per-message runs after a
+	// failed batch among them.
+	Batched bool
 }
 
 // HookDone is called for every finished message.

@@ -178,7 +178,7 @@ func (p *Processor) run(ctx context.Context, stop <-chan struct{}, msg Message, 
 		var lostConn *lostError
 		switch {
 		case err == nil:
-			p.finished(ctx, msg, outcome, runs, dur, 1)
+			p.finished(ctx, msg, outcome, runs, dur, 1, false)
 			return nil
 		case errors.Is(err, errNotCommitted):
 			return p.deadLetter(ctx, stop, msg, runs, lastErr, t)
@@ -476,14 +476,14 @@ func (p *Processor) closeRunning(stop <-chan struct{}) {
 	}
 }
 
-func (p *Processor) finished(ctx context.Context, msg Message, o Outcome, attempts int, dur time.Duration, batch int) {
+func (p *Processor) finished(ctx context.Context, msg Message, o Outcome, attempts int, dur time.Duration, batch int, batched bool) {
 	if len(p.hooks.trace) > 0 {
 		p.traceFinished(ctx, msg, o, attempts, batch)
 	}
 	if len(p.hooks.done) == 0 {
 		return
 	}
-	ev := DoneEvent{Consumer: p.name, Message: msg, Outcome: o, Attempts: attempts, Duration: dur, BatchSize: batch}
+	ev := DoneEvent{Consumer: p.name, Message: msg, Outcome: o, Attempts: attempts, Duration: dur, BatchSize: batch, Batched: batched}
 	for _, h := range p.hooks.done {
 		h.OnDone(ev)
 	}

@@ -51,7 +51,7 @@ type Config struct {
 	Schema string
 	// Inject adds headers taken from Write's context to every message, such
 	// as the W3C trace context (traceparent, tracestate, baggage) that
-	// otelonceflow.Inject records, so the consumer's span joins the
+	// otelonceflow.NewInjector's Injector records, so the consumer's span joins the
 	// producer's trace. A header the message sets itself wins over an
 	// injected one, and an injected "message-id" is ignored. Defaults to
 	// nil: no header is added.
@@ -98,7 +98,8 @@ var defaultWriter, _ = NewWriter(nil)
 
 // Write inserts msgs into the "onceflow" schema's outbox with one statement
 // (one round trip, however many messages). With a transaction, the events
-// exist if and only if it commits, and the commit wakes the relay at once.
+// exist if and only if it commits, and an idle relay finds them within its
+// probe interval (5 ms by default) of the commit.
 // With a pool or a connection outside a transaction each call commits on its
 // own, so the events can outlive a business change that later fails.
 func Write(ctx context.Context, db DB, msgs ...Message) error {

@@ -88,7 +88,7 @@ func (h *Hook) OnDone(e consumer.DoneEvent) {
 	if !m.Timestamp.IsZero() {
 		h.lag.WithLabelValues(e.Consumer, m.Topic, strconv.Itoa(int(m.Partition))).Set(max(time.Since(m.Timestamp).Seconds(), 0))
 	}
-	if e.Outcome == consumer.Processed && e.BatchSize == 1 {
+	if e.Outcome == consumer.Processed && !e.Batched { // OnBatch times batch transactions
 		h.txn.WithLabelValues(e.Consumer, "message").Observe(e.Duration.Seconds())
 	}
 }

@@ -147,3 +147,49 @@ onceflow_consumer_dead_letter_failures_total{consumer="ledger",reason="topic-mis
 		t.Fatal(err)
 	}
 }
+
+// TestABatchTransactionIsTimedOnce: in batch mode a transaction's time is
+// the batch's (OnBatch, mode="batch"). A batch of one message (the usual
+// batch at low traffic: a batch never waits to fill) was timed a second
+// time as a per-message transaction, because OnDone took BatchSize 1 for
+// per-message mode.
+func TestABatchTransactionIsTimedOnce(t *testing.T) {
+	schema := pgtest.Schema(t)
+	reg := prometheus.NewPedanticRegistry()
+	p, err := consumer.NewBatch(pgtest.Pool(t), "ledger", func(ctx context.Context, tx pgx.Tx, ms []consumer.Message) error {
+		return nil
+	}, &consumer.Config{Schema: schema, Hooks: []consumer.Hook{consumerprom.NewHook(reg)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := transport{last: make(chan int64, 10)}
+	ctx := context.Background()
+	w := p.StartPartition(ctx, tr)
+	defer w.Stop(ctx)
+	_ = w.Add(ctx, consumer.Message{Topic: "t", Offset: 0, Headers: []consumer.Header{{Key: "message-id", Value: []byte("a")}}})
+	select {
+	case <-tr.last:
+	case <-time.After(20 * time.Second):
+		t.Fatal("message not finished")
+	}
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	timed := map[string]uint64{}
+	for _, f := range families {
+		if f.GetName() != "onceflow_consumer_transaction_seconds" {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "mode" {
+					timed[l.GetValue()] += m.GetHistogram().GetSampleCount()
+				}
+			}
+		}
+	}
+	if timed["batch"] != 1 || timed["message"] != 0 {
+		t.Fatalf("transactions timed by mode: %v, want one batch and no per-message transaction", timed)
+	}
+}
