@@ -30,7 +30,7 @@ race:
 # the stuck key, the claim at 1M, commit→Kafka latency, the idle relay, the
 # consumer's modes against raw PostgreSQL and the /metrics scrape at 1M and
 # 10M, one package at a time (-p 1: benchmarks of two packages must not
-# share the cores). About 45 minutes on the project's 2-core VM; stop the Java broker
+# share the cores). About 15-20 minutes on the project's 2-core VM; stop the Java broker
 # first (make kafka-stop): it is not used and takes a core's share.
 BENCH_DRAIN ?= 100000,300000,1000000,3000000
 BENCH_SCRAPE ?= 1000000,10000000
