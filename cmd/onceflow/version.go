@@ -1,6 +1,8 @@
 package main
 
 import (
+	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"runtime"
@@ -60,6 +62,9 @@ func (b buildInfo) String() string {
 func runVersion(args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("version", "Print the module version and VCS revision this binary was built from.", stderr)
 	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return err
+		}
 		return fmt.Errorf("%w: %v", errUsage, err)
 	}
 	if fs.NArg() > 0 {
