@@ -24,7 +24,9 @@ func Latest() int {
 // does, for teams that run their own migration tool: it creates the schema
 // and the version table if missing, sets search_path, runs each migration
 // and records it in schema_migrations, so `onceflow migrate up` and the
-// relay's schema check see it. It takes no lock: apply it from one place.
+// relay's schema check see it. Like Up, it is one transaction (BEGIN …
+// COMMIT in the text, as the down script's). It takes no advisory lock:
+// apply it from one place.
 //
 // version 0 means every migration, in order, as one script; otherwise only
 // that version's step. With down, the step's revert (which unrecords it);
@@ -83,9 +85,14 @@ func Script(schema string, version int, down bool) (string, error) {
 END $onceflow$;
 `, version, version, version, version)
 	} else {
+		// One transaction too, as `onceflow migrate up` applies its steps:
+		// a step may lock a table (LOCK TABLE, which PostgreSQL refuses
+		// outside a transaction block), and psql, which goes on after an
+		// error, must not record a step that failed.
+		b.WriteString("BEGIN;\n")
 		fmt.Fprintf(&b, "CREATE SCHEMA IF NOT EXISTS %s;\n", ident)
 		// public stays on the path for gen_random_uuid and extensions.
-		fmt.Fprintf(&b, "SET search_path TO %s, public;\n", ident)
+		fmt.Fprintf(&b, "SET LOCAL search_path TO %s, public;\n", ident)
 		b.WriteString(versionTableSQL + ";\n")
 	}
 	for _, m := range steps {
@@ -98,11 +105,7 @@ END $onceflow$;
 			fmt.Fprintf(&b, "INSERT INTO schema_migrations (version, name) VALUES (%d, '%s');\n", m.Version, strings.ReplaceAll(m.Name, "'", "''"))
 		}
 	}
-	if down {
-		b.WriteString("\nCOMMIT;\n")
-	} else {
-		b.WriteString("\nRESET search_path;\n")
-	}
+	b.WriteString("\nCOMMIT;\n")
 	return b.String(), nil
 }
 

@@ -114,7 +114,8 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 const migratePrintSummary = `Print onceflow's migrations as SQL for teams that run their own migration tool
 (goose, Flyway, Atlas, psql …). Each step creates what it needs in the schema
 and records its version in <schema>.schema_migrations, so 'onceflow migrate up'
-later finds nothing to do and the relay's schema check passes. Needs no database.
+later finds nothing to do and the relay's schema check passes; each script is one
+transaction (BEGIN ... COMMIT). Needs no database.
 
   onceflow migrate print > onceflow.sql                  every migration, one script
   onceflow migrate print --version 2 > 0002.up.sql       one step, for one file per version

@@ -1,0 +1,71 @@
+package migrations_test
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/onceflow/onceflow/internal/pgtest"
+	"github.com/onceflow/onceflow/migrations"
+)
+
+// psqlApply runs a printed script through psql as `migrate print --help`
+// tells users to (one statement at a time, autocommit unless the script
+// opens a transaction), stopping at the first error.
+func psqlApply(t *testing.T, script string) (string, error) {
+	t.Helper()
+	psql, err := exec.LookPath("psql")
+	if err != nil {
+		t.Fatalf("psql (Debian's postgresql-client) is needed to apply the script as users do: %v", err)
+	}
+	file := filepath.Join(t.TempDir(), "up.sql")
+	if err := os.WriteFile(file, []byte(script), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command(psql, "--no-psqlrc", "-v", "ON_ERROR_STOP=1", "-d", pgtest.URL(t), "-f", file).CombinedOutput()
+	return string(out), err
+}
+
+// TestPrintedScriptAppliesWithPsql: the printed up script, whole or one
+// version at a time, applies with plain psql. Migration 7 locks the outbox
+// (LOCK TABLE), which PostgreSQL refuses outside a transaction block: psql
+// with ON_ERROR_STOP stopped there with versions 1-6 recorded, and without
+// it skipped the lock and recorded 7 anyway. Every up script is now one
+// transaction, as `onceflow migrate up` is.
+func TestPrintedScriptAppliesWithPsql(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t)
+	whole := pgtest.EmptySchema(t)
+	script, err := migrations.Script(whole, 0, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if out, err := psqlApply(t, script); err != nil {
+		t.Fatalf("psql on the whole up script: %v\n%s", err, out)
+	}
+	if err := migrations.Check(ctx, pool, whole); err != nil {
+		t.Fatalf("Check after psql applied the whole script: %v", err)
+	}
+
+	stepwise := pgtest.EmptySchema(t)
+	for v := 1; v <= migrations.Latest(); v++ {
+		s, err := migrations.Script(stepwise, v, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if out, err := psqlApply(t, s); err != nil {
+			t.Fatalf("psql on version %d's up script: %v\n%s", v, err, out)
+		}
+	}
+	if err := migrations.Check(ctx, pool, stepwise); err != nil {
+		t.Fatalf("Check after psql applied each version: %v", err)
+	}
+	var searchPath string
+	if err := pool.QueryRow(ctx, `SHOW search_path`).Scan(&searchPath); err != nil || strings.Contains(searchPath, stepwise) {
+		t.Fatalf("search_path %q, err %v", searchPath, err)
+	}
+}
