@@ -20,9 +20,11 @@ type Config struct {
 	// Schema holds onceflow's tables. Defaults to "onceflow".
 	Schema string
 	// InstanceID names this relay in relay_instances and shard leases; it
-	// must be unique among live relays. Run waits up to LeaseDuration for a
-	// live relay holding the same id to lapse (a killed predecessor's
-	// does), then refuses to start with an *InstanceInUseError.
+	// must be unique among live relays. A row of the same id that has not
+	// lapsed is waited for: Run refuses to start, with an
+	// *InstanceInUseError, as soon as it sees the holder's heartbeat
+	// advance (a live relay), and takes the row once it lapses (a killed
+	// predecessor's, which nobody renews).
 	// Defaults to host-pid-random.
 	InstanceID string
 	// BatchSize is the most events read and published per round.
