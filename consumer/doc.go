@@ -10,7 +10,7 @@
 //
 // (sent with BEGIN in one round trip, a row already there failing on the
 // primary key; with Config.PlainBegin, a Beginner that is not a pool, or in
-// batch mode, with ON CONFLICT DO NOTHING and the count of rows inserted)
+// batch mode, with ON CONFLICT DO NOTHING and the rows it inserted telling)
 // and, if the row is new, runs your handler with that same transaction and
 // commits. If the row already exists the message is a duplicate: nothing
 // runs and nothing commits. Only after the commit is the offset marked for

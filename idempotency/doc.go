@@ -46,7 +46,9 @@
 // mismatch, not stored) with the request's context, so a tracing adapter can
 // record it on the request's span.
 //
-// The replay path costs one database round trip (one SELECT); a first
+// The replay path costs one database round trip and takes no row lock (a
+// SELECT in Transactional mode, the claim's INSERT … ON CONFLICT DO NOTHING
+// in Leased mode); a first
 // request costs five in Transactional mode (lookup, BEGIN, claim, store,
 // COMMIT) and two in Leased mode (claim, store), plus the handler's own.
 //

@@ -195,7 +195,12 @@ func (r *Relay) Run(ctx context.Context) error {
 		return stoppedWhileStarting(ctx, err)
 	}
 	if err := r.start(ctx); err != nil {
-		return stoppedWhileStarting(ctx, err)
+		if err = stoppedWhileStarting(ctx, err); err == nil {
+			// A first lease round cut short may have written the instance
+			// row and taken shards (its statements commit one by one).
+			r.handBack()
+		}
+		return err
 	}
 	r.log.Info("relay started", "schema", r.cfg.Schema)
 	// The lease loop ends the run if another process takes this
@@ -223,14 +228,20 @@ func (r *Relay) Run(ctx context.Context) error {
 	if cause := context.Cause(ctx); errors.Is(cause, ErrPreparedStatementsLost) {
 		stopErr = cause
 	}
+	r.handBack()
+	r.log.Info("relay stopped")
+	return stopErr
+}
+
+// handBack gives back this process's shards and instance row at a stop
+// (releaseAll checks the row still carries its token).
+func (r *Relay) handBack() {
 	release, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	if err := r.leases.releaseAll(release); err != nil {
 		// The leases lapse on their own within LeaseDuration.
 		r.log.Warn("relay: hand back shards at shutdown", "error", err)
 	}
-	r.log.Info("relay stopped")
-	return stopErr
 }
 
 // start takes the instance id and the first shards. The database answered
@@ -275,9 +286,9 @@ func (r *Relay) start(ctx context.Context) error {
 }
 
 // stoppedWhileStarting is nil for a start that failed because ctx ended (a
-// stop while waiting for a held instance id or a first lease round: nothing
-// was taken, so nothing is handed back), and err otherwise. A refusal (the
-// id is in use, the pooler loses statements) is reported whatever ctx says.
+// stop while waiting for a held instance id or retrying a first lease
+// round), and err otherwise. A refusal (the id is in use, the pooler loses
+// statements) is reported whatever ctx says.
 func stoppedWhileStarting(ctx context.Context, err error) error {
 	var inUse *InstanceInUseError
 	if ctx.Err() != nil && !errors.As(err, &inUse) && !errors.Is(err, ErrPreparedStatementsLost) {

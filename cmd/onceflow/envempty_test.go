@@ -1,6 +1,8 @@
 package main
 
 import (
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -19,7 +21,7 @@ func TestAnEmptyEnvironmentVariableCountsAsUnset(t *testing.T) {
 		t.Setenv(v, "")
 	}
 	out, err := runCLI(t, "migrate", "print")
-	if err != nil || !strings.Contains(out, `SET search_path TO "onceflow"`) {
+	if err != nil || !strings.Contains(out, `CREATE SCHEMA IF NOT EXISTS "onceflow"`) {
 		t.Fatalf("migrate print with ONCEFLOW_SCHEMA empty: %v\n%.300s", err, out)
 	}
 	schema := pgtest.Schema(t)
@@ -39,8 +41,19 @@ func TestAnEmptyEnvironmentVariableCountsAsUnset(t *testing.T) {
 	if _, err := runCLI(t, "relay", "--database-url", url, "--brokers", "a:1", "--kafka-sasl-username", "u"); err == nil || !strings.Contains(err.Error(), "required when a SASL user") {
 		t.Errorf("a user without a mechanism: err = %v", err)
 	}
-	if _, err := runCLI(t, "relay", "--database-url", url, "--brokers", "a:1", "--max-record-bytes", "10"); err == nil || !strings.Contains(err.Error(), "--max-record-bytes") {
+	// --publisher is checked after the Kafka settings: reaching it means
+	// the empty password was not taken for a password without a mechanism.
+	if _, err := runCLI(t, "relay", "--database-url", url, "--brokers", "a:1", "--publisher", "bogus"); err == nil || !strings.Contains(err.Error(), "publisher") {
 		t.Errorf("no SASL setting but the empty password: err = %v, want the flags checked past SASL", err)
+	}
+	// Nor is it a second password beside the password file.
+	file := filepath.Join(t.TempDir(), "pw")
+	if err := os.WriteFile(file, []byte("secret\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := runCLI(t, "relay", "--database-url", url, "--brokers", "a:1", "--kafka-sasl-mechanism", "PLAIN", "--kafka-sasl-username", "u",
+		"--kafka-sasl-password-file", file, "--publisher", "bogus"); err == nil || !strings.Contains(err.Error(), "publisher") {
+		t.Errorf("PLAIN with a password file and the variable empty: err = %v, want the flags checked past SASL", err)
 	}
 	if _, err := runCLI(t, "relay", "--database-url", url, "--brokers", "a:1", "--kafka-sasl-mechanism", "PLAIN", "--kafka-sasl-username", "u"); err == nil || !strings.Contains(err.Error(), "ONCEFLOW_KAFKA_SASL_PASSWORD (or --kafka-sasl-password-file): required") {
 		t.Errorf("PLAIN with the password empty: err = %v, want it required", err)

@@ -95,6 +95,9 @@ func (h *Hook) OnDone(e consumer.DoneEvent) {
 
 // OnBatch implements consumer.HookBatch.
 func (h *Hook) OnBatch(e consumer.BatchEvent) {
+	if e.New == 0 {
+		return // every message a duplicate: rolled back, not committed
+	}
 	h.txn.WithLabelValues(e.Consumer, "batch").Observe(e.Duration.Seconds())
 }
 
