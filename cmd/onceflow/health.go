@@ -190,9 +190,10 @@ func (p *probes) readyz(w http.ResponseWriter, req *http.Request) {
 }
 
 // waitForDatabase pings until the database answers, with backoff (about 1 s
-// up to about 30 s, ±50% at random), logging each failure at Warn. Errors that waiting cannot fix
-// (authentication, a database that does not exist, a certificate that does
-// not verify) return at once, as does every error when wait is false.
+// up to about 30 s, ±50% at random), logging each failure at Warn. Errors
+// that waiting cannot fix (authentication, a database that does not exist, a
+// certificate that does not verify) return at once, as does every error
+// when wait is false.
 func waitForDatabase(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger, wait bool) error {
 	bo := backoff.NewExponentialBackOff()
 	bo.InitialInterval, bo.MaxInterval, bo.MaxElapsedTime = time.Second, 30*time.Second, 0
