@@ -6,6 +6,7 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"os"
 	"strings"
@@ -113,25 +114,49 @@ type AWSCredentials struct {
 // password.
 func (c Config) String() string {
 	var parts []string
-	if c.TLS != nil {
-		parts = append(parts, "tls")
-	} else {
+	switch {
+	case c.TLS == nil:
 		parts = append(parts, "plaintext")
+	case c.TLS.InsecureSkipVerify:
+		parts = append(parts, "tls insecure-skip-verify")
+	default:
+		parts = append(parts, "tls")
+	}
+	if c.TLS != nil && c.TLS.CertFile != "" {
+		parts = append(parts, "client-cert")
 	}
 	if c.SASL != nil {
-		s := "sasl=" + string(c.SASL.Mechanism)
-		if c.SASL.Username != "" {
-			s += " user=" + c.SASL.Username
-		}
-		parts = append(parts, s)
+		parts = append(parts, c.SASL.String())
 	}
 	return strings.Join(parts, " ")
 }
+
+// String describes the SASL settings: the mechanism and user, never the
+// password (fmt's %v and %+v print this too).
+func (s SASL) String() string {
+	out := "sasl=" + string(s.Mechanism)
+	if s.Username != "" {
+		out += " user=" + s.Username
+	}
+	return out
+}
+
+// GoString keeps %#v from printing the password.
+func (s SASL) GoString() string { return "kafkaconn.SASL{" + s.String() + "}" }
+
+// LogValue keeps log/slog from printing the password.
+func (s SASL) LogValue() slog.Value { return slog.StringValue(s.String()) }
 
 // Validate checks the Config: required fields, files that exist and parse.
 // Errors name the field, e.g. "SASL.Username: required for SCRAM-SHA-512".
 func (c Config) Validate() error {
 	if c.TLS != nil {
+		if t := c.TLS; t.InsecureSkipVerify && (t.CAFile != "" || t.ServerName != "") {
+			// Skipping verification drops what the CA file or the name ask
+			// to verify: a setting left over from a test would silently
+			// weaken a production one.
+			return errors.New("TLS.InsecureSkipVerify: skips the verification TLS.CAFile and TLS.ServerName ask for; set one or the other")
+		}
 		if _, err := c.TLSConfig(); err != nil {
 			return err
 		}
@@ -221,7 +246,9 @@ func (s *SASL) AWSRegionFor(host string) (string, error) {
 	}
 	labels := strings.Split(host, ".")
 	for i := 0; i+2 < len(labels); i++ {
-		if labels[i] == "kafka" && labels[i+2] == "amazonaws" && labels[i+1] != "" {
+		// MSK provisioned (….kafka.<region>.amazonaws.com) and Serverless
+		// (….kafka-serverless.<region>.amazonaws.com) broker names.
+		if (labels[i] == "kafka" || labels[i] == "kafka-serverless") && labels[i+2] == "amazonaws" && labels[i+1] != "" {
 			return labels[i+1], nil
 		}
 	}

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"log/slog"
 	"os"
 	"strconv"
 	"strings"
@@ -75,6 +76,9 @@ func (k *kafkaFlags) conn(brokers []string) ([]string, kafkaconn.Config, error) 
 	if wantTLS || proto.TLS() {
 		c.TLS = &kafkaconn.TLS{CAFile: k.caFile, CertFile: k.certFile, KeyFile: k.keyFile, ServerName: k.serverName, InsecureSkipVerify: k.tlsInsecure}
 	}
+	if k.awsRegion != "" && !strings.EqualFold(k.mechanism, string(kafkaconn.AWSMSKIAM)) {
+		return nil, c, errors.New("--kafka-aws-region: used only with --kafka-sasl-mechanism AWS_MSK_IAM")
+	}
 	password := os.Getenv("ONCEFLOW_KAFKA_SASL_PASSWORD")
 	fromEnv := password != "" // empty counts as unset, as for every setting
 	if k.mechanism == "" {
@@ -120,6 +124,8 @@ func (k *kafkaFlags) conn(brokers []string) ([]string, kafkaconn.Config, error) 
 // them.
 func flagNames(s string) string {
 	return strings.NewReplacer(
+		"TLS.InsecureSkipVerify", "--kafka-tls-insecure-skip-verify",
+		"TLS.ServerName", "--kafka-tls-server-name",
 		"TLS.CAFile", "--kafka-tls-ca-file",
 		"TLS.CertFile", "--kafka-tls-cert-file",
 		"TLS.KeyFile", "--kafka-tls-key-file",
@@ -143,4 +149,15 @@ func (k *kafkaFlags) check() error {
 		return fmt.Errorf("--linger: %s is negative", k.linger)
 	}
 	return nil
+}
+
+// warnWeakKafkaSecurity says at start what a reader of the settings could
+// miss: certificates not verified, or SASL credentials sent in the clear.
+func warnWeakKafkaSecurity(log *slog.Logger, c kafkaconn.Config) {
+	if c.TLS != nil && c.TLS.InsecureSkipVerify {
+		log.Warn("relay: the brokers' certificates are not verified (--kafka-tls-insecure-skip-verify): for tests only")
+	}
+	if c.TLS == nil && c.SASL != nil && c.SASL.Mechanism == kafkaconn.Plain {
+		log.Warn("relay: SASL PLAIN without TLS sends the password in the clear; use SASL_SSL:// brokers or --kafka-tls")
+	}
 }

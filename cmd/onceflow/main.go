@@ -182,7 +182,9 @@ func (w *seenWriter) Write(p []byte) (int, error) {
 }
 
 func (c *common) register(fs *flag.FlagSet, withBrokers bool) {
-	fs.StringVar(&c.databaseURL, "database-url", env("ONCEFLOW_DATABASE_URL", ""), "PostgreSQL URL (env ONCEFLOW_DATABASE_URL)")
+	// No default from the environment: --help prints a flag's default, and
+	// the URL may hold the password. parse reads the variable.
+	fs.StringVar(&c.databaseURL, "database-url", "", "PostgreSQL URL (env ONCEFLOW_DATABASE_URL)")
 	fs.StringVar(&c.schema, "schema", env("ONCEFLOW_SCHEMA", migrations.DefaultSchema), "schema holding onceflow's tables (env ONCEFLOW_SCHEMA)")
 	c.registerPG(fs)
 	if withBrokers {
@@ -205,6 +207,9 @@ func (c *common) parse(fs *flag.FlagSet, args []string, needBrokers bool) error 
 	}
 	if len(envErrs) > 0 {
 		return fmt.Errorf("%w: %v", errUsage, envErrs[0])
+	}
+	if c.databaseURL == "" {
+		c.databaseURL = env("ONCEFLOW_DATABASE_URL", "")
 	}
 	if c.databaseURL == "" {
 		return fmt.Errorf("%w: --database-url (or ONCEFLOW_DATABASE_URL) is required", errUsage)

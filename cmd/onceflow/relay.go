@@ -152,6 +152,7 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 		log.Info("serving /metrics, /livez and /readyz", "addr", ln.Addr().String())
 	}
 	log.Info("relay starting", "instance", r.InstanceID(), "publisher", *publisher, "brokers", strings.Join(brokers, ","), "kafka", conn.String(), "schema", c.schema, "pid", os.Getpid())
+	warnWeakKafkaSecurity(log, conn)
 	watchCtx, stopWatch := context.WithCancel(ctx)
 	watchDone := make(chan struct{})
 	go func() { defer close(watchDone); watch.run(watchCtx) }()

@@ -1,0 +1,60 @@
+package main
+
+import (
+	"bytes"
+	"errors"
+	"log/slog"
+	"strings"
+	"testing"
+
+	"github.com/onceflow/onceflow/internal/pgtest"
+	"github.com/onceflow/onceflow/kafkaconn"
+)
+
+// TestHelpDoesNotPrintTheDatabasePassword: a flag's default is printed by
+// --help, and --database-url's default was ONCEFLOW_DATABASE_URL's value,
+// password and all (pgx's own errors redact it). The variable still works.
+func TestHelpDoesNotPrintTheDatabasePassword(t *testing.T) {
+	t.Setenv("ONCEFLOW_DATABASE_URL", "postgres://u:hunter2@db.invalid/x")
+	for _, cmd := range [][]string{{"relay"}, {"status"}, {"migrate", "up"}, {"dead", "list"}} {
+		out, _ := runCLI(t, append(cmd, "--help")...)
+		if strings.Contains(out, "hunter2") {
+			t.Errorf("%s --help prints the database password:\n%s", strings.Join(cmd, " "), out)
+		}
+	}
+	schema := pgtest.Schema(t)
+	t.Setenv("ONCEFLOW_DATABASE_URL", pgtest.URL(t))
+	if out, err := runCLI(t, "status", "--schema", schema); err != nil || !strings.Contains(out, "backlog:") {
+		t.Fatalf("status with the URL from ONCEFLOW_DATABASE_URL: %v\n%s", err, out)
+	}
+}
+
+// TestKafkaSecurityThatDoesNothingOrLittleIsSaid: verification skipped
+// beside a CA file or server name is refused (it silently cancelled
+// them); --kafka-aws-region without AWS_MSK_IAM is refused (it did
+// nothing); skipped verification and PLAIN over plaintext are warned at
+// start.
+func TestKafkaSecurityThatDoesNothingOrLittleIsSaid(t *testing.T) {
+	url := pgtest.URL(t)
+	for name, tc := range map[string]struct {
+		args []string
+		want string
+	}{
+		"insecure beside a ca file":     {[]string{"--kafka-tls-insecure-skip-verify", "--kafka-tls-ca-file", "/etc/ssl/certs/ca-certificates.crt"}, "--kafka-tls-insecure-skip-verify"},
+		"insecure beside a server name": {[]string{"--kafka-tls-insecure-skip-verify", "--kafka-tls-server-name", "b.example"}, "--kafka-tls-server-name"},
+		"aws region without iam":        {[]string{"--kafka-aws-region", "eu-west-1"}, "--kafka-aws-region"},
+	} {
+		_, err := runCLI(t, append([]string{"relay", "--database-url", url, "--brokers", "a:1"}, tc.args...)...)
+		if !errors.Is(err, errUsage) || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: err = %v, want a usage error naming %s", name, err, tc.want)
+		}
+	}
+	var logged bytes.Buffer
+	log := slog.New(slog.NewTextHandler(&logged, nil))
+	warnWeakKafkaSecurity(log, kafkaconn.Config{TLS: &kafkaconn.TLS{InsecureSkipVerify: true}})
+	warnWeakKafkaSecurity(log, kafkaconn.Config{SASL: &kafkaconn.SASL{Mechanism: kafkaconn.Plain, Username: "u", Password: "p"}})
+	warnWeakKafkaSecurity(log, kafkaconn.Config{TLS: &kafkaconn.TLS{}, SASL: &kafkaconn.SASL{Mechanism: kafkaconn.Plain, Username: "u", Password: "p"}})
+	if n := strings.Count(logged.String(), "level=WARN"); n != 2 || !strings.Contains(logged.String(), "not verified") || !strings.Contains(logged.String(), "in the clear") {
+		t.Errorf("want two Warn lines (verification off; PLAIN in the clear), got:\n%s", logged.String())
+	}
+}

@@ -1,0 +1,66 @@
+package kafkaconn_test
+
+import (
+	"bytes"
+	"fmt"
+	"log/slog"
+	"strings"
+	"testing"
+
+	"github.com/onceflow/onceflow/kafkaconn"
+)
+
+// TestInsecureSkipVerifyIsNotSilent: skipping verification drops whatever a
+// CA file or a server name asked to verify, so asking for both is refused
+// rather than silently weakened, and the Config's description (the relay's
+// start line) says verification is off.
+func TestInsecureSkipVerifyIsNotSilent(t *testing.T) {
+	for name, tl := range map[string]*kafkaconn.TLS{
+		"ca file":     {InsecureSkipVerify: true, CAFile: "/etc/ssl/certs/ca-certificates.crt"},
+		"server name": {InsecureSkipVerify: true, ServerName: "broker.prod.example"},
+	} {
+		err := kafkaconn.Config{TLS: tl}.Validate()
+		if err == nil || !strings.Contains(err.Error(), "TLS.InsecureSkipVerify") {
+			t.Errorf("%s with InsecureSkipVerify: err = %v, want it refused naming TLS.InsecureSkipVerify", name, err)
+		}
+	}
+	if s := (kafkaconn.Config{TLS: &kafkaconn.TLS{InsecureSkipVerify: true}}).String(); !strings.Contains(s, "insecure-skip-verify") {
+		t.Errorf("String() = %q, want it to say verification is skipped", s)
+	}
+}
+
+// TestSASLNeverPrintsItsPassword: the package promises passwords are never
+// part of what it prints; a *SASL formatted by fmt or logged by slog
+// printed its Password field.
+func TestSASLNeverPrintsItsPassword(t *testing.T) {
+	s := &kafkaconn.SASL{Mechanism: kafkaconn.Plain, Username: "u", Password: "hunter2"}
+	var logged bytes.Buffer
+	slog.New(slog.NewTextHandler(&logged, nil)).Info("conn", "sasl", s, "config", kafkaconn.Config{SASL: s})
+	slog.New(slog.NewJSONHandler(&logged, nil)).Info("conn", "sasl", s)
+	for _, out := range []string{fmt.Sprint(s), fmt.Sprintf("%v", *s), fmt.Sprintf("%+v", s), fmt.Sprintf("%#v", s),
+		fmt.Sprintf("%+v", kafkaconn.Config{SASL: s}), logged.String()} {
+		if strings.Contains(out, "hunter2") {
+			t.Errorf("the password is printed: %s", out)
+		}
+	}
+	if !strings.Contains(fmt.Sprint(s), "u") {
+		t.Errorf("%v hides the user too", s)
+	}
+}
+
+// TestAWSRegionFromMSKServerlessNames: MSK Serverless brokers are named
+// boot-….c2.kafka-serverless.<region>.amazonaws.com; kafka-go's signer
+// found no region in them (franz-go's did).
+func TestAWSRegionFromMSKServerlessNames(t *testing.T) {
+	t.Setenv("AWS_REGION", "")
+	t.Setenv("AWS_DEFAULT_REGION", "")
+	s := &kafkaconn.SASL{Mechanism: kafkaconn.AWSMSKIAM}
+	for host, want := range map[string]string{
+		"boot-abcd1234.c2.kafka-serverless.us-east-1.amazonaws.com:9098": "us-east-1",
+		"b-1.demo.abc123.c2.kafka.eu-west-1.amazonaws.com:9098":          "eu-west-1",
+	} {
+		if got, err := s.AWSRegionFor(host); err != nil || got != want {
+			t.Errorf("AWSRegionFor(%s) = %q, %v; want %s", host, got, err, want)
+		}
+	}
+}
