@@ -104,6 +104,9 @@ func (k *kafkaFlags) conn(brokers []string) ([]string, kafkaconn.Config, error) 
 			}
 		}
 		c.SASL = &kafkaconn.SASL{Mechanism: m, Username: k.username, Password: password, AWSRegion: k.awsRegion}
+		if m == kafkaconn.AWSMSKIAM {
+			c.SASL.AWSCredentials = awsCredentialChain()
+		}
 		if m == kafkaconn.AWSMSKIAM && k.awsRegion != "" {
 			// franz-go's AWS_MSK_IAM takes the region from the broker's host
 			// name, else from AWS_REGION only (it has no setting for it);

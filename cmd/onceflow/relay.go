@@ -69,6 +69,16 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	if *publisher != "franz-go" && *publisher != "kafka-go" {
 		return fmt.Errorf("%w: --publisher: %q is not franz-go or kafka-go", errUsage, *publisher)
 	}
+	if conn.SASL != nil && conn.SASL.AWSCredentials != nil {
+		// Without credentials every connection would fail, each logged at
+		// Warn while the relay looked alive: say so once, at start.
+		credCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		_, err := conn.SASL.AWSCredentials(credCtx)
+		cancel()
+		if err != nil {
+			return err
+		}
+	}
 	if *checkEvery <= 0 {
 		return fmt.Errorf("%w: --kafka-check-interval: %s is not positive", errUsage, *checkEvery)
 	}
