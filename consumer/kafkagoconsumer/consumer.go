@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"sync"
 	"time"
 
@@ -209,13 +210,51 @@ func New(p *consumer.Processor, cfg *Config) (*Consumer, error) {
 	return out, nil
 }
 
-// newTransport returns a Transport with d's TLS, SASL and client id.
+// newTransport returns a Transport (fetches, offset lookups, the default
+// dead-letter writer) that connects as d does for the group: its TLS, SASL
+// and client id, and its Resolver, DialFunc, LocalAddr, KeepAlive,
+// DualStack, FallbackDelay and Timeout, dialing the way kafka.Dialer does
+// (the name resolved first, then DialFunc or a net.Dialer).
 func newTransport(d *kafka.Dialer) *kafka.Transport {
 	t := &kafka.Transport{}
-	if d != nil {
-		t.TLS = d.TLS
-		t.SASL = d.SASLMechanism
-		t.ClientID = d.ClientID
+	if d == nil {
+		return t
+	}
+	t.TLS = d.TLS
+	t.SASL = d.SASLMechanism
+	t.ClientID = d.ClientID
+	t.DialTimeout = d.Timeout
+	if d.Resolver == nil && d.DialFunc == nil && d.LocalAddr == nil && d.KeepAlive == 0 && !d.DualStack && d.FallbackDelay == 0 {
+		return t // the Transport's own dialer does the same
+	}
+	dial := d.DialFunc
+	if dial == nil {
+		dial = (&net.Dialer{LocalAddr: d.LocalAddr, DualStack: d.DualStack, FallbackDelay: d.FallbackDelay, KeepAlive: d.KeepAlive}).DialContext
+	}
+	t.Dial = func(ctx context.Context, network, address string) (net.Conn, error) {
+		if d.Resolver != nil {
+			host, port, err := net.SplitHostPort(address)
+			if err != nil {
+				return nil, err
+			}
+			addrs, err := d.Resolver.LookupHost(ctx, host)
+			if err != nil {
+				return nil, fmt.Errorf("resolve %s: %w", host, err)
+			}
+			if len(addrs) > 0 {
+				// As kafka.Dialer: the resolved host, and its port only when
+				// the address had none.
+				h, p, err := net.SplitHostPort(addrs[0])
+				if err != nil {
+					h, p = addrs[0], ""
+				}
+				if port == "" {
+					port = p
+				}
+				address = net.JoinHostPort(h, port)
+			}
+		}
+		return dial(ctx, network, address)
 	}
 	return t
 }
