@@ -2,6 +2,7 @@ package kafkagoconsumer
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -213,8 +214,11 @@ func New(p *consumer.Processor, cfg *Config) (*Consumer, error) {
 // newTransport returns a Transport (fetches, offset lookups, the default
 // dead-letter writer) that connects as d does for the group: its TLS, SASL
 // and client id, and its Resolver, DialFunc, LocalAddr, KeepAlive,
-// DualStack, FallbackDelay and Timeout, dialing the way kafka.Dialer does
-// (the name resolved first, then DialFunc or a net.Dialer).
+// FallbackDelay and Timeout, dialing the way kafka.Dialer does: the name
+// resolved first, then DialFunc or a net.Dialer, then the TLS handshake,
+// whose server name (unless set) is the resolved host's, as the Dialer
+// verifies it (the Transport's own handshake would verify the name before
+// resolution).
 func newTransport(d *kafka.Dialer) *kafka.Transport {
 	t := &kafka.Transport{}
 	if d == nil {
@@ -224,13 +228,15 @@ func newTransport(d *kafka.Dialer) *kafka.Transport {
 	t.SASL = d.SASLMechanism
 	t.ClientID = d.ClientID
 	t.DialTimeout = d.Timeout
-	if d.Resolver == nil && d.DialFunc == nil && d.LocalAddr == nil && d.KeepAlive == 0 && !d.DualStack && d.FallbackDelay == 0 {
+	if d.Resolver == nil && d.DialFunc == nil && d.LocalAddr == nil && d.KeepAlive == 0 && d.FallbackDelay == 0 {
 		return t // the Transport's own dialer does the same
 	}
 	dial := d.DialFunc
 	if dial == nil {
-		dial = (&net.Dialer{LocalAddr: d.LocalAddr, DualStack: d.DualStack, FallbackDelay: d.FallbackDelay, KeepAlive: d.KeepAlive}).DialContext
+		dial = (&net.Dialer{LocalAddr: d.LocalAddr, FallbackDelay: d.FallbackDelay, KeepAlive: d.KeepAlive}).DialContext
 	}
+	tlsConfig := d.TLS
+	t.TLS = nil // the handshake happens in Dial
 	t.Dial = func(ctx context.Context, network, address string) (net.Conn, error) {
 		if d.Resolver != nil {
 			host, port, err := net.SplitHostPort(address)
@@ -254,7 +260,21 @@ func newTransport(d *kafka.Dialer) *kafka.Transport {
 				address = net.JoinHostPort(h, port)
 			}
 		}
-		return dial(ctx, network, address)
+		conn, err := dial(ctx, network, address)
+		if err != nil || tlsConfig == nil {
+			return conn, err
+		}
+		c := tlsConfig
+		if c.ServerName == "" {
+			c = c.Clone()
+			c.ServerName, _, _ = net.SplitHostPort(address)
+		}
+		tc := tls.Client(conn, c)
+		if err := tc.HandshakeContext(ctx); err != nil {
+			conn.Close()
+			return nil, err
+		}
+		return tc, nil
 	}
 	return t
 }

@@ -2,15 +2,20 @@ package kafkagoconsumer
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"net"
+	"os"
 	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/segmentio/kafka-go"
+	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/onceflow/onceflow/internal/kafkatest"
+	"github.com/onceflow/onceflow/internal/tlstest"
 )
 
 // fixedResolver answers every name with one address, as a service
@@ -63,5 +68,45 @@ func TestFetchesDialLikeTheReadersDialer(t *testing.T) {
 	}
 	if dials.Load() == 0 {
 		t.Error("the Dialer's DialFunc was never called")
+	}
+}
+
+// TestFetchesOverTLSVerifyTheNameTheDialerVerifies: with a Resolver, the
+// Reader's Dialer takes the TLS server name from the resolved host; fetches
+// took it from the name before resolution, so a broker whose certificate
+// names the resolved host (here "localhost", the made-up name resolving to
+// it) passed for the group and failed every fetch with an x509 error.
+func TestFetchesOverTLSVerifyTheNameTheDialerVerifies(t *testing.T) {
+	pki := tlstest.New(t)
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.TLS(pki.ServerConfig(false)), kfake.SeedTopics(1, "tls-topic"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_, port, _ := net.SplitHostPort(c.ListenAddrs()[0])
+	ca, err := os.ReadFile(pki.CAFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	roots := x509.NewCertPool()
+	roots.AppendCertsFromPEM(ca)
+	d := &kafka.Dialer{Resolver: fixedResolver{"localhost"}, TLS: &tls.Config{RootCAs: roots, MinVersion: tls.VersionTLS12}, Timeout: 5 * time.Second}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	// The group's path verifies "localhost".
+	conn, err := d.DialContext(ctx, "tcp", "kafka.internal.invalid:"+port)
+	if err != nil {
+		t.Fatalf("the Reader's Dialer: %v", err)
+	}
+	conn.Close()
+	tr := newTransport(d)
+	defer tr.CloseIdleConnections()
+	client := &kafka.Client{Addr: kafka.TCP("kafka.internal.invalid:" + port), Transport: tr}
+	res, err := client.Metadata(ctx, &kafka.MetadataRequest{Topics: []string{"tls-topic"}})
+	if err != nil {
+		t.Fatalf("fetches' transport over TLS through the resolver: %v", err)
+	}
+	if len(res.Topics) != 1 || res.Topics[0].Name != "tls-topic" {
+		t.Fatalf("metadata %+v", res.Topics)
 	}
 }
