@@ -5,16 +5,15 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strings"
 	"testing"
 
 	"github.com/onceflow/onceflow/internal/pgtest"
 	"github.com/onceflow/onceflow/migrations"
 )
 
-// psqlApply runs a printed script through psql as `migrate print --help`
-// tells users to (one statement at a time, autocommit unless the script
-// opens a transaction), stopping at the first error.
+// psqlApply runs a printed script through psql as the script's first
+// lines and `migrate print --help` tell users to: one transaction (-1),
+// stopping at the first error.
 func psqlApply(t *testing.T, script string) (string, error) {
 	t.Helper()
 	psql, err := exec.LookPath("psql")
@@ -25,16 +24,18 @@ func psqlApply(t *testing.T, script string) (string, error) {
 	if err := os.WriteFile(file, []byte(script), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	out, err := exec.Command(psql, "--no-psqlrc", "-v", "ON_ERROR_STOP=1", "-d", pgtest.URL(t), "-f", file).CombinedOutput()
+	out, err := exec.Command(psql, "--no-psqlrc", "-1", "-v", "ON_ERROR_STOP=1", "-d", pgtest.URL(t), "-f", file).CombinedOutput()
 	return string(out), err
 }
 
 // TestPrintedScriptAppliesWithPsql: the printed up script, whole or one
-// version at a time, applies with plain psql. Migration 7 locks the outbox
-// (LOCK TABLE), which PostgreSQL refuses outside a transaction block: psql
-// with ON_ERROR_STOP stopped there with versions 1-6 recorded, and without
-// it skipped the lock and recorded 7 anyway. Every up script is now one
-// transaction, as `onceflow migrate up` is.
+// version at a time, applies with psql as documented. Migration 7 locks the
+// outbox (LOCK TABLE), which PostgreSQL refuses outside a transaction
+// block: applied with plain psql, as the help suggested, psql with
+// ON_ERROR_STOP stopped there with versions 1-6 recorded, and without it
+// skipped the lock and recorded 7 anyway. The script and the help now say
+// to apply it in one transaction (psql -1), and a failed step then records
+// nothing.
 func TestPrintedScriptAppliesWithPsql(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -64,8 +65,22 @@ func TestPrintedScriptAppliesWithPsql(t *testing.T) {
 	if err := migrations.Check(ctx, pool, stepwise); err != nil {
 		t.Fatalf("Check after psql applied each version: %v", err)
 	}
-	var searchPath string
-	if err := pool.QueryRow(ctx, `SHOW search_path`).Scan(&searchPath); err != nil || strings.Contains(searchPath, stepwise) {
-		t.Fatalf("search_path %q, err %v", searchPath, err)
+
+	// A step that fails (a table of that name is already there) records
+	// nothing, the steps before it included.
+	failing := pgtest.EmptySchema(t)
+	if _, err := pool.Exec(ctx, `CREATE SCHEMA `+failing+`; CREATE TABLE `+failing+`.relay_shards (x int)`); err != nil {
+		t.Fatal(err)
+	}
+	script, err = migrations.Script(failing, 0, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if out, err := psqlApply(t, script); err == nil {
+		t.Fatalf("psql applied a script whose first step must fail:\n%s", out)
+	}
+	var recorded bool
+	if err := pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, failing+".schema_migrations").Scan(&recorded); err != nil || recorded {
+		t.Fatalf("after a failed step, %s.schema_migrations exists: %v (err %v); want nothing recorded", failing, recorded, err)
 	}
 }

@@ -24,9 +24,10 @@ func Latest() int {
 // does, for teams that run their own migration tool: it creates the schema
 // and the version table if missing, sets search_path, runs each migration
 // and records it in schema_migrations, so `onceflow migrate up` and the
-// relay's schema check see it. Like Up, it is one transaction (BEGIN …
-// COMMIT in the text, as the down script's). It takes no advisory lock:
-// apply it from one place.
+// relay's schema check see it. Apply it in one transaction, as Up runs
+// (psql -1, or a tool that wraps each file in a transaction): a step may
+// lock a table, which PostgreSQL allows only in a transaction block. It
+// takes no advisory lock: apply it from one place.
 //
 // version 0 means every migration, in order, as one script; otherwise only
 // that version's step. With down, the step's revert (which unrecords it);
@@ -85,14 +86,14 @@ func Script(schema string, version int, down bool) (string, error) {
 END $onceflow$;
 `, version, version, version, version)
 	} else {
-		// One transaction too, as `onceflow migrate up` applies its steps:
-		// a step may lock a table (LOCK TABLE, which PostgreSQL refuses
-		// outside a transaction block), and psql, which goes on after an
-		// error, must not record a step that failed.
-		b.WriteString("BEGIN;\n")
+		// No BEGIN/COMMIT: migration tools run each file in a transaction
+		// of their own (an inner COMMIT would end theirs early), and psql
+		// is told to (-1). The steps need one: migration 7 locks a table.
+		b.WriteString("-- Apply it in one transaction, as `onceflow migrate up` does: psql -1 -v ON_ERROR_STOP=1 -f FILE,\n")
+		b.WriteString("-- or a tool that runs each file in a transaction (goose, Flyway and Atlas do by default).\n")
 		fmt.Fprintf(&b, "CREATE SCHEMA IF NOT EXISTS %s;\n", ident)
 		// public stays on the path for gen_random_uuid and extensions.
-		fmt.Fprintf(&b, "SET LOCAL search_path TO %s, public;\n", ident)
+		fmt.Fprintf(&b, "SET search_path TO %s, public;\n", ident)
 		b.WriteString(versionTableSQL + ";\n")
 	}
 	for _, m := range steps {
@@ -105,7 +106,11 @@ END $onceflow$;
 			fmt.Fprintf(&b, "INSERT INTO schema_migrations (version, name) VALUES (%d, '%s');\n", m.Version, strings.ReplaceAll(m.Name, "'", "''"))
 		}
 	}
-	b.WriteString("\nCOMMIT;\n")
+	if down {
+		b.WriteString("\nCOMMIT;\n")
+	} else {
+		b.WriteString("\nRESET search_path;\n")
+	}
 	return b.String(), nil
 }
 

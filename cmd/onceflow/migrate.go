@@ -114,8 +114,9 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 const migratePrintSummary = `Print onceflow's migrations as SQL for teams that run their own migration tool
 (goose, Flyway, Atlas, psql …). Each step creates what it needs in the schema
 and records its version in <schema>.schema_migrations, so 'onceflow migrate up'
-later finds nothing to do and the relay's schema check passes; each script is one
-transaction (BEGIN ... COMMIT). Needs no database.
+later finds nothing to do and the relay's schema check passes. Apply an up script
+in one transaction, as 'onceflow migrate up' does: tools that run each file in a
+transaction do; with psql, psql -1 -v ON_ERROR_STOP=1 -f FILE. Needs no database.
 
   onceflow migrate print > onceflow.sql                  every migration, one script
   onceflow migrate print --version 2 > 0002.up.sql       one step, for one file per version
