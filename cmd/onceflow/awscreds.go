@@ -8,6 +8,7 @@ import (
 
 	"github.com/aws/aws-sdk-go-v2/aws"
 	awsconfig "github.com/aws/aws-sdk-go-v2/config"
+	"github.com/aws/smithy-go/logging"
 
 	"github.com/onceflow/onceflow/kafkaconn"
 )
@@ -18,8 +19,10 @@ import (
 // accounts use, ECS and EKS Pod Identity container credentials, the EC2
 // instance role), cached and refreshed before they expire. kafkaconn's
 // default reads the environment's keys only, which the roles MSK users
-// run with never set.
-func awsCredentialChain() func(context.Context) (kafkaconn.AWSCredentials, error) {
+// run with never set. region (the brokers' or --kafka-aws-region, "" for
+// none) is the SDK's region unless AWS_REGION or the profile names one:
+// web identity and assumed roles call regional STS.
+func awsCredentialChain(region string) func(context.Context) (kafkaconn.AWSCredentials, error) {
 	var (
 		once     sync.Once
 		provider aws.CredentialsProvider
@@ -29,7 +32,15 @@ func awsCredentialChain() func(context.Context) (kafkaconn.AWSCredentials, error
 		once.Do(func() {
 			// Reads files and the environment only; credentials are
 			// fetched on Retrieve.
-			cfg, err := awsconfig.LoadDefaultConfig(context.Background())
+			opts := []func(*awsconfig.LoadOptions) error{
+				// The SDK's own log lines (an IMDSv1 fallback, say) would
+				// go to stderr past the relay's log format.
+				awsconfig.WithLogger(logging.Nop{}),
+			}
+			if region != "" {
+				opts = append(opts, awsconfig.WithDefaultRegion(region))
+			}
+			cfg, err := awsconfig.LoadDefaultConfig(context.Background(), opts...)
 			provider, loadErr = cfg.Credentials, err
 		})
 		if loadErr != nil {

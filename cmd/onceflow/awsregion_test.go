@@ -2,14 +2,25 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"flag"
+	"fmt"
 	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/onceflow/onceflow/internal/kgoconn"
+	"github.com/onceflow/onceflow/internal/pgtest"
+	"github.com/onceflow/onceflow/internal/tlstest"
 )
 
 // TestKafkaAWSRegionReachesFranzGo: --kafka-aws-region is the region
@@ -94,22 +105,143 @@ func TestMSKIAMTakesTheAWSCredentialChain(t *testing.T) {
 	}
 }
 
-// TestMSKIAMWithoutCredentialsFailsAtStart: with no credentials anywhere
-// the relay exits at start saying so, rather than run with every broker
-// connection failing.
-func TestMSKIAMWithoutCredentialsFailsAtStart(t *testing.T) {
+// TestMSKIAMWithoutCredentialsIsSaidAtStart: with no credentials anywhere
+// every broker connection fails, which the broker check reports without
+// the cause; the relay says why once, at start (Error), and runs on (a role
+// may be a moment from ready), stopping cleanly.
+func TestMSKIAMWithoutCredentialsIsSaidAtStart(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the binary; skipped with -short")
+	}
+	bin := buildBinary(t)
+	schema := pgtest.Schema(t)
 	dir := t.TempDir()
+	env := []string{
+		"ONCEFLOW_DATABASE_URL=" + pgtest.URL(t), "ONCEFLOW_SCHEMA=" + schema, "ONCEFLOW_LOG_LEVEL=warn",
+		"ONCEFLOW_BROKERS=SASL_SSL://b-1.demo.abc123.c2.kafka.eu-west-1.amazonaws.com:9098",
+		"ONCEFLOW_KAFKA_SASL_MECHANISM=AWS_MSK_IAM",
+		"AWS_SHARED_CREDENTIALS_FILE=" + filepath.Join(dir, "none"), "AWS_CONFIG_FILE=" + filepath.Join(dir, "none"),
+		"AWS_EC2_METADATA_DISABLED=true", "HOME=" + dir,
+	}
+	p := startRelayProc(t, bin, env)
+	waitUntil(t, "the relay to say it has no AWS credentials", 30*time.Second, func() bool {
+		return p.Printed("level=ERROR") && p.Printed("no AWS credentials for AWS_MSK_IAM yet")
+	})
+	if _, exited := p.Exited(); exited {
+		t.Fatalf("the relay exited:\n%s", p.Output())
+	}
+	_ = p.Signal(syscall.SIGTERM)
+	if err, exited := p.Wait(30 * time.Second); !exited || err != nil {
+		t.Fatalf("after SIGTERM: exited %v, err %v\n%s", exited, err, p.Output())
+	}
+}
+
+// TestMSKIAMWebIdentityTakesTheBrokersRegion: web identity (EKS service
+// accounts, self-managed OIDC) assumes its role through regional STS, and
+// the SDK knew no region unless AWS_REGION was set, so the chain failed
+// with "Missing Region" though the MSK broker names carry it. Here STS is
+// a local server behind an HTTPS proxy that answers for
+// sts.eu-west-1.amazonaws.com only (a certificate for that name from the
+// test's CA, which AWS_CA_BUNDLE names): the region must reach the SDK.
+func TestMSKIAMWebIdentityTakesTheBrokersRegion(t *testing.T) {
+	pki := tlstest.New(t)
+	stsHost := "sts.eu-west-1.amazonaws.com"
+	certFile, keyFile := pki.Issue(t, "sts", []string{stsHost}, nil)
+	cert, err := tls.LoadX509KeyPair(certFile, keyFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int32
+	sts := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		calls.Add(1)
+		_ = r.ParseForm()
+		if r.Form.Get("Action") != "AssumeRoleWithWebIdentity" || r.Form.Get("WebIdentityToken") != "oidc-token" {
+			http.Error(w, "unexpected request", http.StatusBadRequest)
+			return
+		}
+		w.Header().Set("Content-Type", "text/xml")
+		fmt.Fprint(w, `<AssumeRoleWithWebIdentityResponse xmlns="https://sts.amazonaws.com/doc/2011-06-15/"><AssumeRoleWithWebIdentityResult>
+<Credentials><AccessKeyId>AKIDWEBIDENTITY</AccessKeyId><SecretAccessKey>secret</SecretAccessKey><SessionToken>session</SessionToken><Expiration>2099-01-01T00:00:00Z</Expiration></Credentials>
+<AssumedRoleUser><Arn>arn:aws:sts::123456789012:assumed-role/relay/s</Arn><AssumedRoleId>AROA:s</AssumedRoleId></AssumedRoleUser>
+</AssumeRoleWithWebIdentityResult><ResponseMetadata><RequestId>1</RequestId></ResponseMetadata></AssumeRoleWithWebIdentityResponse>`)
+	})
+	var tunnels []string
+	var mu sync.Mutex
+	proxy := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		tunnels = append(tunnels, r.Host)
+		mu.Unlock()
+		if r.Method != http.MethodConnect || r.Host != stsHost+":443" {
+			http.Error(w, "no route", http.StatusBadGateway)
+			return
+		}
+		conn, _, err := w.(http.Hijacker).Hijack()
+		if err != nil {
+			return
+		}
+		fmt.Fprint(conn, "HTTP/1.1 200 Connection established\r\n\r\n")
+		tc := tls.Server(conn, &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12})
+		_ = http.Serve(&oneConnListener{conn: tc}, sts)
+	}))
+	defer proxy.Close()
+	dir := t.TempDir()
+	token := filepath.Join(dir, "token")
+	if err := os.WriteFile(token, []byte("oidc-token"), 0o600); err != nil {
+		t.Fatal(err)
+	}
 	for k, v := range map[string]string{
 		"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_SESSION_TOKEN": "", "AWS_PROFILE": "",
 		"AWS_SHARED_CREDENTIALS_FILE": filepath.Join(dir, "none"), "AWS_CONFIG_FILE": filepath.Join(dir, "none"),
-		"AWS_EC2_METADATA_DISABLED": "true", "AWS_WEB_IDENTITY_TOKEN_FILE": "", "AWS_CONTAINER_CREDENTIALS_FULL_URI": "",
-		"AWS_CONTAINER_CREDENTIALS_RELATIVE_URI": "", "ONCEFLOW_KAFKA_AWS_REGION": "",
+		"AWS_EC2_METADATA_DISABLED": "true", "AWS_REGION": "", "AWS_DEFAULT_REGION": "",
+		"AWS_WEB_IDENTITY_TOKEN_FILE": token, "AWS_ROLE_ARN": "arn:aws:iam::123456789012:role/relay",
+		"AWS_ROLE_SESSION_NAME": "relay", "AWS_CA_BUNDLE": pki.CAFile, "AWS_STS_REGIONAL_ENDPOINTS": "regional",
+		"HTTPS_PROXY": proxy.URL, "HTTP_PROXY": "", "NO_PROXY": "", "ONCEFLOW_KAFKA_AWS_REGION": "",
 	} {
 		t.Setenv(k, v)
 	}
-	_, err := runCLI(t, "relay", "--database-url", "postgres://postgres@127.0.0.1:1/x", "--wait-for-database=false",
-		"--brokers", "SASL_SSL://b-1.demo.abc123.c2.kafka.eu-west-1.amazonaws.com:9098", "--kafka-sasl-mechanism", "AWS_MSK_IAM")
-	if err == nil || !strings.Contains(err.Error(), "no AWS credentials") {
-		t.Fatalf("err = %v, want the relay to stop at start for want of AWS credentials", err)
+	var kf kafkaFlags
+	fs := flag.NewFlagSet("relay", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	kf.register(fs)
+	if err := fs.Parse([]string{"--kafka-sasl-mechanism", "AWS_MSK_IAM"}); err != nil {
+		t.Fatal(err)
+	}
+	const host = "b-1.demo.abc123.c2.kafka.eu-west-1.amazonaws.com:9098"
+	_, conn, err := kf.conn([]string{"SASL_SSL://" + host})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := kgoconn.Mechanism(conn.SASL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, first, err := m.Authenticate(context.Background(), host)
+	mu.Lock()
+	defer mu.Unlock()
+	if err != nil {
+		t.Fatalf("AWS_MSK_IAM with web identity and no AWS_REGION: %v (proxied: %v)", err, tunnels)
+	}
+	if !strings.Contains(string(first), "AKIDWEBIDENTITY/") || calls.Load() == 0 {
+		t.Fatalf("signed with other credentials than the assumed role's (STS calls %d, proxied %v): %s", calls.Load(), tunnels, first)
 	}
 }
+
+// oneConnListener serves one connection to http.Serve.
+type oneConnListener struct {
+	conn net.Conn
+	done bool
+	mu   sync.Mutex
+}
+
+func (l *oneConnListener) Accept() (net.Conn, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.done {
+		return nil, io.EOF
+	}
+	l.done = true
+	return l.conn, nil
+}
+
+func (l *oneConnListener) Close() error   { return nil }
+func (l *oneConnListener) Addr() net.Addr { return l.conn.LocalAddr() }

@@ -48,7 +48,7 @@ func (k *kafkaFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&k.mechanism, "kafka-sasl-mechanism", env("ONCEFLOW_KAFKA_SASL_MECHANISM", ""), "SASL mechanism: PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 or AWS_MSK_IAM; empty: none (env ONCEFLOW_KAFKA_SASL_MECHANISM)")
 	fs.StringVar(&k.username, "kafka-sasl-username", env("ONCEFLOW_KAFKA_SASL_USERNAME", ""), "SASL user for PLAIN and SCRAM (env ONCEFLOW_KAFKA_SASL_USERNAME)")
 	fs.StringVar(&k.passwordFile, "kafka-sasl-password-file", env("ONCEFLOW_KAFKA_SASL_PASSWORD_FILE", ""), "file holding the SASL password (one trailing newline is ignored); or set ONCEFLOW_KAFKA_SASL_PASSWORD. There is no password flag: command lines show in ps (env ONCEFLOW_KAFKA_SASL_PASSWORD_FILE)")
-	fs.StringVar(&k.awsRegion, "kafka-aws-region", env("ONCEFLOW_KAFKA_AWS_REGION", ""), "AWS_MSK_IAM: the cluster's region when the broker names do not carry it; default AWS_REGION. Credentials come from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN (env ONCEFLOW_KAFKA_AWS_REGION)")
+	fs.StringVar(&k.awsRegion, "kafka-aws-region", env("ONCEFLOW_KAFKA_AWS_REGION", ""), "AWS_MSK_IAM: the cluster's region when the broker names do not carry it; default AWS_REGION. Credentials come from the AWS SDK's default chain: the environment's keys, AWS_PROFILE's shared files, web identity (EKS service accounts), ECS and EKS Pod Identity, the EC2 instance role (env ONCEFLOW_KAFKA_AWS_REGION)")
 	fs.StringVar(&k.clientID, "kafka-client-id", env("ONCEFLOW_KAFKA_CLIENT_ID", "onceflow-relay"), "client id shown in the brokers' logs, quotas and metrics (env ONCEFLOW_KAFKA_CLIENT_ID)")
 	fs.StringVar(&k.compression, "compression", env("ONCEFLOW_COMPRESSION", ""), "produce compression: none, gzip, snappy, lz4 or zstd; default the client's (snappy for franz-go, none for kafka-go) (env ONCEFLOW_COMPRESSION)")
 	fs.IntVar(&k.maxRecordBytes, "max-record-bytes", envInt("ONCEFLOW_MAX_RECORD_BYTES", 1000012), "largest record the relay sends; a larger one is dead-lettered. Keep at or below the topics' max.message.bytes (env ONCEFLOW_MAX_RECORD_BYTES)")
@@ -105,7 +105,11 @@ func (k *kafkaFlags) conn(brokers []string) ([]string, kafkaconn.Config, error) 
 		}
 		c.SASL = &kafkaconn.SASL{Mechanism: m, Username: k.username, Password: password, AWSRegion: k.awsRegion}
 		if m == kafkaconn.AWSMSKIAM {
-			c.SASL.AWSCredentials = awsCredentialChain()
+			region := k.awsRegion
+			if region == "" && len(hosts) > 0 {
+				region, _ = c.SASL.AWSRegionFor(hosts[0]) // "" when the name carries none
+			}
+			c.SASL.AWSCredentials = awsCredentialChain(region)
 		}
 		if m == kafkaconn.AWSMSKIAM && k.awsRegion != "" {
 			// franz-go's AWS_MSK_IAM takes the region from the broker's host

@@ -69,16 +69,7 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	if *publisher != "franz-go" && *publisher != "kafka-go" {
 		return fmt.Errorf("%w: --publisher: %q is not franz-go or kafka-go", errUsage, *publisher)
 	}
-	if conn.SASL != nil && conn.SASL.AWSCredentials != nil {
-		// Without credentials every connection would fail, each logged at
-		// Warn while the relay looked alive: say so once, at start.
-		credCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
-		_, err := conn.SASL.AWSCredentials(credCtx)
-		cancel()
-		if err != nil {
-			return err
-		}
-	}
+
 	if *checkEvery <= 0 {
 		return fmt.Errorf("%w: --kafka-check-interval: %s is not positive", errUsage, *checkEvery)
 	}
@@ -163,6 +154,16 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	}
 	log.Info("relay starting", "instance", r.InstanceID(), "publisher", *publisher, "brokers", strings.Join(brokers, ","), "kafka", conn.String(), "schema", c.schema, "pid", os.Getpid())
 	warnWeakKafkaSecurity(log, conn)
+	if conn.SASL != nil && conn.SASL.AWSCredentials != nil {
+		// Without credentials every broker connection fails; the broker
+		// check says so at Warn, but not why. Say it once, at start, and
+		// go on: a role may be a moment from ready (a node booting).
+		credCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		if _, err := conn.SASL.AWSCredentials(credCtx); err != nil {
+			log.Error("relay: no AWS credentials for AWS_MSK_IAM yet; no broker connection can succeed until there are", "error", err)
+		}
+		cancel()
+	}
 	watchCtx, stopWatch := context.WithCancel(ctx)
 	watchDone := make(chan struct{})
 	go func() { defer close(watchDone); watch.run(watchCtx) }()
