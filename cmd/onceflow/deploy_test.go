@@ -4,10 +4,12 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"regexp"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -123,15 +125,25 @@ func TestDashboardAndAlertMetricsExist(t *testing.T) {
 	}
 }
 
-type fakeTransport struct{ done chan struct{} }
+type fakeTransport struct {
+	done chan struct{}
+	// deadLetters counts PublishDeadLetter calls; the first fails with a
+	// missing dead-letter topic (so its failure counter is exposed too).
+	deadLetters *atomic.Int32
+}
 
 func (f fakeTransport) MarkDone(consumer.Message) { f.done <- struct{}{} }
 
-func (fakeTransport) PublishDeadLetter(context.Context, consumer.DeadLetter) error { return nil }
+func (f fakeTransport) PublishDeadLetter(context.Context, consumer.DeadLetter) error {
+	if f.deadLetters.Add(1) == 1 {
+		return fmt.Errorf("payments.dlq: %w", consumer.ErrDeadLetterTopicMissing)
+	}
+	return nil
+}
 
 // consumerMetrics runs a consumer with consumerprom through a processed,
-// a duplicate and a dead-lettered (after one retry) message, and returns
-// its metrics as text.
+// a duplicate and a dead-lettered (after one retry, and one failed publish
+// to a missing dead-letter topic) message, and returns its metrics as text.
 func consumerMetrics(t *testing.T) string {
 	t.Helper()
 	reg := prometheus.NewPedanticRegistry()
@@ -146,7 +158,7 @@ func consumerMetrics(t *testing.T) string {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
-	tr := fakeTransport{done: make(chan struct{}, 3)}
+	tr := fakeTransport{done: make(chan struct{}, 3), deadLetters: new(atomic.Int32)}
 	part := p.StartPartition(ctx, tr)
 	defer part.Stop(ctx)
 	id := func(s string) []consumer.Header {
