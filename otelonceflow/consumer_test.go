@@ -30,7 +30,16 @@ func TestBatchConsumerSpansCoverTheBatchTransaction(t *testing.T) {
 	schema := pgtest.Schema(t)
 
 	const work = 100 * time.Millisecond
+	// A first batch of one warm-up message holds the partition until the
+	// three are queued, so they make one batch: queued one by one, the
+	// first could otherwise go alone (seen under load in CI).
+	warming, release := make(chan struct{}), make(chan struct{})
 	p, err := consumer.NewBatch(pgtest.Pool(t), "shipping", func(ctx context.Context, tx pgx.Tx, ms []consumer.Message) error {
+		if ms[0].Topic == "warmup" {
+			close(warming)
+			<-release
+			return nil
+		}
 		time.Sleep(work) // the handler's work, of known length
 		_, err := tx.Exec(ctx, `SELECT 1`)
 		return err
@@ -48,7 +57,7 @@ func TestBatchConsumerSpansCoverTheBatchTransaction(t *testing.T) {
 		h := map[string]string{}
 		otelonceflow.NewInjector().InjectHeaders(ctx, h)
 		id := "id-" + strconv.Itoa(i%2)
-		m := consumer.Message{Topic: "orders", Offset: int64(i), Key: []byte("k"), Value: []byte("v"),
+		m := consumer.Message{Topic: "orders", Offset: int64(i + 1), Key: []byte("k"), Value: []byte("v"),
 			Headers: []consumer.Header{{Key: "message-id", Value: []byte(id)}, {Key: "traceparent", Value: []byte(h["traceparent"])}}}
 		producers, msgs = append(producers, span.SpanContext()), append(msgs, m)
 	}
@@ -56,10 +65,15 @@ func TestBatchConsumerSpansCoverTheBatchTransaction(t *testing.T) {
 	ctx := context.Background()
 	w := p.StartPartition(ctx, tr)
 	defer w.Stop(ctx)
+	if err := w.Add(ctx, consumer.Message{Topic: "warmup", Offset: 0, Headers: []consumer.Header{{Key: "message-id", Value: []byte("warmup")}}}); err != nil {
+		t.Fatal(err)
+	}
+	<-warming
 	if err := w.Add(ctx, msgs...); err != nil {
 		t.Fatal(err)
 	}
-	waitUntil(t, 30*time.Second, "the batch to be processed", func() bool { return tr.last() == 2 })
+	close(release)
+	waitUntil(t, 30*time.Second, "the batch to be processed", func() bool { return tr.last() == 3 })
 
 	spans := map[trace.SpanID]sdktrace.ReadOnlySpan{}
 	for _, s := range rec.Ended() {
