@@ -32,6 +32,11 @@ func (p Protocol) SASL() bool { return p == SASLPlaintext || p == SASLSSL }
 func ParseBrokers(addrs []string) (hosts []string, proto Protocol, err error) {
 	for i, a := range addrs {
 		a = strings.TrimSpace(a)
+		if at := strings.LastIndex(a, "@"); at >= 0 {
+			// user:password@host:port, as in some URLs: refused, and the
+			// credentials not repeated in the error (which gets logged).
+			return nil, "", fmt.Errorf("broker %q: credentials do not go in a broker address; use SASL settings", "…@"+a[at+1:])
+		}
 		var p Protocol
 		if scheme, rest, ok := strings.Cut(a, "://"); ok {
 			switch Protocol(strings.ToUpper(scheme)) {
@@ -46,7 +51,7 @@ func ParseBrokers(addrs []string) (hosts []string, proto Protocol, err error) {
 			return nil, "", fmt.Errorf("broker %q: every broker must use the same listener prefix (%q and %q given)", addrs[i], proto, p)
 		}
 		proto = p
-		if _, port, err := net.SplitHostPort(a); err != nil || port == "" {
+		if host, port, err := net.SplitHostPort(a); err != nil || host == "" || port == "" {
 			return nil, "", fmt.Errorf("broker %q is not host:port", addrs[i])
 		}
 		hosts = append(hosts, a)

@@ -88,10 +88,15 @@ func TestParseBrokers(t *testing.T) {
 	if err != nil || proto != "" || len(hosts) != 2 {
 		t.Fatalf("ParseBrokers plain = %v %q %v", hosts, proto, err)
 	}
-	for _, bad := range [][]string{{"HTTP://a:1"}, {"SSL://a:1", "a:2"}, {"SSL://a:1", "SASL_SSL://b:2"}, {"a"}, {"SSL://a"}} {
+	for _, bad := range [][]string{{"HTTP://a:1"}, {"SSL://a:1", "a:2"}, {"SSL://a:1", "SASL_SSL://b:2"}, {"a"}, {"SSL://a"}, {":9092"}, {"SASL_SSL://:9096"}} {
 		if _, _, err := kafkaconn.ParseBrokers(bad); err == nil {
 			t.Errorf("ParseBrokers(%q) accepted", bad)
 		}
+	}
+	// Credentials written into an address (as in some URLs) are refused
+	// without being repeated in the error, which the relay prints.
+	if _, _, err := kafkaconn.ParseBrokers([]string{"SASL_SSL://user:hunter2@b-1:9096"}); err == nil || strings.Contains(err.Error(), "hunter2") {
+		t.Errorf("ParseBrokers with user:password@ = %v, want an error without the password", err)
 	}
 	// Adapters refuse a prefixed address rather than resolving it as a
 	// host name and retrying silently forever.

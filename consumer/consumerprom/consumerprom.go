@@ -125,6 +125,11 @@ func (h *Hook) counters(name, topic string) *topicCounters {
 	for _, o := range []consumer.Outcome{consumer.Processed, consumer.Duplicate, consumer.DeadLettered} {
 		c.outcomes[o] = h.messages.WithLabelValues(name, topic, o.String())
 	}
+	// At 0 from the topic's first message: a counter born at 1 on the
+	// first failure shows no increase() to an alert.
+	for _, reason := range []string{"topic-missing", "other"} {
+		h.dlqFail.WithLabelValues(name, topic, reason)
+	}
 	got, _ := h.byTopic.LoadOrStore(k, c)
 	return got.(*topicCounters)
 }

@@ -72,6 +72,18 @@ onceflow_consumer_dead_letters_total{consumer="ledger",topic="t"} 1
 		"onceflow_consumer_messages_total", "onceflow_consumer_retries_total", "onceflow_consumer_dead_letters_total"); err != nil {
 		t.Fatal(err)
 	}
+	// The dead-letter failure counters exist at 0 from the topic's first
+	// message: born at 1 on the first failure, that failure was no
+	// increase() to the missing-topic alert.
+	wantFailures := `
+# HELP onceflow_consumer_dead_letter_failures_total Failed publishes of dead letters (retried; the message's partition waits), by the topic they came from. reason=topic-missing lasts until the dead-letter topic is created.
+# TYPE onceflow_consumer_dead_letter_failures_total counter
+onceflow_consumer_dead_letter_failures_total{consumer="ledger",reason="other",topic="t"} 0
+onceflow_consumer_dead_letter_failures_total{consumer="ledger",reason="topic-missing",topic="t"} 0
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(wantFailures), "onceflow_consumer_dead_letter_failures_total"); err != nil {
+		t.Fatal(err)
+	}
 	if n := testutil.CollectAndCount(reg, "onceflow_consumer_transaction_seconds"); n != 1 {
 		t.Fatalf("transaction histograms = %d, want 1", n)
 	}
