@@ -84,3 +84,40 @@ func TestPrintedScriptAppliesWithPsql(t *testing.T) {
 		t.Fatalf("after a failed step, %s.schema_migrations exists: %v (err %v); want nothing recorded", failing, recorded, err)
 	}
 }
+
+// TestPrintedScriptRunsInsideAToolsTransaction: a migration tool runs each
+// file inside a transaction of its own and records its version after it.
+// The script must neither end that transaction (a COMMIT of its own would:
+// the tool's ROLLBACK or its version row would then act on nothing) nor
+// leave the tool's search_path changed.
+func TestPrintedScriptRunsInsideAToolsTransaction(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	conn := pgtest.Conn(t)
+	schema := pgtest.EmptySchema(t)
+	script, err := migrations.Script(schema, 0, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.Exec(ctx, `SET search_path TO pg_catalog, public`); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(ctx, script); err != nil {
+		t.Fatalf("the script inside a transaction: %v", err)
+	}
+	var searchPath string
+	if err := tx.QueryRow(ctx, `SHOW search_path`).Scan(&searchPath); err != nil || searchPath != "pg_catalog, public" {
+		t.Fatalf("search_path after the script: %q (err %v), want the caller's pg_catalog, public", searchPath, err)
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatalf("the tool's rollback: %v (the script ended its transaction?)", err)
+	}
+	var kept bool
+	if err := conn.QueryRow(ctx, `SELECT to_regnamespace($1) IS NOT NULL`, schema).Scan(&kept); err != nil || kept {
+		t.Fatalf("schema %s kept after the tool's rollback: %v (err %v): the script committed on its own", schema, kept, err)
+	}
+}

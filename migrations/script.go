@@ -92,7 +92,10 @@ END $onceflow$;
 		b.WriteString("-- Apply it in one transaction, as `onceflow migrate up` does: psql -1 -v ON_ERROR_STOP=1 -f FILE,\n")
 		b.WriteString("-- or a tool that runs each file in a transaction (goose, Flyway and Atlas do by default).\n")
 		fmt.Fprintf(&b, "CREATE SCHEMA IF NOT EXISTS %s;\n", ident)
-		// public stays on the path for gen_random_uuid and extensions.
+		// The caller's search_path (a tool's own, say) is kept and put
+		// back at the end; public stays on the path for gen_random_uuid
+		// and extensions.
+		b.WriteString("SELECT set_config('onceflow.caller_search_path', current_setting('search_path'), false);\n")
 		fmt.Fprintf(&b, "SET search_path TO %s, public;\n", ident)
 		b.WriteString(versionTableSQL + ";\n")
 	}
@@ -109,7 +112,7 @@ END $onceflow$;
 	if down {
 		b.WriteString("\nCOMMIT;\n")
 	} else {
-		b.WriteString("\nRESET search_path;\n")
+		b.WriteString("\nSELECT set_config('search_path', current_setting('onceflow.caller_search_path'), false);\n")
 	}
 	return b.String(), nil
 }

@@ -3,12 +3,15 @@ package main
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"os"
 	"path/filepath"
 	"strings"
@@ -142,7 +145,8 @@ func TestMSKIAMWithoutCredentialsIsSaidAtStart(t *testing.T) {
 // with "Missing Region" though the MSK broker names carry it. Here STS is
 // a local server behind an HTTPS proxy that answers for
 // sts.eu-west-1.amazonaws.com only (a certificate for that name from the
-// test's CA, which AWS_CA_BUNDLE names): the region must reach the SDK.
+// test's CA), given to the SDK as its HTTP client (Go reads HTTPS_PROXY
+// once per process): the region must reach the SDK.
 func TestMSKIAMWebIdentityTakesTheBrokersRegion(t *testing.T) {
 	pki := tlstest.New(t)
 	stsHost := "sts.eu-west-1.amazonaws.com"
@@ -194,11 +198,23 @@ func TestMSKIAMWebIdentityTakesTheBrokersRegion(t *testing.T) {
 		"AWS_SHARED_CREDENTIALS_FILE": filepath.Join(dir, "none"), "AWS_CONFIG_FILE": filepath.Join(dir, "none"),
 		"AWS_EC2_METADATA_DISABLED": "true", "AWS_REGION": "", "AWS_DEFAULT_REGION": "",
 		"AWS_WEB_IDENTITY_TOKEN_FILE": token, "AWS_ROLE_ARN": "arn:aws:iam::123456789012:role/relay",
-		"AWS_ROLE_SESSION_NAME": "relay", "AWS_CA_BUNDLE": pki.CAFile, "AWS_STS_REGIONAL_ENDPOINTS": "regional",
-		"HTTPS_PROXY": proxy.URL, "HTTP_PROXY": "", "NO_PROXY": "", "ONCEFLOW_KAFKA_AWS_REGION": "",
+		"AWS_ROLE_SESSION_NAME": "relay", "AWS_CA_BUNDLE": "", "AWS_STS_REGIONAL_ENDPOINTS": "regional",
+		"ONCEFLOW_KAFKA_AWS_REGION": "",
 	} {
 		t.Setenv(k, v)
 	}
+	proxyURL, err := url.Parse(proxy.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ca, err := os.ReadFile(pki.CAFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	roots := x509.NewCertPool()
+	roots.AppendCertsFromPEM(ca)
+	awsHTTPClient = &http.Client{Transport: &http.Transport{Proxy: http.ProxyURL(proxyURL), TLSClientConfig: &tls.Config{RootCAs: roots, MinVersion: tls.VersionTLS12}}}
+	t.Cleanup(func() { awsHTTPClient = nil })
 	var kf kafkaFlags
 	fs := flag.NewFlagSet("relay", flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
@@ -245,3 +261,27 @@ func (l *oneConnListener) Accept() (net.Conn, error) {
 
 func (l *oneConnListener) Close() error   { return nil }
 func (l *oneConnListener) Addr() net.Addr { return l.conn.LocalAddr() }
+
+// TestMSKIAMWithABrokenAWSConfigurationRefusesToStart: a profile that does
+// not exist (a typo) or a malformed file cannot heal while the relay runs;
+// it is refused at start, naming it, rather than left to fail every broker
+// connection.
+func TestMSKIAMWithABrokenAWSConfigurationRefusesToStart(t *testing.T) {
+	dir := t.TempDir()
+	config := filepath.Join(dir, "config")
+	if err := os.WriteFile(config, []byte("[profile relay]\nregion = eu-west-1\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for k, v := range map[string]string{
+		"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_PROFILE": "relya",
+		"AWS_SHARED_CREDENTIALS_FILE": filepath.Join(dir, "none"), "AWS_CONFIG_FILE": config,
+		"AWS_EC2_METADATA_DISABLED": "true", "ONCEFLOW_KAFKA_AWS_REGION": "",
+	} {
+		t.Setenv(k, v)
+	}
+	_, err := runCLI(t, "relay", "--database-url", pgtest.URL(t), "--brokers", "SASL_SSL://b-1.demo.abc123.c2.kafka.eu-west-1.amazonaws.com:9098",
+		"--kafka-sasl-mechanism", "AWS_MSK_IAM")
+	if !errors.Is(err, errUsage) || !strings.Contains(err.Error(), "relya") {
+		t.Fatalf("err = %v, want a usage error naming the missing profile", err)
+	}
+}

@@ -109,7 +109,11 @@ func (k *kafkaFlags) conn(brokers []string) ([]string, kafkaconn.Config, error) 
 			if region == "" && len(hosts) > 0 {
 				region, _ = c.SASL.AWSRegionFor(hosts[0]) // "" when the name carries none
 			}
-			c.SASL.AWSCredentials = awsCredentialChain(region)
+			creds, err := awsCredentialChain(region)
+			if err != nil {
+				return nil, c, fmt.Errorf("--kafka-sasl-mechanism AWS_MSK_IAM: %w", err)
+			}
+			c.SASL.AWSCredentials = creds
 		}
 		if m == kafkaconn.AWSMSKIAM && k.awsRegion != "" {
 			// franz-go's AWS_MSK_IAM takes the region from the broker's host

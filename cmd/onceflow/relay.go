@@ -159,7 +159,7 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 		// check says so at Warn, but not why. Say it once, at start, and
 		// go on: a role may be a moment from ready (a node booting).
 		credCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
-		if _, err := conn.SASL.AWSCredentials(credCtx); err != nil {
+		if _, err := conn.SASL.AWSCredentials(credCtx); err != nil && ctx.Err() == nil {
 			log.Error("relay: no AWS credentials for AWS_MSK_IAM yet; no broker connection can succeed until there are", "error", err)
 		}
 		cancel()
