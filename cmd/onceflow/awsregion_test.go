@@ -38,27 +38,12 @@ func TestKafkaAWSRegionReachesFranzGo(t *testing.T) {
 	t.Setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
 	t.Setenv("AWS_SECRET_ACCESS_KEY", "secret")
 	t.Setenv("ONCEFLOW_KAFKA_AWS_REGION", "")
-	var kf kafkaFlags
-	fs := flag.NewFlagSet("relay", flag.ContinueOnError)
-	fs.SetOutput(io.Discard)
-	kf.register(fs)
-	if err := fs.Parse([]string{"--kafka-sasl-mechanism", "AWS_MSK_IAM", "--kafka-aws-region", "us-east-2"}); err != nil {
-		t.Fatal(err)
-	}
 	const host = "kafka.internal:9098" // a private name: no region in it
-	_, conn, err := kf.conn([]string{"SASL_SSL://" + host})
-	if err != nil {
-		t.Fatal(err)
-	}
-	m, err := kgoconn.Mechanism(conn.SASL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, first, err := m.Authenticate(context.Background(), host)
+	first, err := franzGoIAMFirstMessage(t, host, "--kafka-aws-region", "us-east-2")
 	if err != nil {
 		t.Fatalf("franz-go's AWS_MSK_IAM with --kafka-aws-region us-east-2: %v", err)
 	}
-	if !strings.Contains(string(first), "/us-east-2/kafka-cluster/aws4_request") {
+	if !strings.Contains(first, "/us-east-2/kafka-cluster/aws4_request") {
 		t.Fatalf("franz-go signed for another region: %s", first)
 	}
 }
@@ -83,27 +68,11 @@ func TestMSKIAMTakesTheAWSCredentialChain(t *testing.T) {
 	} {
 		t.Setenv(k, v)
 	}
-	var kf kafkaFlags
-	fs := flag.NewFlagSet("relay", flag.ContinueOnError)
-	fs.SetOutput(io.Discard)
-	kf.register(fs)
-	if err := fs.Parse([]string{"--kafka-sasl-mechanism", "AWS_MSK_IAM"}); err != nil {
-		t.Fatal(err)
-	}
-	const host = "b-1.demo.abc123.c2.kafka.eu-west-1.amazonaws.com:9098"
-	_, conn, err := kf.conn([]string{"SASL_SSL://" + host})
-	if err != nil {
-		t.Fatal(err)
-	}
-	m, err := kgoconn.Mechanism(conn.SASL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, first, err := m.Authenticate(context.Background(), host)
+	first, err := franzGoIAMFirstMessage(t, "b-1.demo.abc123.c2.kafka.eu-west-1.amazonaws.com:9098")
 	if err != nil {
 		t.Fatalf("AWS_MSK_IAM with credentials from a profile: %v", err)
 	}
-	if !strings.Contains(string(first), `AKIDPROFILE/`) {
+	if !strings.Contains(first, `AKIDPROFILE/`) {
 		t.Fatalf("signed with other credentials than the profile's: %s", first)
 	}
 }
@@ -215,29 +184,13 @@ func TestMSKIAMWebIdentityTakesTheBrokersRegion(t *testing.T) {
 	roots.AppendCertsFromPEM(ca)
 	awsHTTPClient = &http.Client{Transport: &http.Transport{Proxy: http.ProxyURL(proxyURL), TLSClientConfig: &tls.Config{RootCAs: roots, MinVersion: tls.VersionTLS12}}}
 	t.Cleanup(func() { awsHTTPClient = nil })
-	var kf kafkaFlags
-	fs := flag.NewFlagSet("relay", flag.ContinueOnError)
-	fs.SetOutput(io.Discard)
-	kf.register(fs)
-	if err := fs.Parse([]string{"--kafka-sasl-mechanism", "AWS_MSK_IAM"}); err != nil {
-		t.Fatal(err)
-	}
-	const host = "b-1.demo.abc123.c2.kafka.eu-west-1.amazonaws.com:9098"
-	_, conn, err := kf.conn([]string{"SASL_SSL://" + host})
-	if err != nil {
-		t.Fatal(err)
-	}
-	m, err := kgoconn.Mechanism(conn.SASL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, first, err := m.Authenticate(context.Background(), host)
+	first, err := franzGoIAMFirstMessage(t, "b-1.demo.abc123.c2.kafka.eu-west-1.amazonaws.com:9098")
 	mu.Lock()
 	defer mu.Unlock()
 	if err != nil {
 		t.Fatalf("AWS_MSK_IAM with web identity and no AWS_REGION: %v (proxied: %v)", err, tunnels)
 	}
-	if !strings.Contains(string(first), "AKIDWEBIDENTITY/") || calls.Load() == 0 {
+	if !strings.Contains(first, "AKIDWEBIDENTITY/") || calls.Load() == 0 {
 		t.Fatalf("signed with other credentials than the assumed role's (STS calls %d, proxied %v): %s", calls.Load(), tunnels, first)
 	}
 }
@@ -284,4 +237,28 @@ func TestMSKIAMWithABrokenAWSConfigurationRefusesToStart(t *testing.T) {
 	if !errors.Is(err, errUsage) || !strings.Contains(err.Error(), "relya") {
 		t.Fatalf("err = %v, want a usage error naming the missing profile", err)
 	}
+}
+
+// franzGoIAMFirstMessage parses the relay's Kafka flags for AWS_MSK_IAM
+// (plus extra) against host, as the binary does, and returns the first
+// message franz-go's mechanism would send it: the signed request.
+func franzGoIAMFirstMessage(t *testing.T, host string, extra ...string) (string, error) {
+	t.Helper()
+	var kf kafkaFlags
+	fs := flag.NewFlagSet("relay", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	kf.register(fs)
+	if err := fs.Parse(append([]string{"--kafka-sasl-mechanism", "AWS_MSK_IAM"}, extra...)); err != nil {
+		t.Fatal(err)
+	}
+	_, conn, err := kf.conn([]string{"SASL_SSL://" + host})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := kgoconn.Mechanism(conn.SASL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, first, err := m.Authenticate(context.Background(), host)
+	return string(first), err
 }

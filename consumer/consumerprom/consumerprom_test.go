@@ -75,15 +75,7 @@ onceflow_consumer_dead_letters_total{consumer="ledger",topic="t"} 1
 	// The dead-letter failure counters exist at 0 from the topic's first
 	// message: born at 1 on the first failure, that failure was no
 	// increase() to the missing-topic alert.
-	wantFailures := `
-# HELP onceflow_consumer_dead_letter_failures_total Failed publishes of dead letters (retried; the message's partition waits), by the topic they came from. reason=topic-missing lasts until the dead-letter topic is created.
-# TYPE onceflow_consumer_dead_letter_failures_total counter
-onceflow_consumer_dead_letter_failures_total{consumer="ledger",reason="other",topic="t"} 0
-onceflow_consumer_dead_letter_failures_total{consumer="ledger",reason="topic-missing",topic="t"} 0
-`
-	if err := testutil.GatherAndCompare(reg, strings.NewReader(wantFailures), "onceflow_consumer_dead_letter_failures_total"); err != nil {
-		t.Fatal(err)
-	}
+	checkDeadLetterFailures(t, reg, 0, 0)
 	if n := testutil.CollectAndCount(reg, "onceflow_consumer_transaction_seconds"); n != 1 {
 		t.Fatalf("transaction histograms = %d, want 1", n)
 	}
@@ -149,15 +141,7 @@ func TestHookCountsDeadLetterFailures(t *testing.T) {
 	case <-time.After(20 * time.Second):
 		t.Fatal("message not finished")
 	}
-	want := `
-# HELP onceflow_consumer_dead_letter_failures_total Failed publishes of dead letters (retried; the message's partition waits), by the topic they came from. reason=topic-missing lasts until the dead-letter topic is created.
-# TYPE onceflow_consumer_dead_letter_failures_total counter
-onceflow_consumer_dead_letter_failures_total{consumer="ledger",reason="other",topic="t"} 1
-onceflow_consumer_dead_letter_failures_total{consumer="ledger",reason="topic-missing",topic="t"} 1
-`
-	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "onceflow_consumer_dead_letter_failures_total"); err != nil {
-		t.Fatal(err)
-	}
+	checkDeadLetterFailures(t, reg, 1, 1)
 }
 
 // TestABatchTransactionIsTimedOnce: in batch mode a transaction's time is
@@ -210,5 +194,20 @@ func TestABatchTransactionIsTimedOnce(t *testing.T) {
 	}
 	if timed["batch"] != 1 || timed["message"] != 0 {
 		t.Fatalf("transactions timed by mode: %v, want one batch (the duplicates' rolled back) and no per-message transaction", timed)
+	}
+}
+
+// checkDeadLetterFailures compares consumer "ledger"'s dead-letter failure
+// counters of topic "t" by reason.
+func checkDeadLetterFailures(t *testing.T, reg prometheus.Gatherer, other, topicMissing int) {
+	t.Helper()
+	want := fmt.Sprintf(`
+# HELP onceflow_consumer_dead_letter_failures_total Failed publishes of dead letters (retried; the message's partition waits), by the topic they came from. reason=topic-missing lasts until the dead-letter topic is created.
+# TYPE onceflow_consumer_dead_letter_failures_total counter
+onceflow_consumer_dead_letter_failures_total{consumer="ledger",reason="other",topic="t"} %d
+onceflow_consumer_dead_letter_failures_total{consumer="ledger",reason="topic-missing",topic="t"} %d
+`, other, topicMissing)
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "onceflow_consumer_dead_letter_failures_total"); err != nil {
+		t.Fatal(err)
 	}
 }
