@@ -106,7 +106,16 @@ func (k *kafkaFlags) conn(brokers []string) ([]string, kafkaconn.Config, error) 
 		c.SASL = &kafkaconn.SASL{Mechanism: m, Username: k.username, Password: password, AWSRegion: k.awsRegion}
 		if m == kafkaconn.AWSMSKIAM {
 			region := k.awsRegion
-			if region == "" && len(hosts) > 0 {
+			if region != "" {
+				// franz-go's AWS_MSK_IAM takes the region from the broker's
+				// host name, else from AWS_REGION only (it has no setting
+				// for it); this process's AWS_REGION is the flag's way to
+				// reach it. kafka-go reads SASL.AWSRegion, which wins over
+				// AWS_REGION too.
+				if err := os.Setenv("AWS_REGION", region); err != nil {
+					return nil, c, fmt.Errorf("--kafka-aws-region: %w", err)
+				}
+			} else if len(hosts) > 0 {
 				region, _ = c.SASL.AWSRegionFor(hosts[0]) // "" when the name carries none
 			}
 			creds, err := awsCredentialChain(region)
@@ -114,15 +123,6 @@ func (k *kafkaFlags) conn(brokers []string) ([]string, kafkaconn.Config, error) 
 				return nil, c, fmt.Errorf("--kafka-sasl-mechanism AWS_MSK_IAM: %w", err)
 			}
 			c.SASL.AWSCredentials = creds
-		}
-		if m == kafkaconn.AWSMSKIAM && k.awsRegion != "" {
-			// franz-go's AWS_MSK_IAM takes the region from the broker's host
-			// name, else from AWS_REGION only (it has no setting for it);
-			// this process's AWS_REGION is the flag's way to reach it.
-			// kafka-go reads SASL.AWSRegion, which wins over AWS_REGION too.
-			if err := os.Setenv("AWS_REGION", k.awsRegion); err != nil {
-				return nil, c, fmt.Errorf("--kafka-aws-region: %w", err)
-			}
 		}
 	}
 	if err := c.Validate(); err != nil {
