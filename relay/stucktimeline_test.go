@@ -96,7 +96,10 @@ func (o *tlObserver) ObserveBatch(s relay.BatchStats) {
 // first round's cost), then their medians; with ONCEFLOW_TIMELINE_MS it
 // prints each run's statements (start, end, duration, backend, tag) and the
 // relay's debug log up to that many ms from the relay's start. With
-// ONCEFLOW_TIMELINE_ONLY=with or =without it runs that side only.
+// ONCEFLOW_TIMELINE_ONLY=with or =without it runs that side only. The
+// medians split the CPU PostgreSQL spent over each drain between the relay's
+// backends and its other processes; ONCEFLOW_TIMELINE_PG=1 prints that per
+// run, the others by kind (autovacuum, walwriter, ...).
 //
 //	ONCEFLOW_BENCH_TIMELINE=3 ONCEFLOW_TIMELINE_MS=150 go test -run '^$' -bench StuckKeyTimeline -benchtime 1x ./relay/
 func BenchmarkStuckKeyTimeline(b *testing.B) {
@@ -132,8 +135,10 @@ func BenchmarkStuckKeyTimeline(b *testing.B) {
 	}
 	firstAck := map[bool][]float64{}
 	drain := map[bool][]float64{}
-	busy := map[bool][]float64{} // the machine's busy CPU over each drain, ms
-	self := map[bool][]float64{} // this process's (the relay's and kfake's)
+	busy := map[bool][]float64{}    // the machine's busy CPU over each drain, ms
+	self := map[bool][]float64{}    // this process's (the relay's and kfake's)
+	pgRelay := map[bool][]float64{} // the relay's PostgreSQL backends'
+	pgOther := map[bool][]float64{} // every other PostgreSQL process's (the fill's, autovacuum, the WAL writer, ...)
 	for _, withStuck := range order {
 		fillStuckBench(b, bu, topic, withStuck, stuck, others)
 		tl := &timeline{}
@@ -167,7 +172,7 @@ func BenchmarkStuckKeyTimeline(b *testing.B) {
 			}
 			return a
 		}}))
-		cpu0, self0 := machineCPU(), statCPU("/proc/self/stat")
+		cpu0, self0, pg0 := machineCPU(), statCPU("/proc/self/stat"), postgresCPU()
 		tl.t0 = time.Now()
 		_, stop := bu.startRelayWith(b, pool, pub, relay.Config{Observer: drained, Logger: logger})
 		select {
@@ -179,6 +184,24 @@ func BenchmarkStuckKeyTimeline(b *testing.B) {
 		cpu1 := machineCPU()
 		busy[withStuck] = append(busy[withStuck], 10*(cpu1[0]-cpu0[0])) // ticks of 10 ms
 		self[withStuck] = append(self[withStuck], 1e3*(statCPU("/proc/self/stat")-self0))
+		pg1 := postgresCPU()
+		relayPids := tl.pids()
+		var relayBackends, otherPG float64
+		others := map[string]float64{}
+		for pid, v := range pg1 {
+			d := 1e3 * (v.cpu - pg0[pid].cpu)
+			if relayPids[pid] {
+				relayBackends += d
+			} else {
+				otherPG += d
+				others[v.what] += d
+			}
+		}
+		pgRelay[withStuck] = append(pgRelay[withStuck], relayBackends)
+		pgOther[withStuck] = append(pgOther[withStuck], otherPG)
+		if os.Getenv("ONCEFLOW_TIMELINE_PG") != "" {
+			fmt.Printf("postgres CPU: relay's backends %.0f ms, others %.0f ms %v\n", relayBackends, otherPG, others)
+		}
 		stop()
 		pool.Close()
 		var out bytes.Buffer
@@ -198,15 +221,16 @@ func BenchmarkStuckKeyTimeline(b *testing.B) {
 		os.Stdout.Write(out.Bytes())
 		pgtest.DropSchema(b, bu.schema)
 	}
-	for _, m := range []map[bool][]float64{firstAck, drain, busy, self} {
+	for _, m := range []map[bool][]float64{firstAck, drain, busy, self, pgRelay, pgOther} {
 		for _, side := range []bool{true, false} {
 			if len(m[side]) == 0 {
 				m[side] = []float64{0} // a side not run
 			}
 		}
 	}
-	fmt.Printf("medians of %d: with the stuck key: drained in %.1f ms, first acknowledged at %.1f ms, machine CPU %.0f ms (this process %.0f); without: %.1f ms, %.1f ms, %.0f ms (%.0f)\n",
-		pairs, median(drain[true]), median(firstAck[true]), median(busy[true]), median(self[true]), median(drain[false]), median(firstAck[false]), median(busy[false]), median(self[false]))
+	fmt.Printf("medians of %d: with the stuck key: drained in %.1f ms, first acknowledged at %.1f ms, machine CPU %.0f ms (this process %.0f, the relay's backends %.0f, other PostgreSQL processes %.0f); without: %.1f ms, %.1f ms, %.0f ms (%.0f, %.0f, %.0f)\n",
+		pairs, median(drain[true]), median(firstAck[true]), median(busy[true]), median(self[true]), median(pgRelay[true]), median(pgOther[true]),
+		median(drain[false]), median(firstAck[false]), median(busy[false]), median(self[false]), median(pgRelay[false]), median(pgOther[false]))
 }
 
 // firstPub notes when a Publish call first acknowledged a record.
@@ -225,6 +249,53 @@ func (p *firstPub) Publish(ctx context.Context, records []relay.Record) []error 
 		}
 	}
 	return errs
+}
+
+// pids returns the backends the timeline's statements ran on.
+func (t *timeline) pids() map[int]bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := map[int]bool{}
+	for _, l := range t.lines {
+		if _, after, ok := strings.Cut(l, " pid "); ok {
+			var pid int
+			if _, err := fmt.Sscan(after, &pid); err == nil {
+				out[pid] = true
+			}
+		}
+	}
+	return out
+}
+
+type processCPU struct {
+	what string  // the process's kind from its title ("walwriter"; a backend: its user)
+	cpu  float64 // seconds
+}
+
+// postgresCPU returns the CPU seconds used so far by each PostgreSQL
+// process on this machine, by pid.
+func postgresCPU() map[int]processCPU {
+	out := map[int]processCPU{}
+	dirs, _ := os.ReadDir("/proc")
+	for _, d := range dirs {
+		pid, err := strconv.Atoi(d.Name())
+		if err != nil {
+			continue
+		}
+		cmd, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+		if err != nil || !bytes.HasPrefix(cmd, []byte("postgres")) {
+			continue
+		}
+		// "postgres: 15/main: walwriter", "postgres: 15/main: autovacuum
+		// worker", a backend's "postgres: 15/main: <user> <database> ..."
+		f := strings.Fields(strings.ReplaceAll(string(cmd), "\x00", " "))
+		what := "postgres"
+		if len(f) > 2 {
+			what = f[2]
+		}
+		out[pid] = processCPU{what: what, cpu: statCPU(fmt.Sprintf("/proc/%d/stat", pid))}
+	}
+	return out
 }
 
 func loadavg() string {
