@@ -113,9 +113,14 @@ FROM generate_series(1, 1000000) g`); err != nil {
 			[]string{"Index Only Scan using outbox_shard_id_idx", "CTE f", "Merge Append", "Index Cond: ((id >= $", "outbox_key_hash_idx"}, true, firstID + 300_000, false},
 		{"every shard, the stuck key blocked, the last rounds whole, a gapped round in flight", everyShard(), stuck, gappedPastStuck,
 			[]string{"Index Only Scan using outbox_shard_id_idx", "CTE f", "Merge Append", "hashed SubPlan", "outbox_key_hash_idx"}, true, firstID + 300_000, false},
-		// With a floor proof the descents are not run at all.
+		// With a floor proof the descents are not run at all; with the
+		// rounds in flight one run, the claim reads through the primary
+		// key from the proof's id and drops the stuck key's events itself
+		// (a held read).
 		{"every shard, the stuck key blocked, the last rounds whole, a floor proof, a round of consecutive ids in flight", everyShard(), stuck, pastStuck,
-			[]string{"CTE f", "Merge Append", "Index Cond: ((id >= $", "outbox_key_hash_idx"}, true, firstID + 300_000, true},
+			[]string{"Merge Append", "(id >= $3)", "(id < $1)", "(id > $2)", "outbox_key_hash_idx"}, true, firstID + 300_000, true},
+		{"every shard, the stuck key blocked, the last rounds whole, a floor proof, a gapped round in flight", everyShard(), stuck, gappedPastStuck,
+			[]string{"CTE f", "Merge Append", "hashed SubPlan", "outbox_key_hash_idx"}, true, firstID + 300_000, true},
 		// A floor proof that holds every shard: the read through the
 		// primary key starts at its id.
 		{"every shard, a floor proof, a gapped round in flight", everyShard(), nil, gappedPastStuck,
@@ -153,10 +158,12 @@ FROM generate_series(1, 1000000) g`); err != nil {
 				}
 			}
 			// Under a floor proof no shard is descended: the descents'
-			// index scan is in the plan but never runs.
-			descents := regexp.MustCompile(`Index Only Scan using outbox_shard_id_idx on outbox p .*\(never executed\)`)
-			if floorProved := c.proof && c.blocked != nil; floorProved != descents.MatchString(text) {
-				t.Errorf("the floor's descents run: %v, want %v", !descents.MatchString(text), !floorProved)
+			// index scan is in the plan but never runs (or, in a held
+			// read, not in it).
+			neverRun := regexp.MustCompile(`Index Only Scan using outbox_shard_id_idx on outbox p .*\(never executed\)`).MatchString(text)
+			run := strings.Contains(text, "Index Only Scan using outbox_shard_id_idx on outbox p") && !neverRun
+			if floorProved := c.proof && c.blocked != nil; floorProved && run || !floorProved && neverRun {
+				t.Errorf("the floor's descents run: %v, never run: %v, with a floor proof: %v", run, neverRun, floorProved)
 			}
 			for _, g := range c.want {
 				if !strings.Contains(text, g) {
