@@ -271,6 +271,12 @@ func sqlLiteral(a any) string {
 			parts[i] = sqlLiteral(s)
 		}
 		return "ARRAY[" + strings.Join(parts, ", ") + "]::text[]"
+	case []bool:
+		parts := make([]string, len(v))
+		for i, b := range v {
+			parts[i] = strconv.FormatBool(b)
+		}
+		return "ARRAY[" + strings.Join(parts, ", ") + "]::boolean[]"
 	case []byte:
 		return `'\x` + hex.EncodeToString(v) + `'::bytea`
 	case [][]byte:

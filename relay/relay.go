@@ -78,7 +78,7 @@ type Relay struct {
 	// published; finishing is closed once it is, and finishingIDs are the
 	// events that outcome deletes (acknowledged or dead-lettered), which
 	// reads must leave out until then. finishingFailed are the keys whose
-	// events failed in it (their rows' attempts and errors being written).
+	// events failed in it (their failures being written).
 	finishing       chan struct{}
 	finishingIDs    []int64
 	finishingFailed map[string]bool
@@ -900,8 +900,16 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 			case kind == forbidden:
 				run = runForbidden
 			}
-			o.failed = append(o.failed, failedEvent{id: e.id, err: msg, run: run})
-			if !o.failedKeys[bk] {
+			// Only the key's first failed event is retried (alone, the
+			// key held back behind it), and only the first pending
+			// events' attempts are looked at: a later one is not charged
+			// (its row is left as it is but for a refusal run to end),
+			// which spares rewriting a round of rows when a key gets
+			// stuck. A refusal is charged on every event: its grace
+			// counts per row.
+			first := !o.failedKeys[bk]
+			o.failed = append(o.failed, failedEvent{id: e.id, err: msg, run: run, charge: first || run > 0})
+			if first {
 				o.failedKeys[bk] = true
 				// A record sent and not acknowledged (in time, or with
 				// a passing error) marks its partition sick: the key is

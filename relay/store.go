@@ -160,13 +160,18 @@ SELECT id, event_id, topic, key, value, headers, created_at, attempts + 1, error
 		// A run of one refusal (x.run > 0) goes on while the same answer
 		// comes back and starts again on another; any other outcome
 		// (x.run = 0) ends it; x.run = -1 (not sent: an earlier event of
-		// its key failed) leaves it as it is.
-		failSQL: `UPDATE ` + outbox + ` o SET last_error = x.error, attempts = o.attempts + 1,
+		// its key failed) leaves it as it is. An event not charged
+		// (x.charge false: a later failed event of its key, see judge)
+		// keeps its attempts and error, and its row is not written at all
+		// unless a run must end: a round of a stuck key's events is one
+		// row version, not 1,000 (three index entries each).
+		failSQL: `UPDATE ` + outbox + ` o SET last_error = CASE WHEN x.charge THEN x.error ELSE o.last_error END,
+    attempts = o.attempts + x.charge::int,
     first_refused_at = CASE WHEN x.run < 0 THEN o.first_refused_at WHEN x.run = 0 THEN NULL
         WHEN o.refused_kind = x.run THEN coalesce(o.first_refused_at, now()) ELSE now() END,
     refused_kind = CASE WHEN x.run < 0 THEN o.refused_kind WHEN x.run = 0 THEN NULL ELSE x.run END
-FROM unnest($1::bigint[], $2::text[], $3::smallint[]) AS x(id, error, run)
-WHERE o.id = x.id`,
+FROM unnest($1::bigint[], $2::text[], $3::smallint[], $4::boolean[]) AS x(id, error, run, charge)
+WHERE o.id = x.id AND (x.charge OR x.run = 0 AND o.first_refused_at IS NOT NULL)`,
 		// The instance row carries the token of the process that holds
 		// it: a process with another token gets it only once its lease
 		// has lapsed (no row comes back otherwise: the id is in use).
@@ -1078,10 +1083,11 @@ func (s *store) finish(ctx context.Context, owner string, shards []int16, acked 
 		ids := make([]int64, len(failed))
 		errs := make([]string, len(failed))
 		runs := make([]int16, len(failed))
+		charges := make([]bool, len(failed))
 		for i, f := range failed {
-			ids[i], errs[i], runs[i] = f.id, f.err, int16(f.run)
+			ids[i], errs[i], runs[i], charges[i] = f.id, f.err, int16(f.run), f.charge
 		}
-		b.Queue(s.failSQL, ids, errs, runs)
+		b.Queue(s.failSQL, ids, errs, runs, charges)
 	}
 	b.Queue(s.landedSQL, owner, round.lo, round.hi)
 	if err := s.pool.SendBatch(ctx, b).Close(); err != nil {
@@ -1178,6 +1184,10 @@ type failedEvent struct {
 	id  int64
 	err string
 	run refusalRun
+	// charge: the failure costs the event an attempt and records its
+	// error. Otherwise the row changes only if runReset ends its refusal
+	// run (failSQL).
+	charge bool
 }
 
 // refusalRun is what a failed attempt does to the event's run of refusals

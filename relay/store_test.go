@@ -547,12 +547,13 @@ SELECT 'bench', ('key-' || (g % 1000))::bytea, repeat('x', 256)::bytea FROM gene
 	ids := make([]int64, 1000)
 	errs := make([]string, len(ids))
 	runs := make([]int16, len(ids))
+	charges := make([]bool, len(ids))
 	for i := range ids {
-		ids[i], errs[i] = first+int64(2*i), "failed"
+		ids[i], errs[i], charges[i] = first+int64(2*i), "failed", i%2 == 0
 	}
 	for name, stmt := range map[string]statement{
 		"delete by id":  {sql: st.deleteSQL, args: []any{ids, "me", everyShard()}},
-		"failure":       {sql: st.failSQL, args: []any{ids, errs, runs}},
+		"failure":       {sql: st.failSQL, args: []any{ids, errs, runs, charges}},
 		"dead letters":  {sql: st.deadSQL, args: []any{ids, errs, "me"}},
 		"delete by row": {sql: st.deleteOwnedSQL, args: []any{ids, "me"}},
 	} {
