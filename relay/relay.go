@@ -406,7 +406,7 @@ func (r *Relay) publishLoop(ctx context.Context) {
 			wait := r.roundBackoff.NextBackOff()
 			r.debugRound(ctx, len(shards), res, next != nil, "backoff", wait)
 			sleep(ctx, wait)
-		case res.claimed == r.cfg.BatchSize:
+		case res.whole:
 			r.roundBackoff.Reset()
 			// More may be waiting: go again at once.
 			r.debugRound(ctx, len(shards), res, next != nil, "at_once", 0)
@@ -532,8 +532,12 @@ func (r *Relay) debugRound(ctx context.Context, shards int, res roundResult, rea
 
 type roundResult struct {
 	claimed, acked, dead int
-	held                 int // not sent: their partition is sick
-	failedKeys           int // keys (and keyless events) that failed
+	// whole: the claim read a whole round (BatchSize events, or fewer
+	// where it dropped held keys' events from what it read: store.lastFull),
+	// and the relay left none out: more may be waiting.
+	whole      bool
+	held       int // not sent: their partition is sick
+	failedKeys int // keys (and keyless events) that failed
 }
 
 // prefetch is the next round, read while the current one was with Kafka.
@@ -541,6 +545,7 @@ type prefetch struct {
 	shards []int16
 	events []pendingEvent
 	round  roundKey // its relay_rounds row
+	whole  bool     // the read was a whole round (store.lastFull)
 }
 
 // round publishes one batch: claim the oldest pending events of the owned
@@ -568,9 +573,11 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 	keys, ids := r.exclusions(start)
 	var events []pendingEvent
 	var round roundKey
+	whole := false // see roundResult
 	if ahead != nil {
 		round = ahead.round
 		events = r.belowCeiling(r.withoutBlocked(ahead.events, start))
+		whole = ahead.whole && len(events) == len(ahead.events)
 		if len(events) == 0 {
 			r.forgetRound(ctx, round)
 		}
@@ -603,6 +610,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 			round = keyOf(events)
 			noted := len(r.skipped)
 			kept := r.belowCeiling(events)
+			whole = r.st.lastFull && len(kept) == len(events)
 			if len(kept) > 0 {
 				events = kept
 				break
@@ -639,6 +647,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		return roundResult{}, nil, nil
 	}
 	claimed := len(events)
+	whole = whole || claimed == r.cfg.BatchSize
 	events = oneTopicPerKey(events)
 	records := make([]Record, len(events))
 	msgIDs := make([]Header, len(events)) // the message-id headers
@@ -666,7 +675,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 	}
 
 	var next *prefetch
-	if claimed == r.cfg.BatchSize {
+	if whole {
 		// Nor may the read ahead meet an event that failed in the last
 		// round before that failure is recorded (see the fresh read): a
 		// key of it may be due already if the last round's end waited
@@ -684,7 +693,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 			r.forgetLostRetries(start, nextEvents, inFlight)
 		}
 		if err == nil && len(nextEvents) > 0 {
-			next = &prefetch{shards: shards, events: nextEvents, round: keyOf(nextEvents)}
+			next = &prefetch{shards: shards, events: nextEvents, round: keyOf(nextEvents), whole: r.st.lastFull}
 		}
 	}
 	sent := <-published
@@ -748,7 +757,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		defer close(done)
 		r.record(ctx, start, o, shards, round)
 	}()
-	return roundResult{claimed: claimed, acked: len(acked), dead: len(dead), held: held, failedKeys: len(failedKeys)}, next, nil
+	return roundResult{claimed: claimed, whole: whole, acked: len(acked), dead: len(dead), held: held, failedKeys: len(failedKeys)}, next, nil
 }
 
 // record writes a round's outcome: even when ctx is done, since
@@ -991,8 +1000,9 @@ func (r *Relay) finishingHeld(now time.Time) bool {
 // Kafka, the one being recorded doubled that. Its record, deletes (and any
 // dead letters), takes 1-2 ms while this round is with Kafka anyway: four
 // relays drained 7-12% faster waiting for it (12% in five alternating
-// rounds), at 6-13% less CPU per event. A record that writes failures (a
-// round of a stuck key's rows: a 10-40 ms UPDATE) is not waited for here,
+// rounds), at 6-13% less CPU per event. A record that writes failures (it
+// took 10-40 ms when it rewrote a round of a stuck key's rows; now one row
+// a key, but a round's held keys still wait) is not waited for here,
 // only, as before, when one of its keys is due (finishingHeld). The relay
 // that owns every shard reads the rounds in flight as runs of ids it steps
 // over, and does not wait; a relay owning all but a few shards reads that

@@ -3,6 +3,7 @@ package relay
 import (
 	"cmp"
 	"context"
+	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
@@ -439,8 +440,8 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 		// A held read met the blocked keys' events above the floor (the
 		// floor's base lags the rounds, or a stuck key still gets new
 		// events): the floor read leaves them out in SQL, and walks twice
-		// the round, for the next claims; this one too, where it kept
-		// less than half the round. Nothing is recorded yet.
+		// the round, for the next claims; this one too, where it dropped
+		// more than half the round. Nothing is recorded yet.
 		s.heldOff = claimFloorOff
 		if heldDropped > limit/2 {
 			return s.claim(ctx, owner, shards, limit, blockedKeys, excluded)
@@ -575,16 +576,20 @@ func (s *store) claimAllTexts(limit int) {
 	s.claimAllLimit = limit
 }
 
-// isHeld reports whether e is an event of a key in held at or after the id
-// the key is held back from: what claimFloorQuery leaves out by key hash,
-// here by the key itself. A withheld event's key is not known here: it is
+// isHeld reports whether e's key has a hash in held (heldBack) and e is at or
+// after the id that hash is held back from: what claimFloorQuery leaves out.
+// By the hash, not the key: the key-hash read below the floor's base leaves
+// out every key of a blocked key's hash, so such a key's later events must
+// wait too (70 ns a row here). A withheld event's key is not known: it is
 // kept, and the claim reads exactly if the round's bound keeps it (claim).
-// Keyless events are held back by id, not by key (Relay.exclusions).
+// A keyless event is kept: keyless events are held back by id
+// (Relay.exclusions), and have no order to keep.
 func isHeld(e *pendingEvent, held map[string]int64) bool {
 	if e.withheld || e.key == nil {
 		return false
 	}
-	from, ok := held[string(e.key)]
+	h := sha256.Sum256(e.key)
+	from, ok := held[string(h[:8])]
 	return ok && e.id >= from
 }
 
@@ -603,8 +608,8 @@ type statement struct {
 	short *statement
 	floor bool // a claimFloorQuery read, or a held read
 	// held: a held read (claimStatements): the claim drops from its rows
-	// the events of these keys (the key's bytes) from the id each is held
-	// back from on (isHeld).
+	// the events of the keys of these hashes (heldBack) from the id each is
+	// held back from on (isHeld).
 	held map[string]int64
 	// all: a claimAllQuery read; like a floor read, it records the
 	// lowest id it read (store.noteFloor) and carries a floor proof on.
@@ -752,13 +757,7 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 				// that: where it drops many events, the floor read takes
 				// over for a while (claim).
 				s.claimAllTexts(limit)
-				held := make(map[string]int64, len(blockedKeys))
-				for _, b := range blockedKeys {
-					if from, ok := held[string(b.key)]; !ok || b.firstID < from {
-						held[string(b.key)] = b.firstID
-					}
-				}
-				st := statement{sql: s.claimAllSQL[0][1], args: []any{excluded, base}, short: &shares, floor: true, guard: true, held: held}
+				st := statement{sql: s.claimAllSQL[0][1], args: []any{excluded, base}, short: &shares, floor: true, guard: true, held: heldBack(blockedKeys)}
 				if isRun {
 					st.sql, st.args = s.claimAllSQL[1][1], []any{runLo, runHi, base}
 				}
