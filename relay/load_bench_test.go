@@ -99,7 +99,8 @@ func plainLoopOn(b *testing.B, pool *pgxpool.Pool, cl *kgo.Client, schema string
 // every write with a retriable error, then 50,000 events of 1,000 other
 // keys. Reports how fast the other keys drain beside the same 50,000 events
 // without the stuck key (alternating, benchRounds times).
-// ONCEFLOW_BENCH_STUCK_OTHERS sets the other keys' events (default 50000).
+// ONCEFLOW_BENCH_STUCK_OTHERS sets the other keys' events (default 50000);
+// ONCEFLOW_BENCH_STUCK_EVERY=n gives the stuck key every n-th of them too.
 //
 //	go test -run '^$' -bench RelayStuckKey -benchtime 1x ./relay/
 func BenchmarkRelayStuckKey(b *testing.B) {
@@ -108,6 +109,9 @@ func BenchmarkRelayStuckKey(b *testing.B) {
 	if n, err := strconv.Atoi(os.Getenv("ONCEFLOW_BENCH_STUCK_OTHERS")); err == nil && n > 0 {
 		others = n
 	}
+	// A key that still gets events while stuck; the drain without it has
+	// neither those events nor the stuck key's 300,000.
+	every, _ := strconv.Atoi(os.Getenv("ONCEFLOW_BENCH_STUCK_EVERY"))
 	for range b.N {
 		bu := setupBench(b)
 		topic := bu.kafka.Topic(b, 8)
@@ -116,7 +120,11 @@ func BenchmarkRelayStuckKey(b *testing.B) {
 			rate := map[bool]float64{}
 			for _, withStuck := range []bool{true, false} {
 				fillStuckBench(b, bu, topic, withStuck, stuck, others)
-				drained := &drainObserver{want: int64(others), done: make(chan struct{})}
+				want := others
+				if every > 0 {
+					want -= stuckAmongOthers(b, bu.schema, topic, withStuck, every)
+				}
+				drained := &drainObserver{want: int64(want), done: make(chan struct{})}
 				pub := &refusingPublisher{Publisher: bu.publisher(b), topic: "stuck"}
 				start := time.Now()
 				_, stop := bu.startRelayWith(b, bu.pool, pub, relay.Config{Observer: drained})
@@ -125,12 +133,15 @@ func BenchmarkRelayStuckKey(b *testing.B) {
 				case <-time.After(10 * time.Minute):
 					b.Fatal("the other keys did not drain in 10 minutes")
 				}
-				rate[withStuck] = perSecond(others, time.Since(start))
+				rate[withStuck] = perSecond(want, time.Since(start))
 				stop()
 				pgtest.DropSchema(b, bu.schema)
 			}
 			with, without = append(with, rate[true]), append(without, rate[false])
 			ratios = append(ratios, rate[true]/rate[false])
+		}
+		if every > 0 {
+			fmt.Printf("\nthe stuck key also gets every %d-th event among the others", every)
 		}
 		fmt.Printf("\n%d events of other keys, with and without %d events of a stuck key ahead of them (medians of %d rounds):\n"+
 			"  with the stuck key     %8.0f events/s  (runs: %s)\n"+
@@ -155,6 +166,25 @@ SELECT 'stuck', 'stuck'::bytea, convert_to(repeat('x', 256), 'UTF8') FROM genera
 		}
 	}
 	fillN(b, bu.schema, topic, others)
+}
+
+// stuckAmongOthers gives the stuck key every every-th event of topic (by
+// id), or, without withStuck, deletes those, and returns how many.
+func stuckAmongOthers(b *testing.B, schema, topic string, withStuck bool, every int) int {
+	b.Helper()
+	table := pgx.Identifier{schema, "outbox"}.Sanitize()
+	sql := `DELETE FROM ` + table + ` WHERE topic = $1 AND id % $2 = 0`
+	if withStuck {
+		sql = `UPDATE ` + table + ` SET topic = 'stuck', key = 'stuck' WHERE topic = $1 AND id % $2 = 0`
+	}
+	tag, err := pgtest.Pool(b).Exec(context.Background(), sql, topic, every)
+	if err != nil {
+		b.Fatal(err)
+	}
+	if _, err := pgtest.Pool(b).Exec(context.Background(), `VACUUM ANALYZE `+table); err != nil {
+		b.Fatal(err)
+	}
+	return int(tag.RowsAffected())
 }
 
 // refusingPublisher fails every record of topic with a retriable error
