@@ -533,8 +533,9 @@ func (r *Relay) debugRound(ctx context.Context, shards int, res roundResult, rea
 type roundResult struct {
 	claimed, acked, dead int
 	// whole: the claim read a whole round (BatchSize events, or fewer
-	// where it dropped held keys' events from what it read: store.lastFull),
-	// and the relay left none out: more may be waiting.
+	// where it dropped held keys' events from what it read: store.lastFull;
+	// what the relay then left out, behind a ceiling or a key that waits,
+	// does not count): more may be waiting.
 	whole      bool
 	held       int // not sent: their partition is sick
 	failedKeys int // keys (and keyless events) that failed
@@ -553,7 +554,7 @@ type prefetch struct {
 // then delete exactly the acknowledged ones, dead-letter the refused ones
 // and hold back the keys of the ones that failed.
 //
-// While a full round is with Kafka, the next round is read (excluding this
+// While a whole round is with Kafka, the next round is read (excluding this
 // one's events) so the database and the broker work at the same time. It is
 // published only after this round's outcome is known, and its events of
 // keys that just failed are left out, so a key's events still go out in
@@ -577,7 +578,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 	if ahead != nil {
 		round = ahead.round
 		events = r.belowCeiling(r.withoutBlocked(ahead.events, start))
-		whole = ahead.whole && len(events) == len(ahead.events)
+		whole = ahead.whole
 		if len(events) == 0 {
 			r.forgetRound(ctx, round)
 		}
@@ -610,7 +611,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 			round = keyOf(events)
 			noted := len(r.skipped)
 			kept := r.belowCeiling(events)
-			whole = r.st.lastFull && len(kept) == len(events)
+			whole = r.st.lastFull
 			if len(kept) > 0 {
 				events = kept
 				break
@@ -1015,14 +1016,18 @@ func (r *Relay) readAheadWaits(shards []int16) bool {
 // reached), the reading of e's partition at e: the key's later events are
 // in the same partition, above e, so none goes out before it, and the
 // other partitions go on (a sick partition with more keys than the cap
-// costs only itself). A keyless event has no order to keep: it is left
-// pending and read again.
+// costs only itself). A keyless event has no order to keep, but read again
+// it fails again (a sick topic's keyless events are not sent: holdSick),
+// round after round, each charging it an attempt: it is left out of reads
+// by id, as an event past a ceiling is (r.skipped), until the ceilings
+// lift.
 func (r *Relay) raiseCeiling(e *pendingEvent) {
+	first := r.ceilingAll == 0 && len(r.ceilings) == 0 && len(r.skipped) == 0
 	if e.key == nil {
-		return
-	}
-	first := r.ceilingAll == 0 && len(r.ceilings) == 0
-	if tp, ok := r.partitionOf(e); ok {
+		if len(r.skipped) < maxSkipped {
+			r.skipped = append(r.skipped, e.id)
+		}
+	} else if tp, ok := r.partitionOf(e); ok {
 		if c, found := r.ceilings[tp]; !found || e.id < c {
 			r.ceilings[tp] = e.id
 		}
@@ -1073,7 +1078,7 @@ func (r *Relay) belowCeiling(events []pendingEvent) []pendingEvent {
 // events the ceilings stopped (r.skipped) until now: a read made before
 // (a read-ahead) may hold their keys' later events, read past them.
 func (r *Relay) liftCeiling() (skipped bool) {
-	if (r.ceilingAll != 0 || len(r.ceilings) > 0) && len(r.blocked) <= r.cfg.MaxHeldKeys/2 {
+	if (r.ceilingAll != 0 || len(r.ceilings) > 0 || len(r.skipped) > 0) && len(r.blocked) <= r.cfg.MaxHeldKeys/2 {
 		r.log.Info("relay: held keys are down to half their cap; reading on", "held_keys", len(r.blocked), "partitions", len(r.ceilings))
 		skipped = len(r.skipped) > 0
 		r.ceilingAll = 0
