@@ -71,9 +71,13 @@ type Relay struct {
 	// are their keys (blockKey): no event of theirs goes out before the
 	// ceilings lift, whatever partition the publisher reports for it by
 	// then (a topic given more partitions).
-	skipped      []int64
-	skippedKeys  map[string]bool
-	roundBackoff backoff.BackOff
+	skipped     []int64
+	skippedKeys map[string]bool
+	// keylessCeilings are, per topic, the lowest id of a keyless event
+	// that failed at the cap once skipped was full: that topic's keyless
+	// events from there are not published until the ceilings lift.
+	keylessCeilings map[string]int64
+	roundBackoff    backoff.BackOff
 	// The previous round's outcome is recorded while the next round is
 	// published; finishing is closed once it is, and finishingIDs are the
 	// events that outcome deletes (acknowledged or dead-lettered), which
@@ -134,20 +138,21 @@ func New(pool *pgxpool.Pool, pub Publisher, cfg *Config) (*Relay, error) {
 	parts, _ := pub.(PartitionReporter)
 	st.maxBytes = int64(c.BatchBytes)
 	return &Relay{
-		events:       events,
-		cfg:          c,
-		pool:         pool,
-		pub:          pub,
-		parts:        parts,
-		sick:         map[string]map[int32]*sickPartition{},
-		ceilings:     map[topicPartition]int64{},
-		skippedKeys:  map[string]bool{},
-		st:           st,
-		leases:       newLeases(st, c.InstanceID, c.LeaseDuration, c.Observer, c.Logger.With("instance", c.InstanceID)),
-		log:          c.Logger.With("instance", c.InstanceID),
-		blocked:      map[string]*keyState{},
-		roundBackoff: newBackoff(c.MaxRetryBackoff),
-		sideSQL:      sideSQL(c.Schema),
+		events:          events,
+		cfg:             c,
+		pool:            pool,
+		pub:             pub,
+		parts:           parts,
+		sick:            map[string]map[int32]*sickPartition{},
+		ceilings:        map[topicPartition]int64{},
+		skippedKeys:     map[string]bool{},
+		keylessCeilings: map[string]int64{},
+		st:              st,
+		leases:          newLeases(st, c.InstanceID, c.LeaseDuration, c.Observer, c.Logger.With("instance", c.InstanceID)),
+		log:             c.Logger.With("instance", c.InstanceID),
+		blocked:         map[string]*keyState{},
+		roundBackoff:    newBackoff(c.MaxRetryBackoff),
+		sideSQL:         sideSQL(c.Schema),
 	}, nil
 }
 
@@ -1020,14 +1025,23 @@ func (r *Relay) readAheadWaits(shards []int16) bool {
 // it fails again (a sick topic's keyless events are not sent: holdSick),
 // round after round, each charging it an attempt: it is left out of reads
 // by id, as an event past a ceiling is (r.skipped), until the ceilings
-// lift.
+// lift; past maxSkipped of those, its topic's keyless events from it on
+// are dropped after each read (belowCeiling).
 func (r *Relay) raiseCeiling(e *pendingEvent) {
-	first := r.ceilingAll == 0 && len(r.ceilings) == 0 && len(r.skipped) == 0
+	first := r.ceilingAll == 0 && len(r.ceilings) == 0 && len(r.skipped) == 0 && len(r.keylessCeilings) == 0
 	if e.key == nil {
 		if len(r.skipped) < maxSkipped {
 			r.skipped = append(r.skipped, e.id)
+		} else if c, found := r.keylessCeilings[e.topic]; !found || e.id < c {
+			r.keylessCeilings[e.topic] = e.id
 		}
-	} else if tp, ok := r.partitionOf(e); ok {
+		if first {
+			r.log.Warn("relay: too many keys held back; keyless events that fail are not read again until the held keys are down to half",
+				"held_keys", len(r.blocked), "max_held_keys", r.cfg.MaxHeldKeys, "topic", e.topic, "event_id", string(e.eventID))
+		}
+		return
+	}
+	if tp, ok := r.partitionOf(e); ok {
 		if c, found := r.ceilings[tp]; !found || e.id < c {
 			r.ceilings[tp] = e.id
 		}
@@ -1045,12 +1059,15 @@ func (r *Relay) raiseCeiling(e *pendingEvent) {
 // in r.skipped while there is room. Held keys' events are governed by their
 // own hold.
 func (r *Relay) belowCeiling(events []pendingEvent) []pendingEvent {
-	if r.ceilingAll == 0 && len(r.ceilings) == 0 {
+	if r.ceilingAll == 0 && len(r.ceilings) == 0 && len(r.keylessCeilings) == 0 {
 		return events
 	}
 	out := events[:0:0]
 	for i := range events {
 		e := &events[i]
+		if c, found := r.keylessCeilings[e.topic]; found && e.key == nil && e.id >= c {
+			continue
+		}
 		if bk := blockKey(e); r.blocked[bk] == nil && e.key != nil {
 			above := r.ceilingAll != 0 && e.id >= r.ceilingAll || r.skippedKeys[bk]
 			if !above && len(r.ceilings) > 0 {
@@ -1078,13 +1095,15 @@ func (r *Relay) belowCeiling(events []pendingEvent) []pendingEvent {
 // events the ceilings stopped (r.skipped) until now: a read made before
 // (a read-ahead) may hold their keys' later events, read past them.
 func (r *Relay) liftCeiling() (skipped bool) {
-	if (r.ceilingAll != 0 || len(r.ceilings) > 0 || len(r.skipped) > 0) && len(r.blocked) <= r.cfg.MaxHeldKeys/2 {
+	if (r.ceilingAll != 0 || len(r.ceilings) > 0 || len(r.skipped) > 0 || len(r.keylessCeilings) > 0) && len(r.blocked) <= r.cfg.MaxHeldKeys/2 {
 		r.log.Info("relay: held keys are down to half their cap; reading on", "held_keys", len(r.blocked), "partitions", len(r.ceilings))
-		skipped = len(r.skipped) > 0
+		// Keyless events have no order for a read ahead to break.
+		skipped = len(r.skippedKeys) > 0
 		r.ceilingAll = 0
 		clear(r.ceilings)
 		r.skipped = r.skipped[:0]
 		clear(r.skippedKeys)
+		clear(r.keylessCeilings)
 	}
 	return skipped
 }
