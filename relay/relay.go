@@ -73,11 +73,12 @@ type Relay struct {
 	// then (a topic given more partitions).
 	skipped     []int64
 	skippedKeys map[string]bool
-	// keylessCeilings are, per topic, the lowest id of a keyless event
-	// that failed at the cap once skipped was full: that topic's keyless
-	// events from there are not published until the ceilings lift.
-	keylessCeilings map[string]int64
-	roundBackoff    backoff.BackOff
+	// keylessWaits are, per topic with a sick partition, the keyless events
+	// that failed with the held keys at their cap (waitKeyless), and
+	// keylessIDs how many ids they hold in all.
+	keylessWaits map[string]*keylessWait
+	keylessIDs   int
+	roundBackoff backoff.BackOff
 	// The previous round's outcome is recorded while the next round is
 	// published; finishing is closed once it is, and finishingIDs are the
 	// events that outcome deletes (acknowledged or dead-lettered), which
@@ -138,21 +139,21 @@ func New(pool *pgxpool.Pool, pub Publisher, cfg *Config) (*Relay, error) {
 	parts, _ := pub.(PartitionReporter)
 	st.maxBytes = int64(c.BatchBytes)
 	return &Relay{
-		events:          events,
-		cfg:             c,
-		pool:            pool,
-		pub:             pub,
-		parts:           parts,
-		sick:            map[string]map[int32]*sickPartition{},
-		ceilings:        map[topicPartition]int64{},
-		skippedKeys:     map[string]bool{},
-		keylessCeilings: map[string]int64{},
-		st:              st,
-		leases:          newLeases(st, c.InstanceID, c.LeaseDuration, c.Observer, c.Logger.With("instance", c.InstanceID)),
-		log:             c.Logger.With("instance", c.InstanceID),
-		blocked:         map[string]*keyState{},
-		roundBackoff:    newBackoff(c.MaxRetryBackoff),
-		sideSQL:         sideSQL(c.Schema),
+		events:       events,
+		cfg:          c,
+		pool:         pool,
+		pub:          pub,
+		parts:        parts,
+		sick:         map[string]map[int32]*sickPartition{},
+		ceilings:     map[topicPartition]int64{},
+		skippedKeys:  map[string]bool{},
+		keylessWaits: map[string]*keylessWait{},
+		st:           st,
+		leases:       newLeases(st, c.InstanceID, c.LeaseDuration, c.Observer, c.Logger.With("instance", c.InstanceID)),
+		log:          c.Logger.With("instance", c.InstanceID),
+		blocked:      map[string]*keyState{},
+		roundBackoff: newBackoff(c.MaxRetryBackoff),
+		sideSQL:      sideSQL(c.Schema),
 	}, nil
 }
 
@@ -566,6 +567,7 @@ type prefetch struct {
 // order and stop at the first failure.
 func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (roundResult, *prefetch, error) {
 	start := time.Now()
+	r.releaseKeyless()
 	if r.liftCeiling() && ahead != nil {
 		// The read ahead left out the events the ceilings stopped and
 		// may hold later events of their keys: without the ceilings,
@@ -1021,26 +1023,14 @@ func (r *Relay) readAheadWaits(shards []int16) bool {
 // reached), the reading of e's partition at e: the key's later events are
 // in the same partition, above e, so none goes out before it, and the
 // other partitions go on (a sick partition with more keys than the cap
-// costs only itself). A keyless event has no order to keep, but read again
-// it fails again (a sick topic's keyless events are not sent: holdSick),
-// round after round, each charging it an attempt: it is left out of reads
-// by id, as an event past a ceiling is (r.skipped), until the ceilings
-// lift; past maxSkipped of those, its topic's keyless events from it on
-// are dropped after each read (belowCeiling).
+// costs only itself). A keyless event has no order to keep: see
+// waitKeyless.
 func (r *Relay) raiseCeiling(e *pendingEvent) {
-	first := r.ceilingAll == 0 && len(r.ceilings) == 0 && len(r.skipped) == 0 && len(r.keylessCeilings) == 0
 	if e.key == nil {
-		if len(r.skipped) < maxSkipped {
-			r.skipped = append(r.skipped, e.id)
-		} else if c, found := r.keylessCeilings[e.topic]; !found || e.id < c {
-			r.keylessCeilings[e.topic] = e.id
-		}
-		if first {
-			r.log.Warn("relay: too many keys held back; keyless events that fail are not read again until the held keys are down to half",
-				"held_keys", len(r.blocked), "max_held_keys", r.cfg.MaxHeldKeys, "topic", e.topic, "event_id", string(e.eventID))
-		}
+		r.waitKeyless(e)
 		return
 	}
+	first := r.ceilingAll == 0 && len(r.ceilings) == 0
 	if tp, ok := r.partitionOf(e); ok {
 		if c, found := r.ceilings[tp]; !found || e.id < c {
 			r.ceilings[tp] = e.id
@@ -1054,18 +1044,67 @@ func (r *Relay) raiseCeiling(e *pendingEvent) {
 	}
 }
 
+// keylessWait is what waitKeyless keeps of a topic: the keyless events
+// reads leave out by id, and from, where there was no room for more ids:
+// the topic's keyless events from there are dropped after each read.
+type keylessWait struct {
+	ids  []int64
+	from int64
+}
+
+// waitKeyless makes a keyless event that failed with the held keys at their
+// cap wait while its topic has a sick partition. Such a topic's keyless
+// events are not sent (holdSick): read again, one fails again at once,
+// round after round, each charging it an attempt (in one run in two some
+// 600 rounds a second). It is left out of reads by id, as an event past a
+// ceiling is (the two share maxSkipped), and past that the topic's keyless
+// events from it on are dropped after each read (belowCeiling), until the
+// topic has no sick partition (releaseKeyless) or the ceilings lift. A
+// keyless event of a healthy topic is read again: it was sent, and fails
+// no faster than its publish does.
+func (r *Relay) waitKeyless(e *pendingEvent) {
+	if len(r.sick[e.topic]) == 0 {
+		return
+	}
+	w := r.keylessWaits[e.topic]
+	if w == nil {
+		w = &keylessWait{}
+		r.keylessWaits[e.topic] = w
+		r.log.Warn("relay: too many keys held back; a topic's keyless events wait until it has no sick partition or the held keys are down to half",
+			"held_keys", len(r.blocked), "max_held_keys", r.cfg.MaxHeldKeys, "topic", e.topic)
+	}
+	if len(r.skipped)+r.keylessIDs < maxSkipped {
+		w.ids = append(w.ids, e.id)
+		r.keylessIDs++
+	} else if w.from == 0 || e.id < w.from {
+		w.from = e.id
+	}
+}
+
+// releaseKeyless lets the keyless events of each topic that has no sick
+// partition any more be read again (waitKeyless).
+func (r *Relay) releaseKeyless() {
+	for topic, w := range r.keylessWaits {
+		if len(r.sick[topic]) == 0 {
+			r.keylessIDs -= len(w.ids)
+			delete(r.keylessWaits, topic)
+			r.log.Info("relay: a topic has no sick partition; its keyless events are read on", "topic", topic)
+		}
+	}
+}
+
 // belowCeiling drops, while a ceiling stands (see raiseCeiling), the events
 // at or above their partition's that are not a held key's, and notes them
-// in r.skipped while there is room. Held keys' events are governed by their
-// own hold.
+// in r.skipped while there is room; and the keyless events a topic's wait
+// drops (waitKeyless). Held keys' events are governed by their own hold.
 func (r *Relay) belowCeiling(events []pendingEvent) []pendingEvent {
-	if r.ceilingAll == 0 && len(r.ceilings) == 0 && len(r.keylessCeilings) == 0 {
+	if r.ceilingAll == 0 && len(r.ceilings) == 0 && len(r.keylessWaits) == 0 {
 		return events
 	}
 	out := events[:0:0]
 	for i := range events {
 		e := &events[i]
-		if c, found := r.keylessCeilings[e.topic]; found && e.key == nil && e.id >= c {
+		if w := r.keylessWaits[e.topic]; w != nil && e.key == nil && w.from != 0 && e.id >= w.from {
 			continue
 		}
 		if bk := blockKey(e); r.blocked[bk] == nil && e.key != nil {
@@ -1077,7 +1116,7 @@ func (r *Relay) belowCeiling(events []pendingEvent) []pendingEvent {
 				}
 			}
 			if above {
-				if len(r.skipped) < maxSkipped {
+				if len(r.skipped)+r.keylessIDs < maxSkipped {
 					r.skipped = append(r.skipped, e.id)
 					r.skippedKeys[bk] = true
 				}
@@ -1095,26 +1134,30 @@ func (r *Relay) belowCeiling(events []pendingEvent) []pendingEvent {
 // events the ceilings stopped (r.skipped) until now: a read made before
 // (a read-ahead) may hold their keys' later events, read past them.
 func (r *Relay) liftCeiling() (skipped bool) {
-	if (r.ceilingAll != 0 || len(r.ceilings) > 0 || len(r.skipped) > 0 || len(r.keylessCeilings) > 0) && len(r.blocked) <= r.cfg.MaxHeldKeys/2 {
-		r.log.Info("relay: held keys are down to half their cap; reading on", "held_keys", len(r.blocked), "partitions", len(r.ceilings))
-		// Keyless events have no order for a read ahead to break.
-		skipped = len(r.skippedKeys) > 0
+	if (r.ceilingAll != 0 || len(r.ceilings) > 0 || len(r.keylessWaits) > 0) && len(r.blocked) <= r.cfg.MaxHeldKeys/2 {
+		r.log.Info("relay: held keys are down to half their cap; reading on", "held_keys", len(r.blocked), "partitions", len(r.ceilings), "keyless_topics", len(r.keylessWaits))
+		skipped = len(r.skipped) > 0 // keyless events have no order a read ahead could break
 		r.ceilingAll = 0
 		clear(r.ceilings)
 		r.skipped = r.skipped[:0]
 		clear(r.skippedKeys)
-		clear(r.keylessCeilings)
+		clear(r.keylessWaits)
+		r.keylessIDs = 0
 	}
 	return skipped
 }
 
 // withSkipped returns excluded plus the events a ceiling stopped
-// (r.skipped), for a read.
+// (r.skipped) and the keyless events that wait (waitKeyless), for a read.
 func (r *Relay) withSkipped(excluded []int64) []int64 {
-	if len(r.skipped) == 0 {
+	if len(r.skipped) == 0 && r.keylessIDs == 0 {
 		return excluded
 	}
-	return append(slices.Clip(excluded), r.skipped...)
+	out := append(slices.Clip(excluded), r.skipped...)
+	for _, w := range r.keylessWaits {
+		out = append(out, w.ids...)
+	}
+	return out
 }
 
 // withoutBlocked drops prefetched events whose key is waiting out a retry;
