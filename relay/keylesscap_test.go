@@ -28,15 +28,8 @@ func keylessAtCap(t *testing.T, b *bundle, keys, keyless, batch int) (*kfake.Fau
 	topic := b.kafka.Topic(t, 4)
 	h := fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topic, Partitions: []int32{0}, Err: kerr.NotEnoughReplicas, Count: -1})
 	t.Cleanup(h.Remove)
+	b.write(t, onPartition0(topic, "sick", keys)...)
 	var msgs []outbox.Message
-	for i := 0; len(msgs) < keys; i++ {
-		key := fmt.Appendf(nil, "sick-%d", i)
-		if relaytest.JavaPartition(key, 4) == 0 {
-			msgs = append(msgs, outbox.Message{Topic: topic, Key: key, Value: []byte("sick")})
-		}
-	}
-	b.write(t, msgs...)
-	msgs = msgs[:0]
 	for range keyless {
 		msgs = append(msgs, outbox.Message{Topic: topic, Value: []byte("keyless")})
 	}
@@ -46,6 +39,18 @@ func keylessAtCap(t *testing.T, b *bundle, keys, keyless, batch int) (*kfake.Fau
 	_, stop := b.startRelayWith(t, b.pool, b.publisher(t), relay.Config{BatchSize: batch, MaxHeldKeys: 2, PublishTimeout: time.Second, MaxRetryBackoff: time.Second, Logger: logger})
 	t.Cleanup(stop)
 	return h, counter
+}
+
+// onPartition0 returns n events of topic (of four partitions), each of a key
+// of its own ("prefix-i") that the Java partitioner puts on partition 0.
+func onPartition0(topic, prefix string, n int) []outbox.Message {
+	var msgs []outbox.Message
+	for i := 0; len(msgs) < n; i++ {
+		if key := fmt.Appendf(nil, "%s-%d", prefix, i); relaytest.JavaPartition(key, 4) == 0 {
+			msgs = append(msgs, outbox.Message{Topic: topic, Key: key, Value: []byte(prefix)})
+		}
+	}
+	return msgs
 }
 
 // Keyless events of a topic with a sick partition are not sent (the
@@ -132,15 +137,6 @@ func TestKeylessEventsOfAHealedTopicGoOutWhileAnotherPinsTheCap(t *testing.T) {
 	t.Cleanup(hu.Remove)
 	ht := fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: tt, Partitions: []int32{0}, Err: kerr.NotEnoughReplicas, Count: -1})
 	t.Cleanup(ht.Remove)
-	onPartition0 := func(topic, prefix string, n int) []outbox.Message {
-		var msgs []outbox.Message
-		for i := 0; len(msgs) < n; i++ {
-			if key := fmt.Appendf(nil, "%s-%d", prefix, i); relaytest.JavaPartition(key, 4) == 0 {
-				msgs = append(msgs, outbox.Message{Topic: topic, Key: key, Value: []byte(prefix)})
-			}
-		}
-		return msgs
-	}
 	b.write(t, onPartition0(u, "u", 3)...)
 	_, stop := b.startRelayWith(t, b.pool, b.publisher(t), relay.Config{BatchSize: 50, MaxHeldKeys: 2, PublishTimeout: time.Second, MaxRetryBackoff: time.Second})
 	t.Cleanup(stop)

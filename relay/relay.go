@@ -567,7 +567,6 @@ type prefetch struct {
 // order and stop at the first failure.
 func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (roundResult, *prefetch, error) {
 	start := time.Now()
-	r.releaseKeyless()
 	if r.liftCeiling() && ahead != nil {
 		// The read ahead left out the events the ceilings stopped and
 		// may hold later events of their keys: without the ceilings,
@@ -578,6 +577,8 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 	if r.sickCount > 0 {
 		r.forgetUnprobedSick()
 	}
+	// After forgetUnprobedSick, which may clear a topic's last sick mark.
+	r.releaseKeyless()
 	keys, ids := r.exclusions(start)
 	var events []pendingEvent
 	var round roundKey
@@ -655,7 +656,6 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		return roundResult{}, nil, nil
 	}
 	claimed := len(events)
-	whole = whole || claimed == r.cfg.BatchSize
 	events = oneTopicPerKey(events)
 	records := make([]Record, len(events))
 	msgIDs := make([]Header, len(events)) // the message-id headers
