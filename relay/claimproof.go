@@ -3,6 +3,7 @@ package relay
 import (
 	"context"
 	"fmt"
+	"math"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -95,6 +96,9 @@ type proving struct {
 	checks int      // checks of vxids so far
 	skip   int      // floor reads to let pass before the next check
 	usable bool     // the sequence allows a proof (CACHE 1, increment > 0, no CYCLE)
+	// ownFloor: below is to come down to the floor of the read that
+	// started it (store.claim, once that read is read).
+	ownFloor bool
 }
 
 const (
@@ -137,8 +141,15 @@ FROM pg_database d WHERE d.datname = current_database()`, s.outbox).Scan(&seq, &
 // queueFloorProof adds this claim's step of a floor proof to b, with what
 // to do with its answer, if one is due. Called for claims that read from
 // the floor or through claimAllQuery, after the claim's own statements are
-// queued.
-func (s *store) queueFloorProof(b *pgx.Batch) {
+// queued; floorRead: the claim has a claimFloorQuery read.
+//
+// The first floor read of a run (no history to draw C from) starts a proof
+// whose C is its own floor, set once the read is read (ownFloor): the
+// second floor read confirms it, and the third may descend nothing. The
+// first floor reads of a stuck key's episode are its costliest (255
+// descents, and planned afresh on each pool connection they meet). A row
+// left pending below C, in flight or failed, keeps only its shard out.
+func (s *store) queueFloorProof(b *pgx.Batch, floorRead bool) {
 	if s.seqName == "" {
 		return
 	}
@@ -152,14 +163,17 @@ func (s *store) queueFloorProof(b *pgx.Batch) {
 	switch {
 	case p == nil:
 		n := len(s.floorFrom)
-		if n == 0 || s.proofWait > 0 {
+		if s.proofWait > 0 || n == 0 && !floorRead {
 			return
 		}
-		from := s.floorFrom[max(0, n-1-claimProofBack)]
-		if from <= s.proof.below {
-			return
+		from := int64(math.MaxInt64) // this read's floor (ownFloor)
+		if n > 0 {
+			from = s.floorFrom[max(0, n-1-claimProofBack)]
+			if from <= s.proof.below {
+				return
+			}
 		}
-		p = &proving{state: proofHolders, below: from}
+		p = &proving{state: proofHolders, below: from, ownFloor: n == 0}
 		s.proving = p
 		s.proofWait = claimProofEvery
 		b.Queue(`SELECT CASE WHEN s.is_called THEN s.last_value + 1 ELSE s.last_value END,
@@ -216,6 +230,9 @@ WHERE l.locktype = 'virtualxid' AND l.virtualxid = ANY($1::text[])
 			}
 			return nil
 		})
+	case p.state == proofConfirm && p.ownFloor:
+		// The read that started it gave no floor yet (the claim read
+		// again: store.claim): confirm once one has.
 	case p.state == proofConfirm:
 		// A shard the last proof holds has nothing pending below its C:
 		// its descent starts there, past the rows deleted before (which

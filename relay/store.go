@@ -397,7 +397,7 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 	}
 	read := make([][2]int, len(stmts)) // each statement's rows in out
 	heldDropped := 0                   // a held read's rows dropped (isHeld)
-	floor, guarded := false, false
+	floor, floorRead, guarded := false, false, false
 	for i, st := range stmts {
 		guarded = guarded || st.guarded
 		b.Queue(st.sql, st.args...).Query(func(rows pgx.Rows) error {
@@ -423,13 +423,14 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 			return err
 		})
 		floor = floor || st.floor || st.all
+		floorRead = floorRead || st.floor && st.held == nil
 	}
 	if floor {
 		// Floor reads and claimAll reads alike keep a floor proof going.
 		if err := s.proofSequence(ctx); err != nil {
 			return nil, err
 		}
-		s.queueFloorProof(b)
+		s.queueFloorProof(b, floorRead)
 	}
 	if b.Len() > 0 {
 		if err := s.pool.SendBatch(ctx, b).Close(); err != nil {
@@ -543,6 +544,9 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 	}
 	s.advanceSweeps(out, blockedKeys)
 	s.noteFloor(floorFrom)
+	if p := s.proving; p != nil && p.ownFloor {
+		p.below, p.ownFloor = min(p.below, floorFrom), false
+	}
 	if adapt != nil {
 		s.adaptFreeKs(adapt.free, adapt.ks, out)
 	}
