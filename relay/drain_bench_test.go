@@ -610,6 +610,15 @@ type traceStart struct {
 }
 
 func stmtName(sql string) string {
+	// The claim's reads share their first words: name them by shape.
+	switch {
+	case strings.Contains(sql, "WITH f AS MATERIALIZED"):
+		return "floor read"
+	case strings.Contains(sql, "m.held DESC"):
+		return "key-hash read"
+	case strings.HasPrefix(sql, "SELECT id, event_id"):
+		return "read"
+	}
 	f := strings.Fields(sql)
 	if len(f) > 6 {
 		f = f[:6]
