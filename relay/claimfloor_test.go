@@ -278,7 +278,10 @@ SELECT 't', ('k' || (g % 40))::bytea FROM generate_series(1, 2000) g`); err != n
 	if st.proving == nil && st.proof.below == 0 {
 		t.Fatal("the claims through the primary key started no floor proof")
 	}
-	const within = 2 // one to set the base and start, one to confirm
+	// One to set the base and start, one to confirm: each round lands
+	// before the next claim here (TestAFloorProofConfirmedBesideRoundsNotLanded...
+	// has rounds landing late).
+	const within = 2
 	for i := 1; st.proof.below == 0; i++ {
 		if i > within {
 			t.Fatalf("no floor proof after %d floor reads with no transaction holding an id, want one within %d", within, within)
@@ -449,6 +452,107 @@ func TestFloorBranchesCoverEveryIDOutsideTheRuns(t *testing.T) {
 			if want := map[bool]int{true: 0, false: 1}[inRun]; n != want {
 				t.Fatalf("runs %v, branches %v: id %d in %d branches, want %d", runs, got, id, n, want)
 			}
+		}
+	}
+}
+
+// A floor proof started by the first floor read of a run (its C that read's
+// own floor) is confirmed by the second, while the rounds read before the
+// key was blocked may not have landed: one relay owning every shard reads
+// ahead without waiting for the last round's deletes (Relay.readAheadWaits),
+// so a claim leaves out the round in flight and the one being recorded, and
+// the latter's delete commits after the claim. Their shards, rows still
+// pending below C, are left out of the first confirm; a second confirm of
+// the same C, a floor read on, takes them in (rows below C are only deleted
+// from then on), where they used to be descended until the next proof,
+// claimProofEvery floor reads on.
+func TestAFloorProofConfirmedBesideRoundsNotLandedTakesTheirShardsInOneReadOn(t *testing.T) {
+	t.Parallel()
+	ctx, st, schema, insert := claimSetup(t)
+	outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
+	stuck := insert(st.pool, "stuck")
+	if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key)
+SELECT 't', ('k' || g)::bytea FROM generate_series(1, 8000) g`); err != nil {
+		t.Fatal(err)
+	}
+	stuckShard := int16(keyHash([]byte("stuck"))[0])
+	free := slices.DeleteFunc(everyShard(), func(sh int16) bool { return sh == stuckShard })
+	const limit = 200
+	var rounds [][]int64
+	claim := func(blocked []keyBlock) {
+		var excluded []int64
+		for _, r := range rounds[max(0, len(rounds)-2):] {
+			excluded = append(excluded, r...)
+		}
+		st.lastFull = true
+		got := claimedIDs(t, st, everyShard(), limit, blocked, excluded)
+		if len(rounds) >= 2 { // the round before last lands after this claim
+			if _, err := st.pool.Exec(ctx, `DELETE FROM `+outbox+` WHERE id = ANY($1) AND id <> $2`, rounds[len(rounds)-2], stuck); err != nil {
+				t.Fatal(err)
+			}
+		}
+		rounds = append(rounds, got)
+	}
+	claim(nil) // holds the stuck key's event, which fails
+	claim(nil) // read ahead
+	blocked := []keyBlock{{key: []byte("stuck"), firstID: stuck}}
+	const within = 4 // start, confirm, confirm again: the fourth descends none
+	for i := 1; ; i++ {
+		descend, _ := st.descents(free, st.floorBase())
+		if len(descend) == 0 {
+			break
+		}
+		if i > within {
+			t.Fatalf("floor read %d still descends %d of the %d free shards (floor proof C=%d), want none from the %dth", i, len(descend), len(free), st.proof.below, within)
+		}
+		claim(blocked)
+		if len(st.floorFrom) == 0 {
+			t.Fatalf("claim %d: not a floor read, or its run ended", i)
+		}
+	}
+}
+
+// A run of floor reads that ends (the first came short: the blocked key's
+// events dense above the floor) drops its proof and the wait that proof set
+// before the next may start: the next run proves its floor by its second
+// read, not its claimProofEvery-th.
+func TestARunOfFloorReadsThatEndsTakesItsProofsWaitWithIt(t *testing.T) {
+	t.Parallel()
+	ctx, st, schema, insert := claimSetup(t)
+	outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
+	stuck := insert(st.pool, "stuck")
+	// 1,000 events, nine in ten the stuck key's, then 3,000 of other keys.
+	if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key)
+SELECT 't', CASE WHEN g % 10 = 0 THEN ('k' || g)::bytea ELSE 'stuck'::bytea END FROM generate_series(1, 1000) g`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key)
+SELECT 't', ('k' || g)::bytea FROM generate_series(1001, 4000) g`); err != nil {
+		t.Fatal(err)
+	}
+	blocked := []keyBlock{{key: []byte("stuck"), firstID: stuck}}
+	claim := func() {
+		st.lastFull = true
+		got := claimedIDs(t, st, everyShard(), 100, blocked, nil)
+		if _, err := st.pool.Exec(ctx, `DELETE FROM `+outbox+` WHERE id = ANY($1)`, got); err != nil {
+			t.Fatal(err)
+		}
+	}
+	claim()
+	if st.floorOff == 0 {
+		t.Fatal("the first floor read did not come short")
+	}
+	for st.floorOff > 0 {
+		claim() // by the free shards' shares
+	}
+	const within = 2 // one starts, one confirms
+	for i := 1; st.proof.below == 0; i++ {
+		if i > within {
+			t.Fatalf("no floor proof after %d floor reads of the new run, want one within %d", within, within)
+		}
+		claim()
+		if len(st.floorFrom) == 0 {
+			t.Fatalf("floor read %d: its run ended", i)
 		}
 	}
 }

@@ -276,8 +276,10 @@ func (s *store) floorBase() int64 {
 // reads start over without a base.
 func (s *store) noteFloor(from int64) {
 	if from == 0 {
+		// The wait before the next proof goes with the dropped one (the
+		// run's first read started it): the next run starts its own at once.
 		s.floorFrom = s.floorFrom[:0]
-		s.proof, s.proving = floorProof{}, nil
+		s.proof, s.proving, s.proofWait = floorProof{}, nil, 0
 		return
 	}
 	if len(s.floorFrom) == claimFloorLag {
@@ -294,9 +296,9 @@ func (s *store) noteFloor(from int64) {
 // must not take those ids for their base, nor for a proof's id: they would
 // walk that key's events from there, come short of the round and send the
 // next claimFloorOff claims to the free shards' shares. The wait before
-// the next proof goes with the dropped one: the new shape's reads start
-// theirs as soon as they have a base (else a floor read beside a newly
-// blocked key descended every free shard for claimProofEvery claims).
+// the next proof goes with the dropped one: the new shape's first floor
+// read starts theirs (else a floor read beside a newly blocked key
+// descended every free shard for claimProofEvery claims).
 func (s *store) floorShape(all bool) {
 	if len(s.floorFrom) > 0 && s.floorFromAll != all {
 		s.floorFrom = s.floorFrom[:0]

@@ -29,7 +29,8 @@ import (
 //     among them, whether it has an xid or not (an id default evaluated
 //     before a BEFORE trigger that waits, nextval called early). The
 //     candidate C is the lesser of M and the lowest id the floor read
-//     before the last one read (claimProofBack).
+//     before the last one read (claimProofBack), or, for the first floor
+//     read of a run, the lowest id that read itself reads (queueFloorProof).
 //  2. Wait: a later claim checks that none of those
 //     virtual transaction ids is held any more, and that no prepared
 //     transaction holds the sequence's lock. A transaction's virtualxid
@@ -97,8 +98,11 @@ type proving struct {
 	skip   int      // floor reads to let pass before the next check
 	usable bool     // the sequence allows a proof (CACHE 1, increment > 0, no CYCLE)
 	// ownFloor: below is to come down to the floor of the read that
-	// started it (store.claim, once that read is read).
-	ownFloor bool
+	// started it (store.claim, once that read is read; or of a later floor
+	// read, where that claim ended before: any floor read's is below the
+	// next id read at the start). recheck: confirm it a second time, a floor
+	// read after the first (see queueFloorProof).
+	ownFloor, recheck bool
 }
 
 const (
@@ -115,7 +119,8 @@ const claimProofEvery = 8
 // candidate C comes from: the lowest id that read read. The rounds read
 // since are above it; the ones before have landed (been deleted) by the
 // time the proof is confirmed, a few claims on, unless they failed, and
-// a row left pending below C only keeps its shard out of the proof.
+// a row left pending below C only keeps its shard out of the proof. (The
+// first floor read of a run has no such history: queueFloorProof.)
 const claimProofBack = 1
 
 // proofSequence finds the outbox's id sequence, once.
@@ -144,11 +149,18 @@ FROM pg_database d WHERE d.datname = current_database()`, s.outbox).Scan(&seq, &
 // queued; floorRead: the claim has a claimFloorQuery read.
 //
 // The first floor read of a run (no history to draw C from) starts a proof
-// whose C is its own floor, set once the read is read (ownFloor): the
-// second floor read confirms it, and the third may descend nothing. The
-// first floor reads of a stuck key's episode are its costliest (255
-// descents, and planned afresh on each pool connection they meet). A row
-// left pending below C, in flight or failed, keeps only its shard out.
+// whose C is its own floor, set once the read is read (ownFloor): with no
+// transaction holding an id, the second floor read confirms it, so the
+// first floor reads of a stuck key's episode, its costliest (255 descents,
+// planned afresh on each pool connection they meet), are two, not three.
+// Everything that read left out lies below C: the rounds in flight, and
+// the one whose deletes are being recorded (one relay owning every shard
+// reads ahead without waiting for them: Relay.readAheadWaits), so the
+// first confirm may leave their shards out. Such a proof is confirmed a
+// second time, a floor read on, descending only the shards the first left
+// out: sound at any later time, as rows below C are only deleted, and by
+// then those rounds have landed. A row left pending below C (a failed
+// round) keeps its shard out.
 func (s *store) queueFloorProof(b *pgx.Batch, floorRead bool) {
 	if s.seqName == "" {
 		return
@@ -173,7 +185,7 @@ func (s *store) queueFloorProof(b *pgx.Batch, floorRead bool) {
 				return
 			}
 		}
-		p = &proving{state: proofHolders, below: from, ownFloor: n == 0}
+		p = &proving{state: proofHolders, below: from, ownFloor: n == 0, recheck: n == 0}
 		s.proving = p
 		s.proofWait = claimProofEvery
 		b.Queue(`SELECT CASE WHEN s.is_called THEN s.last_value + 1 ELSE s.last_value END,
@@ -255,6 +267,11 @@ WHERE NOT EXISTS (SELECT FROM `+s.outbox+` p
 				proof.sure[sh/64] |= 1 << (sh % 64)
 			}
 			s.proof, s.proving = proof, nil
+			if p.recheck && !proof.holdsAll() {
+				// Once more, a floor read on (ownFloor): the shards it
+				// holds are not descended again.
+				p.recheck, s.proving = false, p
+			}
 			return nil
 		})
 	}

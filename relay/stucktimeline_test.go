@@ -80,13 +80,26 @@ func (w tlWriter) Write(p []byte) (int, error) {
 
 type tlObserver struct {
 	drainObserver
-	t *timeline
+	t       *timeline
+	reached [len(tlMilestones)]atomic.Int64 // since t0, ns
 }
 
 func (o *tlObserver) ObserveBatch(s relay.BatchStats) {
 	o.t.note(fmt.Sprintf("batch published=%d failed=%d took=%s", s.Published, s.Failed, s.Duration))
+	before := o.published.Load()
 	o.drainObserver.ObserveBatch(s)
+	after := before + int64(s.Published)
+	for i, at := range tlMilestones {
+		if before < at && after >= at {
+			o.reached[i].Store(int64(time.Since(o.t.t0)))
+		}
+	}
 }
+
+// tlMilestones are the counts of the other keys' events published at which
+// the timeline notes the time: the gap between the two is the drain's
+// steady pace, what comes before the first its start.
+var tlMilestones = [2]int64{10_000, 45_000}
 
 // BenchmarkStuckKeyTimeline runs BenchmarkRelayStuckKey's drain (300,000
 // events of a stuck key, then 50,000 of 1,000 other keys), with and without
@@ -134,6 +147,8 @@ func BenchmarkStuckKeyTimeline(b *testing.B) {
 		order = append(order, sides...)
 	}
 	firstAck := map[bool][]float64{}
+	at10k := map[bool][]float64{} // ms to the first milestone
+	pace := map[bool][]float64{}  // ms per 1,000 events between the milestones
 	drain := map[bool][]float64{}
 	busy := map[bool][]float64{}    // the machine's busy CPU over each drain, ms
 	self := map[bool][]float64{}    // this process's (the relay's and kfake's)
@@ -207,6 +222,9 @@ func BenchmarkStuckKeyTimeline(b *testing.B) {
 		var out bytes.Buffer
 		first := ms(time.Duration(pub.first.Load()))
 		firstAck[withStuck] = append(firstAck[withStuck], first)
+		m0, m1 := ms(time.Duration(drained.reached[0].Load())), ms(time.Duration(drained.reached[1].Load()))
+		at10k[withStuck] = append(at10k[withStuck], m0)
+		pace[withStuck] = append(pace[withStuck], (m1-m0)/float64(tlMilestones[1]-tlMilestones[0])*1000)
 		drain[withStuck] = append(drain[withStuck], ms(took))
 		fmt.Fprintf(&out, "== stuck key %-5v  drained in %6.1f ms, first other event acknowledged at %5.1f ms  (load %s)\n", withStuck, ms(took), first, loadavg())
 		tl.mu.Lock()
@@ -221,7 +239,7 @@ func BenchmarkStuckKeyTimeline(b *testing.B) {
 		os.Stdout.Write(out.Bytes())
 		pgtest.DropSchema(b, bu.schema)
 	}
-	for _, m := range []map[bool][]float64{firstAck, drain, busy, self, pgRelay, pgOther} {
+	for _, m := range []map[bool][]float64{firstAck, at10k, pace, drain, busy, self, pgRelay, pgOther} {
 		for _, side := range []bool{true, false} {
 			if len(m[side]) == 0 {
 				m[side] = []float64{0} // a side not run
@@ -231,6 +249,8 @@ func BenchmarkStuckKeyTimeline(b *testing.B) {
 	fmt.Printf("medians of %d: with the stuck key: drained in %.1f ms, first acknowledged at %.1f ms, machine CPU %.0f ms (this process %.0f, the relay's backends %.0f, other PostgreSQL processes %.0f); without: %.1f ms, %.1f ms, %.0f ms (%.0f, %.0f, %.0f)\n",
 		pairs, median(drain[true]), median(firstAck[true]), median(busy[true]), median(self[true]), median(pgRelay[true]), median(pgOther[true]),
 		median(drain[false]), median(firstAck[false]), median(busy[false]), median(self[false]), median(pgRelay[false]), median(pgOther[false]))
+	fmt.Printf("  the %dth other event published at %.1f ms with the stuck key, %.1f without; from there to the %dth %.2f ms per 1,000 with, %.2f without\n",
+		tlMilestones[0], median(at10k[true]), median(at10k[false]), tlMilestones[1], median(pace[true]), median(pace[false]))
 }
 
 // firstPub notes when a Publish call first acknowledged a record.
