@@ -3,6 +3,7 @@ package relay
 import (
 	"context"
 	"fmt"
+	"math/bits"
 	"slices"
 	"testing"
 )
@@ -219,5 +220,59 @@ func TestIsHeldGoesByTheKeysHash(t *testing.T) {
 		if got := isHeld(&c.e, held); got != c.want {
 			t.Errorf("event %d of key %q: held %v, want %v", c.e.id, c.e.key, got, c.want)
 		}
+	}
+}
+
+// A held read's rows carry their shard (the first byte of the key's hash,
+// or of the event id's for a keyless event), so that the claim hashes only
+// the keys of the blocked keys' shards; the events it drops are exactly
+// those isHeld holds by the hash, whatever the shards.
+func TestAHeldReadHashesOnlyTheBlockedKeysShards(t *testing.T) {
+	t.Parallel()
+	ctx, st, outbox, blocked, _ := heldReadCase(t, 1000, 7)
+	if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key) SELECT 't', NULL FROM generate_series(1, 50)`); err != nil {
+		t.Fatal(err)
+	}
+	held := heldBack(blocked)
+	shards := heldShards(held)
+	for h := range held {
+		if !shards.has(int16(h[0])) {
+			t.Fatalf("heldShards leaves out shard %d of a blocked hash", h[0])
+		}
+	}
+	if n := bits.OnesCount64(shards[0]) + bits.OnesCount64(shards[1]) + bits.OnesCount64(shards[2]) + bits.OnesCount64(shards[3]); n != len(held) {
+		t.Fatalf("heldShards holds %d shards for %d blocked hashes in one shard each", n, len(held))
+	}
+	stmts := st.claimStatements(everyShard(), 2000, blocked, nil)
+	if stmts[0].held == nil {
+		t.Fatal("not a held read")
+	}
+	rows, err := st.pool.Query(ctx, stmts[0].sql, stmts[0].args...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	events, err := scanEvents(rows, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var heldByHash, keyless int
+	for i := range events {
+		e := &events[i]
+		if want := int16(eventHash(e)[0]); e.shard != want {
+			t.Fatalf("event %d (key %q): shard %d, want %d", e.id, e.key, e.shard, want)
+		}
+		if e.key == nil {
+			keyless++
+		}
+		if isHeld(e, held) {
+			heldByHash++
+		}
+	}
+	got, err := st.claim(ctx, "me", everyShard(), 2000, blocked, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if keyless != 50 || heldByHash == 0 || len(got) != len(events)-heldByHash {
+		t.Fatalf("the held read read %d events (%d keyless, %d of the blocked key's hash); the claim kept %d, want %d", len(events), keyless, heldByHash, len(got), len(events)-heldByHash)
 	}
 }

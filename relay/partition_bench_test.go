@@ -168,7 +168,7 @@ SELECT 'bench', ('key-' || (g % 1000))::bytea, convert_to(repeat('x', 256), 'UTF
 		lo, hi := w*per, (w+1)*per
 		switch {
 		case !partitioned && workers == 1:
-			return claimAllQuery(outbox, false, false, 1000)
+			return claimAllQuery(outbox, false, false, false, 1000)
 		case !partitioned:
 			var shards []int16
 			for sh := lo; sh < hi; sh++ {

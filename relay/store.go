@@ -38,6 +38,9 @@ type pendingEvent struct {
 	// withheld: a guarded claim (guardBytes) left its key, value and
 	// headers out, the event being larger than a round's share of the bound.
 	withheld bool
+	// shard: the row's shard, read by a held read only (claimAllQuery);
+	// 0 otherwise.
+	shard int16
 	// swept: read by key hash, in a shard holding blocked keys
 	// (claimBlockedQuery): where the shard's sweep goes on from.
 	swept bool
@@ -53,6 +56,7 @@ type store struct {
 	maxBytes int64
 
 	claimAllSQL    [2][2]string // every shard owned, none blocked: [excluded ids form one run][under a floor proof]
+	claimHeldSQL   [2]string    // claimAllSQL[run][1] with each row's shard: a held read (claimStatements)
 	claimAllLimit  int          // claimAllSQL's limit
 	claimShards    []int16      // the shards claimShardsSQL reads (sorted)
 	claimShardsSQL string       // the other shards, one index range each
@@ -290,9 +294,16 @@ const keyHashSQL = `substring(sha256(coalesce(o.key, uuid_send(o.event_id))) FRO
 // index's left edge past every entry deleted since the last vacuum (one
 // buffer per ~370 deleted rows: 4,000 buffers a claim 1.5M rows into a
 // drain, where autovacuum never runs).
-func claimAllQuery(outbox string, run, bounded bool, limit int) string {
+//
+// With shard, each row carries its shard after claimColumns (a held read:
+// isHeld hashes only the keys of the blocked keys' shards).
+func claimAllQuery(outbox string, run, bounded, shard bool, limit int) string {
+	columns := claimColumns
+	if shard {
+		columns += `, o.shard`
+	}
 	read := func(where string) string {
-		return `SELECT ` + claimColumns + `
+		return `SELECT ` + columns + `
 FROM ` + outbox + ` o
 WHERE ` + where + `
 ORDER BY o.id
@@ -405,9 +416,10 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 			read[i][0] = len(out)
 			out, err = scanEvents(rows, out)
 			if st.held != nil {
+				shards := heldShards(st.held)
 				kept := read[i][0]
 				for j := read[i][0]; j < len(out); j++ {
-					if !isHeld(&out[j], st.held) {
+					if !shards.has(out[j].shard) || !isHeld(&out[j], st.held) {
 						out[kept] = out[j]
 						kept++
 					}
@@ -574,17 +586,35 @@ func (s *store) claimAllTexts(limit int) {
 	}
 	for run := range 2 {
 		for bounded := range 2 {
-			s.claimAllSQL[run][bounded] = claimAllQuery(s.outbox, run == 1, bounded == 1, limit)
+			s.claimAllSQL[run][bounded] = claimAllQuery(s.outbox, run == 1, bounded == 1, false, limit)
 		}
+		s.claimHeldSQL[run] = claimAllQuery(s.outbox, run == 1, true, true, limit)
 	}
 	s.claimAllLimit = limit
+}
+
+// shardSet is a set of shards.
+type shardSet [NumShards / 64]uint64
+
+func (s *shardSet) has(sh int16) bool { return s[sh/64]&(1<<(sh%64)) != 0 }
+
+// heldShards returns the shards of held's key hashes (a hash's first byte is
+// its shard): a held read's rows of other shards are not held, and their
+// keys need no hashing (isHeld: 6 ms of the relay's CPU in a drain of
+// 50,000 events beside a stuck key, a claim's critical path).
+func heldShards(held map[string]int64) *shardSet {
+	var s shardSet
+	for h := range held {
+		s[h[0]/64] |= 1 << (h[0] % 64)
+	}
+	return &s
 }
 
 // isHeld reports whether e's key has a hash in held (heldBack) and e is at or
 // after the id that hash is held back from: what claimFloorQuery leaves out.
 // By the hash, not the key: the key-hash read below the floor's base leaves
 // out every key of a blocked key's hash, so such a key's later events must
-// wait too (70 ns a row here). A withheld event's key is not known: it is
+// wait too (120 ns a row here). A withheld event's key is not known: it is
 // kept, and the claim reads exactly if the round's bound keeps it (claim).
 // A keyless event is kept: keyless events are held back by id
 // (Relay.exclusions), and have no order to keep.
@@ -761,9 +791,9 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 				// that: where it drops many events, the floor read takes
 				// over for a while (claim).
 				s.claimAllTexts(limit)
-				st := statement{sql: s.claimAllSQL[0][1], args: []any{excluded, base}, short: &shares, floor: true, guard: true, held: heldBack(blockedKeys)}
+				st := statement{sql: s.claimHeldSQL[0], args: []any{excluded, base}, short: &shares, floor: true, guard: true, held: heldBack(blockedKeys)}
 				if isRun {
-					st.sql, st.args = s.claimAllSQL[1][1], []any{runLo, runHi, base}
+					st.sql, st.args = s.claimHeldSQL[1], []any{runLo, runHi, base}
 				}
 				out = append(out, st)
 			} else {
@@ -934,17 +964,25 @@ func scanEvents(rows pgx.Rows, out []pendingEvent) ([]pendingEvent, error) {
 	var createdAt time.Time
 	var refusedFor *float64
 	var refusedKind *int16
-	dest := []any{&id, &eventID, &topic, &key, &value, &headers, &createdAt, &refusedFor, &refusedKind, &size}
+	var shard int16
+	dest := []any{&id, &eventID, &topic, &key, &value, &headers, &createdAt, &refusedFor, &refusedKind, &size, &shard}
+	first := true
 	var topics map[string]string
 	var slab, data []byte
 	for rows.Next() {
 		// pgx scans a non-NULL value into a new allocation; nil here
 		// makes sure no event shares the previous one's.
 		refusedFor, refusedKind = nil, nil
+		if first { // known once a row is (a batch's failed statement has none)
+			if len(rows.FieldDescriptions()) < len(dest) { // no shard column
+				dest = dest[:len(dest)-1]
+			}
+			first = false
+		}
 		if err := rows.Scan(dest...); err != nil {
 			return out, err
 		}
-		out = append(out, pendingEvent{id: id, createdAt: createdAt, refusedFor: refusedFor, refusedKind: refusedKind, size: size})
+		out = append(out, pendingEvent{id: id, createdAt: createdAt, refusedFor: refusedFor, refusedKind: refusedKind, size: size, shard: shard})
 		e := &out[len(out)-1]
 		e.key, data = copyOut(key, data)
 		e.value, data = copyOut(value, data)
