@@ -276,10 +276,17 @@ func (s *store) floorBase() int64 {
 // reads start over without a base.
 func (s *store) noteFloor(from int64) {
 	if from == 0 {
-		// The wait before the next proof goes with the dropped one (the
-		// run's first read started it): the next run starts its own at once.
 		s.floorFrom = s.floorFrom[:0]
-		s.proof, s.proving, s.proofWait = floorProof{}, nil, 0
+		s.proof, s.proving = floorProof{}, nil
+		if !s.floorFromAll {
+			// The wait before the next proof goes with the dropped one
+			// (the run's first floor read started it): the next run, after
+			// a whole round, starts its own at once. Not for claimAll reads
+			// (one relay, nothing blocked): a relay keeping up with a
+			// trickle ends a run at every empty claim, and pg_locks would
+			// be read every few claims.
+			s.proofWait = 0
+		}
 		return
 	}
 	if len(s.floorFrom) == claimFloorLag {

@@ -226,10 +226,23 @@ func TestIsHeldGoesByTheKeysHash(t *testing.T) {
 // A held read's rows carry their shard (the first byte of the key's hash,
 // or of the event id's for a keyless event), so that the claim hashes only
 // the keys of the blocked keys' shards; the events it drops are exactly
-// those isHeld holds by the hash, whatever the shards.
+// those isHeld holds by the hash, whatever the shards. So too where the
+// round's bytes are bound (by default): the guard's wrapper must carry the
+// shard through (it once dropped it, and the claim kept every blocked
+// key's event: a key's later events went out before its failed one).
 func TestAHeldReadHashesOnlyTheBlockedKeysShards(t *testing.T) {
 	t.Parallel()
+	for _, maxBytes := range []int64{0, 16 << 20} {
+		t.Run(fmt.Sprintf("maxBytes=%d", maxBytes), func(t *testing.T) {
+			t.Parallel()
+			heldReadHashesOnlyTheBlockedKeysShards(t, maxBytes)
+		})
+	}
+}
+
+func heldReadHashesOnlyTheBlockedKeysShards(t *testing.T, maxBytes int64) {
 	ctx, st, outbox, blocked, _ := heldReadCase(t, 1000, 7)
+	st.maxBytes = maxBytes
 	if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key) SELECT 't', NULL FROM generate_series(1, 50)`); err != nil {
 		t.Fatal(err)
 	}
@@ -244,8 +257,8 @@ func TestAHeldReadHashesOnlyTheBlockedKeysShards(t *testing.T) {
 		t.Fatalf("heldShards holds %d shards for %d blocked hashes in one shard each", n, len(held))
 	}
 	stmts := st.claimStatements(everyShard(), 2000, blocked, nil)
-	if stmts[0].held == nil {
-		t.Fatal("not a held read")
+	if stmts[0].held == nil || stmts[0].guarded != (maxBytes > 0) {
+		t.Fatalf("not a held read (guarded %v)", stmts[0].guarded)
 	}
 	rows, err := st.pool.Query(ctx, stmts[0].sql, stmts[0].args...)
 	if err != nil {

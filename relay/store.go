@@ -38,8 +38,9 @@ type pendingEvent struct {
 	// withheld: a guarded claim (guardBytes) left its key, value and
 	// headers out, the event being larger than a round's share of the bound.
 	withheld bool
-	// shard: the row's shard, read by a held read only (claimAllQuery);
-	// 0 otherwise.
+	// shard: the row's shard, read by a held read only (claimAllQuery,
+	// carried through guardBytes); -1 where the read has no such column, so
+	// that a held read that lost it hashes every key (fails closed).
 	shard int16
 	// swept: read by key hash, in a shard holding blocked keys
 	// (claimBlockedQuery): where the shard's sweep goes on from.
@@ -419,7 +420,7 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 				shards := heldShards(st.held)
 				kept := read[i][0]
 				for j := read[i][0]; j < len(out); j++ {
-					if !shards.has(out[j].shard) || !isHeld(&out[j], st.held) {
+					if out[j].shard >= 0 && !shards.has(out[j].shard) || !isHeld(&out[j], st.held) {
 						out[kept] = out[j]
 						kept++
 					}
@@ -916,15 +917,19 @@ const claimExactOff = 16
 // as the read itself.
 func guardBytes(st statement, share int64) statement {
 	n := len(st.args) + 1
+	shard := "" // a held read's rows carry their shard (isHeld)
+	if st.held != nil {
+		shard = ", shard"
+	}
 	st.sql = fmt.Sprintf(`SELECT id, event_id, topic,
     CASE WHEN size <= $%[2]d THEN key END AS key,
     CASE WHEN size <= $%[2]d THEN value END AS value,
     CASE WHEN size <= $%[2]d THEN headers END AS headers,
     created_at, refused_for, refused_kind,
-    CASE WHEN size <= $%[2]d THEN size ELSE -size END AS size
+    CASE WHEN size <= $%[2]d THEN size ELSE -size END AS size%[3]s
 FROM (
 %[1]s
-) AS c`, st.sql, n)
+) AS c`, st.sql, n, shard)
 	st.args = append(slices.Clip(st.args), share)
 	return st
 }
@@ -964,7 +969,7 @@ func scanEvents(rows pgx.Rows, out []pendingEvent) ([]pendingEvent, error) {
 	var createdAt time.Time
 	var refusedFor *float64
 	var refusedKind *int16
-	var shard int16
+	shard := int16(-1)
 	dest := []any{&id, &eventID, &topic, &key, &value, &headers, &createdAt, &refusedFor, &refusedKind, &size, &shard}
 	first := true
 	var topics map[string]string
