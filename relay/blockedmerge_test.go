@@ -480,14 +480,16 @@ func TestLateCommitInTheBlockedShardBelowTheBase(t *testing.T) {
 // their oldest pending event, or due: held from the one after it), a
 // read-ahead of one or two rounds, a relay owning every shard or all but
 // three, and per mode a byte bound: none; "guarded", a share that
-// withholds some values; "sql", a share below minGuardShare (every read
+// withholds some values; "bound", the default bound (a share no event
+// reaches: every read guarded, none withholding, so the held read is
+// guarded too); "sql", a share below minGuardShare (every read
 // bound by bytes in SQL); "toggle", a guarded share with values above it
 // and some near the bound (guarded claims that keep a withheld event and
 // claim again exactly, then exact claims for a while). Every round is
 // checked: each key's events a prefix of its pending ones, no blocked
 // key's held events. At the end nothing but held events is left.
 func TestRandomizedBlockedRuns(t *testing.T) {
-	for _, mode := range []string{"none", "guarded", "sql", "toggle"} {
+	for _, mode := range []string{"none", "guarded", "bound", "sql", "toggle"} {
 		for seed := range 4 {
 			t.Run(fmt.Sprintf("%s seed %d", mode, seed), func(t *testing.T) {
 				t.Parallel()
@@ -517,6 +519,8 @@ func randomBlockedRun(t *testing.T, mode string, seed int64) {
 	limit := 100
 	size := func() int { return 1 }
 	switch mode {
+	case "bound":
+		st.maxBytes = 16 << 20
 	case "guarded":
 		st.maxBytes = 400_000 // a share of 4,000 in a round of 100; 64 × 5,000 < 400,000
 		size = func() int {
