@@ -786,8 +786,11 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 				// blocked keys' events (isHeld). Per claim beside a stuck
 				// key 0.2-0.3 ms of PostgreSQL's time less than the floor
 				// read (1.12 against 0.91 ms a read in a drain: its
-				// merge, limits and filter cost per row), and a text
-				// every pool connection has prepared already. Its walk is
+				// merge, limits and filter cost per row); its text is
+				// that read's with each row's shard (claimHeldSQL), so
+				// that only the blocked keys' shards' keys are hashed
+				// (a text of its own, planned once per pool connection,
+				// on its generic plan: the batch forces it). Its walk is
 				// bound by the round, where the floor read walks twice
 				// that: where it drops many events, the floor read takes
 				// over for a while (claim).
