@@ -556,3 +556,62 @@ SELECT 't', ('k' || g)::bytea FROM generate_series(1001, 4000) g`); err != nil {
 		}
 	}
 }
+
+// A relay keeping up with a trickle through the primary key keeps its
+// proof's wait across empty claims (noteFloor), so that it reads pg_locks
+// at most every claimProofEvery reads. That wait must not outlive the
+// shape: a key blocked next, the first claim beside it reading the free
+// shards' shares (the last round not whole), the floor reads that follow
+// prove their floor by their second read, not after the wait left over
+// from the primary key's reads (found by a cold review).
+func TestFloorReadsAfterATrickleThroughThePrimaryKeyProveTheirFloorSoon(t *testing.T) {
+	t.Parallel()
+	ctx, st, schema, insert := claimSetup(t)
+	outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
+	trickle := func(n int) {
+		for i := range n {
+			insert(st.pool, fmt.Sprintf("t%d", i))
+		}
+		got := claimedIDs(t, st, everyShard(), 100, nil, nil)
+		if _, err := st.pool.Exec(ctx, `DELETE FROM `+outbox+` WHERE id = ANY($1)`, got); err != nil {
+			t.Fatal(err)
+		}
+	}
+	trickle(5)
+	trickle(5) // the run's second read through the primary key: a proof starts
+	trickle(0) // an empty claim ends the run
+	if st.proofWait == 0 {
+		t.Fatal("the primary key's reads set no wait before their next proof")
+	}
+	stuck := insert(st.pool, "stuck")
+	if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key) SELECT 't', 'stuck'::bytea FROM generate_series(1, 300)`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key) SELECT 't', ('k' || (g % 40))::bytea FROM generate_series(1, 2000) g`); err != nil {
+		t.Fatal(err)
+	}
+	blocked := []keyBlock{{key: []byte("stuck"), firstID: stuck}}
+	st.lastFull = false
+	if stmts := st.claimStatements(everyShard(), 100, blocked, nil); stmts[0].free == nil || stmts[0].floor {
+		t.Fatal("the first claim beside the blocked key does not read the shares")
+	}
+	claim := func() {
+		got := claimedIDs(t, st, everyShard(), 100, blocked, nil)
+		if _, err := st.pool.Exec(ctx, `DELETE FROM `+outbox+` WHERE id = ANY($1)`, got); err != nil {
+			t.Fatal(err)
+		}
+	}
+	claim()
+	const within = 2 // one starts, one confirms
+	for i := 1; st.proof.below == 0; i++ {
+		if i > within {
+			t.Fatalf("no floor proof after %d floor reads beside the newly blocked key, want one within %d", within, within)
+		}
+		st.lastFull = true
+		if !st.claimStatements(everyShard(), 100, blocked, nil)[0].floor {
+			t.Fatalf("claim %d: not a floor read", i)
+		}
+		st.lastFull = true
+		claim()
+	}
+}

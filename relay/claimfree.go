@@ -281,10 +281,11 @@ func (s *store) noteFloor(from int64) {
 		if !s.floorFromAll {
 			// The wait before the next proof goes with the dropped one
 			// (the run's first floor read started it): the next run, after
-			// a whole round, starts its own at once. Not for claimAll reads
-			// (one relay, nothing blocked): a relay keeping up with a
-			// trickle ends a run at every empty claim, and pg_locks would
-			// be read every few claims.
+			// a whole round, starts its own at once. Not where the last
+			// reads of either shape were claimAll reads (one relay, nothing
+			// blocked): a relay keeping up with a trickle ends a run at
+			// every empty claim, and pg_locks would be read every few
+			// claims (their wait ends with their shape: floorShape).
 			s.proofWait = 0
 		}
 		return
@@ -306,8 +307,12 @@ func (s *store) noteFloor(from int64) {
 // the next proof goes with the dropped one: the new shape's first floor
 // read starts theirs (else a floor read beside a newly blocked key
 // descended every free shard for claimProofEvery claims).
+//
+// Whether or not there is a history: the wait a trickle's claimAll reads
+// keep across their empty claims (noteFloor) must not delay the first
+// floor reads beside a newly blocked key.
 func (s *store) floorShape(all bool) {
-	if len(s.floorFrom) > 0 && s.floorFromAll != all {
+	if s.floorFromAll != all {
 		s.floorFrom = s.floorFrom[:0]
 		s.proof, s.proving, s.proofWait = floorProof{}, nil, 0
 	}

@@ -66,11 +66,13 @@ import (
 // (which takes every lock-table partition's lock; 0.07-0.15 ms here) is read at the start and then at most once per floor read while
 // waiting (backing off to every claimProofEvery-th), and a new proof is
 // started at most every claimProofEvery floor reads of one run, once the
-// reads have moved past C. A run of floor reads that ends (store.noteFloor)
-// drops it, and, for claimFloorQuery reads, its wait: each such run starts
-// one at its first read (runs of them begin only after a whole round, so
-// short runs read pg_locks at most once per whole round); a change of shape
-// (store.floorShape) drops it and its wait.
+// reads have moved past C (claimAll reads: every claimProofEvery of them,
+// across their runs). A run of floor reads that ends (store.noteFloor)
+// drops it, and, where the last reads of either shape were claimFloorQuery
+// reads, its wait: each such run starts one at its first read (runs of them
+// begin only after a whole round, so short runs read pg_locks at most once
+// per whole round); a change of shape (store.floorShape) drops it and its
+// wait.
 type floorProof struct {
 	below int64 // C; 0: no proof
 	sure  [NumShards / 64]uint64
