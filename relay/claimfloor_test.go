@@ -6,9 +6,14 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"strings"
+	"sync/atomic"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceflow/onceflow/internal/pgtest"
 )
 
 // claimFloorCase sets up a store whose claims read the free shards from
@@ -577,11 +582,16 @@ func TestFloorReadsAfterATrickleThroughThePrimaryKeyProveTheirFloorSoon(t *testi
 			t.Fatal(err)
 		}
 	}
-	trickle(5)
-	trickle(5) // the run's second read through the primary key: a proof starts
-	trickle(0) // an empty claim ends the run
-	if st.proofWait == 0 {
-		t.Fatal("the primary key's reads set no wait before their next proof")
+	// Runs of reads through the primary key, each ending at an empty
+	// claim with the proof its second read started unused: the wait before
+	// the next grows (proofBackoff).
+	for i := 0; st.proofWait == 0; i++ {
+		if i > 5 {
+			t.Fatal("the primary key's wasted runs set no wait before their next proof")
+		}
+		trickle(5)
+		trickle(5) // the run's second read through the primary key: a proof starts
+		trickle(0) // an empty claim ends the run
 	}
 	stuck := insert(st.pool, "stuck")
 	if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key) SELECT 't', 'stuck'::bytea FROM generate_series(1, 300)`); err != nil {
@@ -613,5 +623,97 @@ func TestFloorReadsAfterATrickleThroughThePrimaryKeyProveTheirFloorSoon(t *testi
 		}
 		st.lastFull = true
 		claim()
+	}
+}
+
+// proofTracer counts the floor proof's pg_locks reads a pool sends.
+type proofTracer struct{ locks atomic.Int64 }
+
+func (p *proofTracer) note(sql string) {
+	if strings.Contains(sql, "FROM pg_locks") {
+		p.locks.Add(1)
+	}
+}
+func (p *proofTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	p.note(d.SQL)
+	return ctx
+}
+func (p *proofTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (p *proofTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
+	for _, q := range d.Batch.QueuedQueries {
+		p.note(q.SQL)
+	}
+	return ctx
+}
+func (p *proofTracer) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+func (p *proofTracer) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
+
+// Runs of floor-shaped reads too short to use a floor proof (a key blocked
+// and released claim by claim while a backlog drains; whole and short
+// rounds in turn beside a stuck key) do not start one every run: each
+// start reads pg_locks, which takes every lock-table partition's lock.
+// After two wasted runs the wait before the next start grows
+// (proofBackoff; found by a cold review: every run started one).
+func TestShortRunsOfFloorReadsDoNotStartAProofEveryRun(t *testing.T) {
+	t.Parallel()
+	for _, shape := range []string{"flapping", "whole and short"} {
+		t.Run(shape, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			schema := pgtest.Schema(t)
+			cfg, err := pgxpool.ParseConfig(pgtest.URL(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			tracer := &proofTracer{}
+			cfg.ConnConfig.Tracer = tracer
+			pool, err := pgxpool.NewWithConfig(ctx, cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(pool.Close)
+			st := newStore(pool, schema)
+			outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
+			var stuck int64
+			if err := pool.QueryRow(ctx, `INSERT INTO `+outbox+` (topic, key) VALUES ('t', 'stuck') RETURNING id`).Scan(&stuck); err != nil {
+				t.Fatal(err)
+			}
+			blocked := []keyBlock{{key: []byte("stuck"), firstID: stuck}}
+			const claims = 40
+			floorReads := 0
+			for i := range claims {
+				b := blocked
+				switch shape {
+				case "flapping": // a backlog; the key blocked every other claim
+					if i == 0 {
+						if _, err := pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key) SELECT 't', ('k' || g)::bytea FROM generate_series(1, 30000) g`); err != nil {
+							t.Fatal(err)
+						}
+					}
+					if i%2 == 0 {
+						b = nil
+					}
+				case "whole and short": // a whole round, then a short one
+					if i%2 == 0 {
+						if _, err := pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key) SELECT 't', ('k' || g)::bytea FROM generate_series(1, 700) g`); err != nil {
+							t.Fatal(err)
+						}
+					}
+				}
+				if b != nil && st.claimStatements(everyShard(), 500, b, nil)[0].floor {
+					floorReads++
+				}
+				got := claimedIDs(t, st, everyShard(), 500, b, nil)
+				if _, err := pool.Exec(ctx, `DELETE FROM `+outbox+` WHERE id = ANY($1) AND id <> $2`, got, stuck); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if floorReads < claims/2-1 {
+				t.Fatalf("%d floor reads in %d claims: not the shape meant", floorReads, claims)
+			}
+			if n := tracer.locks.Load(); n > 4 {
+				t.Fatalf("%d claims, %d of them floor reads in short runs: %d pg_locks reads, want at most 4", claims, floorReads, n)
+			}
+		})
 	}
 }

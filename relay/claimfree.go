@@ -273,21 +273,13 @@ func (s *store) floorBase() int64 {
 
 // noteFloor records where a floor read started (the lowest id it read), or,
 // for a claim that read no rows from the floor (from == 0), that floor
-// reads start over without a base.
+// reads start over without a base (the run ends: endRun).
 func (s *store) noteFloor(from int64) {
 	if from == 0 {
 		s.floorFrom = s.floorFrom[:0]
 		s.proof, s.proving = floorProof{}, nil
-		if !s.floorFromAll {
-			// The wait before the next proof goes with the dropped one
-			// (the run's first floor read started it): the next run, after
-			// a whole round, starts its own at once. Not where the last
-			// reads of either shape were claimAll reads (one relay, nothing
-			// blocked): a relay keeping up with a trickle ends a run at
-			// every empty claim, and pg_locks would be read every few
-			// claims (their wait ends with their shape: floorShape).
-			s.proofWait = 0
-		}
+		s.endRun()
+		s.proofWait = proofBackoff(s.wastedRuns[floorShapeIndex(s.floorFromAll)])
 		return
 	}
 	if len(s.floorFrom) == claimFloorLag {
@@ -304,19 +296,59 @@ func (s *store) noteFloor(from int64) {
 // must not take those ids for their base, nor for a proof's id: they would
 // walk that key's events from there, come short of the round and send the
 // next claimFloorOff claims to the free shards' shares. The wait before
-// the next proof goes with the dropped one: the new shape's first floor
-// read starts theirs (else a floor read beside a newly blocked key
-// descended every free shard for claimProofEvery claims).
-//
-// Whether or not there is a history: the wait a trickle's claimAll reads
-// keep across their empty claims (noteFloor) must not delay the first
-// floor reads beside a newly blocked key.
+// the next proof goes with the dropped one, whether or not there is a
+// history: the new shape's wait is what its own wasted runs earned
+// (proofBackoff), so the first floor read beside a newly blocked key starts
+// theirs (else it descended every free shard for claimProofEvery claims,
+// or as long as a trickle's claimAll reads had to wait).
 func (s *store) floorShape(all bool) {
 	if s.floorFromAll != all {
 		s.floorFrom = s.floorFrom[:0]
-		s.proof, s.proving, s.proofWait = floorProof{}, nil, 0
+		s.proof, s.proving = floorProof{}, nil
+		s.endRun()
+		s.proofWait = proofBackoff(s.wastedRuns[floorShapeIndex(all)])
 	}
 	s.floorFromAll = all
+}
+
+// floorShapeIndex indexes store.wastedRuns: 0 for floor reads, 1 for
+// claimAll reads.
+func floorShapeIndex(all bool) int {
+	if all {
+		return 1
+	}
+	return 0
+}
+
+// endRun accounts for a run of floor-shaped reads of the current shape that
+// ended (noteFloor, floorShape): one that started a floor proof it never
+// read with (a proof holding a shard it descended, or every shard for
+// claimAll) was wasted; one that read with its proof ends the shape's
+// wasted runs in a row.
+func (s *store) endRun() {
+	i := floorShapeIndex(s.floorFromAll)
+	switch {
+	case s.runStarted && !s.runUsed:
+		s.wastedRuns[i]++
+	case s.runStarted:
+		s.wastedRuns[i] = 0
+	}
+	s.runStarted, s.runUsed = false, false
+}
+
+// proofBackoff is the wait (floor-shaped claims) before a run of a shape
+// whose last wasted runs in a row were wasted may start a proof: none after
+// one (a stuck key's episode, whose first floor reads follow a run that
+// ended at once, proves its floor by its second read), then 2, 4, up to
+// claimProofEvery. Runs of one or two floor reads (the relay catching up
+// with a trickle in whole and short rounds, a key blocked and released
+// claim by claim) would otherwise start a proof, reading pg_locks, in
+// every run and never use it.
+func proofBackoff(wasted int) int {
+	if wasted <= 1 {
+		return 0
+	}
+	return min(claimProofEvery, 1<<(wasted-1))
 }
 
 // floorCameShort reports whether rows, a claimFloorQuery read of a round

@@ -66,13 +66,12 @@ import (
 // (which takes every lock-table partition's lock; 0.07-0.15 ms here) is read at the start and then at most once per floor read while
 // waiting (backing off to every claimProofEvery-th), and a new proof is
 // started at most every claimProofEvery floor reads of one run, once the
-// reads have moved past C (claimAll reads: every claimProofEvery of them,
-// across their runs). A run of floor reads that ends (store.noteFloor)
-// drops it, and, where the last reads of either shape were claimFloorQuery
-// reads, its wait: each such run starts one at its first read (runs of them
-// begin only after a whole round, so short runs read pg_locks at most once
-// per whole round); a change of shape (store.floorShape) drops it and its
-// wait.
+// reads have moved past C. A run of floor reads that ends (store.noteFloor)
+// or a change of shape (store.floorShape) drops it and its wait: the next
+// run starts one at once (a claimFloorQuery run at its first read), unless
+// the runs of that shape before it kept ending with a proof started and
+// never read with, when the wait grows (store.endRun, proofBackoff): runs
+// too short to use a proof do not read pg_locks every run.
 type floorProof struct {
 	below int64 // C; 0: no proof
 	sure  [NumShards / 64]uint64
@@ -193,6 +192,7 @@ func (s *store) queueFloorProof(b *pgx.Batch, floorRead bool) {
 		p = &proving{state: proofHolders, below: from, ownFloor: n == 0, recheck: n == 0}
 		s.proving = p
 		s.proofWait = claimProofEvery
+		s.runStarted = true
 		b.Queue(`SELECT CASE WHEN s.is_called THEN s.last_value + 1 ELSE s.last_value END,
     p.seqcache = 1 AND p.seqincrement > 0 AND NOT p.seqcycle
 FROM `+s.seqName+` s, pg_sequence p WHERE p.seqrelid = $1::text::regclass`, s.seqName).QueryRow(func(row pgx.Row) error {

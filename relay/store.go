@@ -71,6 +71,9 @@ type store struct {
 	proof          floorProof    // see floorProof
 	proving        *proving      // a floor proof under way
 	proofWait      int           // floor reads before another proof may start
+	runStarted     bool          // the current run of floor-shaped reads started a proof (endRun)
+	runUsed        bool          // ... and read with one
+	wastedRuns     [2]int        // per shape (floorShapeIndex): runs in a row that ended with a proof started and never read with (endRun)
 	seqChecked     bool          // proofSequence ran
 	seqName        string        // the outbox's id sequence (quoted), "" if none
 	dbOID          uint32        // the database's oid (pg_locks.database)
@@ -735,6 +738,7 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 		bounded := 0
 		if s.proof.holdsAll() {
 			bounded = 1
+			s.runUsed = true
 		}
 		st := statement{sql: s.claimAllSQL[0][bounded], args: []any{excluded}, all: true}
 		if runLo, runHi, ok := oneRun(excluded); ok {
@@ -761,6 +765,7 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 		if s.lastFull && NumShards-len(free) <= claimFloorMaxOut && s.floorOff == 0 {
 			s.floorShape(false)
 			descend, base := s.descents(free, s.floorBase())
+			s.runUsed = s.runUsed || s.proof.below != 0
 			// The shards holding blocked keys are read with the free ones
 			// (mergeBlocked) unless the round's bytes are bound in SQL: the
 			// key-hash read may then stop short of its limit for that, and
