@@ -562,10 +562,10 @@ SELECT 't', ('k' || g)::bytea FROM generate_series(1001, 4000) g`); err != nil {
 	}
 }
 
-// A relay keeping up with a trickle through the primary key keeps its
-// proof's wait across empty claims (noteFloor), so that it reads pg_locks
-// at most every claimProofEvery reads. That wait must not outlive the
-// shape: a key blocked next, the first claim beside it reading the free
+// A relay keeping up with a trickle through the primary key, each run of
+// reads ending at an empty claim with its proof unused, backs off from
+// starting them (proofBackoff), so that it does not read pg_locks every
+// run. That wait must not outlive the shape: a key blocked next, the first claim beside it reading the free
 // shards' shares (the last round not whole), the floor reads that follow
 // prove their floor by their second read, not after the wait left over
 // from the primary key's reads (found by a cold review).
@@ -700,10 +700,10 @@ func TestShortRunsOfFloorReadsDoNotStartAProofEveryRun(t *testing.T) {
 						}
 					}
 				}
-				if b != nil && st.claimStatements(everyShard(), 500, b, nil)[0].floor {
-					floorReads++
-				}
 				got := claimedIDs(t, st, everyShard(), 500, b, nil)
+				if b != nil && !st.floorFromAll && len(st.floorFrom) > 0 {
+					floorReads++ // a floor read (that read rows)
+				}
 				if _, err := pool.Exec(ctx, `DELETE FROM `+outbox+` WHERE id = ANY($1) AND id <> $2`, got, stuck); err != nil {
 					t.Fatal(err)
 				}
@@ -715,5 +715,54 @@ func TestShortRunsOfFloorReadsDoNotStartAProofEveryRun(t *testing.T) {
 				t.Fatalf("%d claims, %d of them floor reads in short runs: %d pg_locks reads, want at most 4", claims, floorReads, n)
 			}
 		})
+	}
+}
+
+// The backoff after wasted runs (proofBackoff) does not outlast them: a key
+// blocked and released claim by claim for a while, then a long drain with
+// nothing blocked, then a key stuck for good: its floor reads prove their
+// floor by the second read, as on a fresh relay (a cold review: wasted runs
+// long ago made a stuck key's episode wait up to claimProofEvery reads).
+func TestWastedRunsLongAgoDoNotDelayAStuckKeysProof(t *testing.T) {
+	t.Parallel()
+	ctx, st, schema, insert := claimSetup(t)
+	outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
+	stuck := insert(st.pool, "stuck")
+	if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key) SELECT 't', ('k' || (g % 500))::bytea FROM generate_series(1, 60000) g`); err != nil {
+		t.Fatal(err)
+	}
+	blocked := []keyBlock{{key: []byte("stuck"), firstID: stuck}}
+	claim := func(b []keyBlock) {
+		st.lastFull = true
+		got := claimedIDs(t, st, everyShard(), 500, b, nil)
+		if _, err := st.pool.Exec(ctx, `DELETE FROM `+outbox+` WHERE id = ANY($1) AND id <> $2`, got, stuck); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i := range 16 { // blocked and released claim by claim
+		if i%2 == 1 {
+			claim(blocked)
+		} else {
+			claim(nil)
+		}
+	}
+	if w := st.proofBackoff(floorShapeIndex(false)); w == 0 {
+		t.Fatalf("the flapping key's floor reads (%d runs wasted in a row) back off from no proof", st.wastedRuns[floorShapeIndex(false)])
+	}
+	for range 2 * wastedRunsGap { // a long drain, nothing blocked
+		claim(nil)
+	}
+	const within = 2 // one starts, one confirms (the proof of the drain before is dropped with its shape)
+	for i := 1; ; i++ {
+		claim(blocked)
+		if st.floorFromAll || len(st.floorFrom) == 0 {
+			t.Fatalf("claim %d beside the stuck key: not a floor read", i)
+		}
+		if st.proof.below != 0 {
+			break
+		}
+		if i == within {
+			t.Fatalf("no floor proof after %d floor reads beside the stuck key (wasted runs %v, long ago)", within, st.wastedRuns)
+		}
 	}
 }

@@ -279,7 +279,7 @@ func (s *store) noteFloor(from int64) {
 		s.floorFrom = s.floorFrom[:0]
 		s.proof, s.proving = floorProof{}, nil
 		s.endRun()
-		s.proofWait = proofBackoff(s.wastedRuns[floorShapeIndex(s.floorFromAll)])
+		s.proofWait = s.proofBackoff(floorShapeIndex(s.floorFromAll))
 		return
 	}
 	if len(s.floorFrom) == claimFloorLag {
@@ -306,7 +306,7 @@ func (s *store) floorShape(all bool) {
 		s.floorFrom = s.floorFrom[:0]
 		s.proof, s.proving = floorProof{}, nil
 		s.endRun()
-		s.proofWait = proofBackoff(s.wastedRuns[floorShapeIndex(all)])
+		s.proofWait = s.proofBackoff(floorShapeIndex(all))
 	}
 	s.floorFromAll = all
 }
@@ -329,27 +329,38 @@ func (s *store) endRun() {
 	i := floorShapeIndex(s.floorFromAll)
 	switch {
 	case s.runStarted && !s.runUsed:
+		if s.claimN-s.lastWasted[i] > wastedRunsGap {
+			s.wastedRuns[i] = 0 // not in a row: long ago
+		}
 		s.wastedRuns[i]++
+		s.lastWasted[i] = s.claimN
 	case s.runStarted:
 		s.wastedRuns[i] = 0
 	}
 	s.runStarted, s.runUsed = false, false
 }
 
-// proofBackoff is the wait (floor-shaped claims) before a run of a shape
-// whose last wasted runs in a row were wasted may start a proof: none after
-// one (a stuck key's episode, whose first floor reads follow a run that
-// ended at once, proves its floor by its second read), then 2, 4, up to
-// claimProofEvery. Runs of one or two floor reads (the relay catching up
-// with a trickle in whole and short rounds, a key blocked and released
-// claim by claim) would otherwise start a proof, reading pg_locks, in
-// every run and never use it.
-func proofBackoff(wasted int) int {
-	if wasted <= 1 {
+// proofBackoff is the wait (floor-shaped claims) before a run of shape i
+// may start a proof, by its runs that were wasted in a row (endRun): none
+// after one (a stuck key's episode, whose first floor reads follow a run
+// that ended at once, proves its floor by its second read), then 2, 4, up
+// to claimProofEvery. Runs of one or two floor reads (the relay catching
+// up with a trickle in whole and short rounds, a key blocked and released
+// claim by claim) would otherwise start a proof, reading pg_locks, in every
+// run and never use it. Wasted runs more than wastedRunsGap claims apart
+// are not in a row: a key blocked for a claim now and then does not make
+// the next stuck key's episode wait.
+func (s *store) proofBackoff(i int) int {
+	wasted := s.wastedRuns[i]
+	if wasted <= 1 || s.claimN-s.lastWasted[i] > wastedRunsGap {
 		return 0
 	}
 	return min(claimProofEvery, 1<<(wasted-1))
 }
+
+// wastedRunsGap is how many claims apart two wasted runs of a shape may end
+// and still count as in a row (proofBackoff).
+const wastedRunsGap = 4 * claimProofEvery
 
 // floorCameShort reports whether rows, a claimFloorQuery read of a round
 // of limit, may have stopped short of the round for its walk's bound (not

@@ -74,6 +74,8 @@ type store struct {
 	runStarted     bool          // the current run of floor-shaped reads started a proof (endRun)
 	runUsed        bool          // ... and read with one
 	wastedRuns     [2]int        // per shape (floorShapeIndex): runs in a row that ended with a proof started and never read with (endRun)
+	lastWasted     [2]int64      // per shape: claimN when the last such run ended
+	claimN         int64         // claims so far (claimStatements)
 	seqChecked     bool          // proofSequence ran
 	seqName        string        // the outbox's id sequence (quoted), "" if none
 	dbOID          uint32        // the database's oid (pg_locks.database)
@@ -679,6 +681,7 @@ type statement struct {
 
 // claimStatements returns the one or two reads of a claim (see claimAllQuery).
 func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBlock, excluded []int64) []statement {
+	s.claimN++
 	var segs map[int16][]segment
 	if len(blockedKeys) > 0 {
 		segs = blockedSegments(blockedKeys)
