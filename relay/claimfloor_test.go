@@ -286,20 +286,13 @@ SELECT 't', ('k' || (g % 40))::bytea FROM generate_series(1, 2000) g`); err != n
 	// One to set the base and start, one to confirm: each round lands
 	// before the next claim here (TestAFloorProofConfirmedBesideRoundsNotLanded...
 	// has rounds landing late).
-	const within = 2
-	for i := 1; st.proof.below == 0; i++ {
-		if i > within {
-			t.Fatalf("no floor proof after %d floor reads with no transaction holding an id, want one within %d", within, within)
-		}
+	floorProofWithin(t, st, 2, "no transaction holding an id", func() {
 		st.lastFull = true
-		if stmts := st.claimStatements(everyShard(), 100, blocked, nil); !stmts[0].floor {
-			t.Fatalf("floor read %d: the free shards are not read from their floor", i)
-		}
 		got := claimedIDs(t, st, everyShard(), 100, blocked, nil)
 		if _, err := st.pool.Exec(ctx, `DELETE FROM `+outbox+` WHERE id = ANY($1)`, got); err != nil {
 			t.Fatal(err)
 		}
-	}
+	})
 	// With the proof the claim reads from its C: through the primary key
 	// (a held read, claimheld_test.go), or the floor read descending no
 	// shard.
@@ -550,16 +543,7 @@ SELECT 't', ('k' || g)::bytea FROM generate_series(1001, 4000) g`); err != nil {
 	for st.floorOff > 0 {
 		claim() // by the free shards' shares
 	}
-	const within = 2 // one starts, one confirms
-	for i := 1; st.proof.below == 0; i++ {
-		if i > within {
-			t.Fatalf("no floor proof after %d floor reads of the new run, want one within %d", within, within)
-		}
-		claim()
-		if len(st.floorFrom) == 0 {
-			t.Fatalf("floor read %d: its run ended", i)
-		}
-	}
+	floorProofWithin(t, st, 2, "the new run", claim) // one starts, one confirms
 }
 
 // A relay keeping up with a trickle through the primary key, each run of
@@ -612,18 +596,10 @@ func TestFloorReadsAfterATrickleThroughThePrimaryKeyProveTheirFloorSoon(t *testi
 		}
 	}
 	claim()
-	const within = 2 // one starts, one confirms
-	for i := 1; st.proof.below == 0; i++ {
-		if i > within {
-			t.Fatalf("no floor proof after %d floor reads beside the newly blocked key, want one within %d", within, within)
-		}
-		st.lastFull = true
-		if !st.claimStatements(everyShard(), 100, blocked, nil)[0].floor {
-			t.Fatalf("claim %d: not a floor read", i)
-		}
+	floorProofWithin(t, st, 2, "beside the newly blocked key", func() { // one starts, one confirms
 		st.lastFull = true
 		claim()
-	}
+	})
 }
 
 // proofTracer counts the floor proof's pg_locks reads a pool sends.
@@ -752,17 +728,25 @@ func TestWastedRunsLongAgoDoNotDelayAStuckKeysProof(t *testing.T) {
 	for range 2 * wastedRunsGap { // a long drain, nothing blocked
 		claim(nil)
 	}
-	const within = 2 // one starts, one confirms (the proof of the drain before is dropped with its shape)
+	// One starts, one confirms (the drain's proof is dropped with its shape).
+	floorProofWithin(t, st, 2, "beside the stuck key, wasted runs long ago", func() { claim(blocked) })
+}
+
+// floorProofWithin claims by claim, each claim a floor read that read rows,
+// until a floor proof holds, and fails after within of them. It claims at
+// least once: a proof that held before (of another shape) does not count.
+func floorProofWithin(t *testing.T, st *store, within int, what string, claim func()) {
+	t.Helper()
 	for i := 1; ; i++ {
-		claim(blocked)
+		claim()
 		if st.floorFromAll || len(st.floorFrom) == 0 {
-			t.Fatalf("claim %d beside the stuck key: not a floor read", i)
+			t.Fatalf("%s: claim %d is not a floor read that read rows", what, i)
 		}
 		if st.proof.below != 0 {
-			break
+			return
 		}
 		if i == within {
-			t.Fatalf("no floor proof after %d floor reads beside the stuck key (wasted runs %v, long ago)", within, st.wastedRuns)
+			t.Fatalf("%s: no floor proof after %d floor reads", what, within)
 		}
 	}
 }
