@@ -925,7 +925,7 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 			// stuck. A refusal is charged on every event: its grace
 			// counts per row.
 			first := !o.failedKeys[bk]
-			o.failed = append(o.failed, failedEvent{id: e.id, err: msg, run: run, charge: first || run > 0})
+			o.failed = append(o.failed, failedEvent{id: e.id, err: msg, run: run, charge: first || run > 0, inRun: e.refusedFor != nil})
 			if first {
 				o.failedKeys[bk] = true
 				// A record sent and not acknowledged (in time, or with

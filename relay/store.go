@@ -1136,14 +1136,21 @@ func (s *store) finish(ctx context.Context, owner string, shards []int16, acked 
 		}
 		b.Queue(s.deadSQL, ids, errs, owner)
 	}
-	if len(failed) > 0 {
-		ids := make([]int64, len(failed))
-		errs := make([]string, len(failed))
-		runs := make([]int16, len(failed))
-		charges := make([]bool, len(failed))
-		for i, f := range failed {
-			ids[i], errs[i], runs[i], charges[i] = f.id, f.err, int16(f.run), f.charge
+	var ids []int64
+	var errs []string
+	var runs []int16
+	var charges []bool
+	for _, f := range failed {
+		// An event not charged is written only to end the refusal run
+		// its row was in when read, so a stuck key's round of 1,000 events
+		// sends (and probes the primary key for) its first event alone.
+		if !f.charge && (f.run != runReset || !f.inRun) {
+			continue
 		}
+		ids, errs = append(ids, f.id), append(errs, f.err)
+		runs, charges = append(runs, int16(f.run)), append(charges, f.charge)
+	}
+	if len(ids) > 0 {
 		b.Queue(s.failSQL, ids, errs, runs, charges)
 	}
 	b.Queue(s.landedSQL, owner, round.lo, round.hi)
@@ -1245,6 +1252,11 @@ type failedEvent struct {
 	// error. Otherwise the row changes only if runReset ends its refusal
 	// run (failSQL).
 	charge bool
+	// inRun: the row was in a run of refusals when read (first_refused_at
+	// set). Only the shard's owner starts one, so a row read outside a run
+	// is still outside it (a former owner whose lease lapsed mid-round may
+	// start one meanwhile; the grace then counts from its refusal).
+	inRun bool
 }
 
 // refusalRun is what a failed attempt does to the event's run of refusals
