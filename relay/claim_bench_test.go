@@ -281,3 +281,180 @@ FROM generate_series(1, 300000 + $1) g`, others); err != nil {
 		}
 	}
 }
+
+// BenchmarkStuckKeyClaimSplit splits a drain's claims beside a stuck key
+// (BenchmarkRelayStuckKey's data: 300,000 events of one key, blocked, then
+// 50,000 of 1,000 other keys) against the same 50,000 without it, on two
+// schemas, claim for claim in turn, each claim's round deleted by a range
+// at once (no relay, no Kafka). It prints the medians of:
+//   - the whole claim (store.claim: its batch, scanning, filters);
+//   - the claim's read batch alone, rows read as raw bytes (what PostgreSQL
+//     and the wire cost): the held read with and without the key-hash read
+//     and the generic-plan settings, against one relay's primary-key read;
+//
+// and, on fresh connections, each statement text's first uses: preparing it
+// (parse, analysis, describe) and three executions with its first claim's
+// arguments on the drained table, so that the first one's excess over the
+// others is building its generic plan. A relay's pool pays both once per
+// connection and text.
+//
+//	go test -run '^$' -bench StuckKeyClaimSplit -benchtime 1x ./relay/
+func BenchmarkStuckKeyClaimSplit(b *testing.B) {
+	ctx := context.Background()
+	pool := pgtest.Pool(b)
+	type side struct {
+		name    string
+		st      *store
+		schema  string
+		outbox  string
+		blocked []keyBlock
+		claims  []float64
+		batches map[string][]float64
+		texts   []statement // the statements its claims sent, once each
+	}
+	timeBatch := func(s *side, name string, settings bool, stmts ...statement) {
+		batch := &pgx.Batch{}
+		if settings {
+			batch.Queue(`SELECT set_config('enable_bitmapscan', 'off', true), set_config('plan_cache_mode', 'force_generic_plan', true)`)
+		}
+		for _, st := range stmts {
+			batch.Queue(st.sql, st.args...).Query(func(rows pgx.Rows) error {
+				for rows.Next() {
+					rows.RawValues()
+				}
+				return rows.Err()
+			})
+		}
+		start := time.Now()
+		if err := pool.SendBatch(ctx, batch).Close(); err != nil {
+			b.Fatal(err)
+		}
+		s.batches[name] = append(s.batches[name], float64(time.Since(start).Microseconds())/1000)
+	}
+	for range b.N {
+		var sides [2]*side
+		for i, name := range []string{"beside the stuck key", "without it"} {
+			schema := pgtest.Schema(b)
+			outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
+			stuck := 300_000
+			if i == 1 {
+				stuck = 0
+			}
+			if _, err := pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key, value)
+SELECT 'bench', CASE WHEN g <= $1 THEN 'stuck' ELSE 'key-' || (g % 1000) END::bytea, convert_to(repeat('x', 256), 'UTF8')
+FROM generate_series(1, $1 + 50000) g`, stuck); err != nil {
+				b.Fatal(err)
+			}
+			if _, err := pool.Exec(ctx, `VACUUM ANALYZE `+outbox); err != nil {
+				b.Fatal(err)
+			}
+			s := &side{name: name, st: newStore(pool, schema), schema: schema, outbox: outbox, batches: map[string][]float64{}}
+			if stuck > 0 {
+				var first int64
+				if err := pool.QueryRow(ctx, `SELECT min(id) FROM `+outbox).Scan(&first); err != nil {
+					b.Fatal(err)
+				}
+				s.blocked = []keyBlock{{key: []byte("stuck"), firstID: first}}
+			}
+			sides[i] = s
+		}
+		for done := 0; done < len(sides); {
+			done = 0
+			for _, s := range sides {
+				stmts := s.st.claimStatements(everyShard(), 1000, s.blocked, nil)
+				for _, st := range stmts {
+					if !slices.ContainsFunc(s.texts, func(t statement) bool { return t.sql == st.sql }) {
+						s.texts = append(s.texts, st)
+					}
+				}
+				start := time.Now()
+				events, err := s.st.claim(ctx, "bench", everyShard(), 1000, s.blocked, nil)
+				if err != nil {
+					b.Fatal(err)
+				}
+				took := float64(time.Since(start).Microseconds()) / 1000
+				if len(events) == 0 {
+					done++
+					continue
+				}
+				s.claims = append(s.claims, took)
+				switch {
+				case len(stmts) == 2 && stmts[0].held != nil:
+					timeBatch(s, "held read + key-hash read, generic", true, stmts...)
+					timeBatch(s, "held read, generic", true, stmts[0])
+					timeBatch(s, "key-hash read, generic", true, stmts[1])
+				case len(stmts) == 1 && stmts[0].all:
+					timeBatch(s, "primary-key read", false, stmts[0])
+				}
+				lo, hi := events[0].id, events[0].id
+				for _, e := range events {
+					lo, hi = min(lo, e.id), max(hi, e.id)
+				}
+				if _, err := pool.Exec(ctx, `DELETE FROM `+s.outbox+` WHERE id BETWEEN $1 AND $2`, lo, hi); err != nil {
+					b.Fatal(err)
+				}
+			}
+		}
+		medianOf := func(xs []float64) float64 {
+			slices.Sort(xs)
+			return xs[len(xs)/2]
+		}
+		fmt.Printf("\nclaims of 1,000 through 50,000 events, beside a stuck key of 300,000 and without, in turn (medians, ms):\n")
+		for _, s := range sides {
+			fmt.Printf("  %-22s claim %.3f (%d claims)\n", s.name, medianOf(s.claims), len(s.claims))
+			names := make([]string, 0, len(s.batches))
+			for name := range s.batches {
+				names = append(names, name)
+			}
+			slices.Sort(names)
+			for _, name := range names {
+				fmt.Printf("  %-22s   its batch alone, %-36s %.3f\n", "", name+":", medianOf(s.batches[name]))
+			}
+		}
+		// First uses: each text the side beside the stuck key sent, on a new
+		// connection whose catalog caches one read of the outbox warmed.
+		fmt.Printf("first uses of each statement text the claims sent beside the stuck key, on a fresh connection (ms):\n")
+		for _, st := range sides[0].texts {
+			conn, err := pgx.Connect(ctx, pgtest.URL(b))
+			if err != nil {
+				b.Fatal(err)
+			}
+			if _, err := conn.Exec(ctx, `SELECT set_config('enable_bitmapscan', 'off', false), set_config('plan_cache_mode', 'force_generic_plan', false), count(*) FROM `+sides[0].outbox); err != nil {
+				b.Fatal(err)
+			}
+			start := time.Now()
+			if _, err := conn.Prepare(ctx, "first_use", st.sql); err != nil {
+				b.Fatal(err)
+			}
+			prepare := float64(time.Since(start).Microseconds()) / 1000
+			var runs []string
+			for range 3 {
+				start = time.Now()
+				rows, _ := conn.Query(ctx, "first_use", st.args...)
+				rows.Close()
+				if err := rows.Err(); err != nil {
+					b.Fatal(err)
+				}
+				runs = append(runs, fmt.Sprintf("%.2f", float64(time.Since(start).Microseconds())/1000))
+			}
+			kind := "shards' read"
+			switch {
+			case st.held != nil:
+				kind = "held read"
+			case st.sweepLimit > 0:
+				kind = "key-hash read"
+			case st.all:
+				kind = "primary-key read"
+			case st.floor:
+				kind = "floor read"
+			}
+			fmt.Printf("  %-16s %5d bytes: prepare %.2f, executions %s\n", kind, len(st.sql), prepare, strings.Join(runs, " "))
+			if err := conn.Close(ctx); err != nil {
+				b.Fatal(err)
+			}
+		}
+		for _, s := range sides {
+			pgtest.DropSchema(b, s.schema)
+		}
+	}
+}
