@@ -10,10 +10,12 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/internal/pgtest"
 	"github.com/onceflow/onceflow/relay"
@@ -33,6 +35,11 @@ type randomPublisher struct {
 	seen     map[string]bool
 	calls    int
 	delay    time.Duration
+	// stickFor: an event that fails at random fails again when retried
+	// within that long, while its key's later events would go through:
+	// its key waits, and claims meet those events meanwhile.
+	stickFor   time.Duration
+	stuckUntil map[string]time.Time // by value
 }
 
 func (p *randomPublisher) Publish(_ context.Context, records []relay.Record) []error {
@@ -53,12 +60,16 @@ func (p *randomPublisher) Publish(_ context.Context, records []relay.Record) []e
 			errs[i] = errors.New("held: earlier failed")
 			continue
 		}
-		if p.rng.Float64() < p.failP || (p.stuckOn && r.Key != nil && string(r.Key) == p.stuckKey) {
+		v := string(r.Value)
+		if p.rng.Float64() < p.failP || (p.stuckOn && r.Key != nil && string(r.Key) == p.stuckKey) ||
+			time.Now().Before(p.stuckUntil[v]) {
 			errs[i] = errors.New("not enough replicas")
 			failed[k] = true
+			if p.stickFor > 0 && p.stuckUntil[v].IsZero() {
+				p.stuckUntil[v] = time.Now().Add(p.stickFor)
+			}
 			continue
 		}
-		v := string(r.Value)
 		if !p.seen[v] {
 			p.seen[v] = true
 			p.acked = append(p.acked, v)
@@ -79,6 +90,12 @@ type randomMode struct {
 	stuck             bool
 	delay             time.Duration
 	relays            int
+	// backlog: that many events over the keys, written before the relays
+	// start, after cold events of a key no one writes again ("cold", stuck
+	// until the stuck key is released): a drain beside a stuck key, whose
+	// rounds are runs of ids, so its claims take the held read.
+	backlog, cold int
+	stickFor      time.Duration // see randomPublisher
 }
 
 // Random relay runs against real PostgreSQL: writers commit batches over
@@ -87,8 +104,10 @@ type randomMode struct {
 // publisher fails records at random, holds one key stuck for a while, or
 // is slow enough for full rounds, read-ahead and floor reads; with a byte
 // bound and large values, two topics per key, a held-keys cap of 3
-// (ceilings), and two relays sharing the shards. Each key's first
-// publications come in write order (G3) and every event is published (G4).
+// (ceilings), two relays sharing the shards, and a backlog drained beside
+// a cold stuck key (its claims take the held read: the mode fails if none
+// does). Each key's first publications come in write order (G3) and every
+// event is published (G4).
 // ONCEFLOW_RANDOM_SEEDS runs more seeds per mode (default 1).
 func TestRandomRelayRunsKeepKeyOrderAndDrain(t *testing.T) {
 	seeds := 1
@@ -104,6 +123,7 @@ func TestRandomRelayRunsKeepKeyOrderAndDrain(t *testing.T) {
 		"slow-stuck": {batch: 30, failP: 0.01, topics: 1, keyless: 10, stuck: true, delay: 15 * time.Millisecond},
 		"slow-bytes": {batch: 30, batchBytes: 60_000, failP: 0.02, topics: 1, keyless: 10, bigP: 0.05, stuck: true, delay: 15 * time.Millisecond},
 		"two-relays": {batch: 20, failP: 0.02, topics: 1, keyless: 10, stuck: true, delay: 5 * time.Millisecond, relays: 2},
+		"backlog":    {batch: 20, failP: 0.01, topics: 1, keyless: 10, stuck: true, backlog: 6000, cold: 500, stickFor: 300 * time.Millisecond},
 	}
 	for name, m := range modes {
 		for seed := range seeds {
@@ -121,15 +141,50 @@ func randomRelayRun(t *testing.T, m randomMode, seed uint64) {
 	pool := pgtest.Pool(t)
 	outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
 	rng := rand.New(rand.NewPCG(seed, 7))
-	pub := &randomPublisher{rng: rand.New(rand.NewPCG(seed, 11)), failP: m.failP, seen: map[string]bool{}, stuckKey: "key0", delay: m.delay}
+	pub := &randomPublisher{rng: rand.New(rand.NewPCG(seed, 11)), failP: m.failP, seen: map[string]bool{}, stuckKey: "key0", delay: m.delay,
+		stickFor: m.stickFor, stuckUntil: map[string]time.Time{}}
 	cfg := relay.Config{Schema: schema, BatchSize: m.batch, BatchBytes: m.batchBytes, PollInterval: 20 * time.Millisecond,
 		LeaseDuration: 2 * time.Second, MaxRetryBackoff: 80 * time.Millisecond, MaxHeldKeys: m.heldKeys, PublishTimeout: 5 * time.Second}
+	keys := make([]string, 40)
+	for i := range keys {
+		keys[i] = "key" + strconv.Itoa(i)
+	}
+	seq := map[string]int{}
+	total := 0
+	relayPool, held := pool, &heldReadCounter{}
+	if m.backlog > 0 {
+		pub.stuckKey = "cold"
+		var ks [][]byte
+		var vals [][]byte
+		for i := range m.cold + m.backlog {
+			k := "cold"
+			if i >= m.cold {
+				k = keys[rng.IntN(len(keys))]
+			}
+			seq[k]++
+			ks, vals = append(ks, []byte(k)), append(vals, []byte(fmt.Sprintf("%s|%d|x", k, seq[k])))
+		}
+		total += len(vals)
+		if _, err := pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key, value)
+SELECT 't0', k, v FROM unnest($1::bytea[], $2::bytea[]) WITH ORDINALITY AS x(k, v, n) ORDER BY n`, ks, vals); err != nil {
+			t.Fatal(err)
+		}
+		pc, err := pgxpool.ParseConfig(pgtest.URL(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		pc.ConnConfig.Tracer = held
+		if relayPool, err = pgxpool.NewWithConfig(ctx, pc); err != nil {
+			t.Fatal(err)
+		}
+		defer relayPool.Close()
+	}
 	rctx, cancel := context.WithCancel(ctx)
 	done := make(chan error, 2)
 	for i := range max(1, m.relays) {
 		c := cfg
 		c.InstanceID = fmt.Sprintf("r%d", i)
-		r, err := relay.New(pool, pub, &c)
+		r, err := relay.New(relayPool, pub, &c)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -142,12 +197,6 @@ func randomRelayRun(t *testing.T, m randomMode, seed uint64) {
 		}
 	}()
 
-	keys := make([]string, 40)
-	for i := range keys {
-		keys[i] = "key" + strconv.Itoa(i)
-	}
-	seq := map[string]int{}
-	total := 0
 	type open struct {
 		tx    pgx.Tx
 		keys  []string
@@ -279,5 +328,27 @@ SELECT t, k, v FROM unnest($1::text[], $2::bytea[], $3::bytea[]) WITH ORDINALITY
 	if len(pub.acked) != total {
 		t.Fatalf("%d of %d events acknowledged", len(pub.acked), total)
 	}
-	t.Logf("%d events, %d calls", total, pub.calls)
+	if m.backlog > 0 && held.reads.Load() == 0 {
+		t.Fatal("no claim took the held read: the mode no longer tests it")
+	}
+	t.Logf("%d events, %d calls, %d held reads", total, pub.calls, held.reads.Load())
 }
+
+// heldReadCounter counts the held reads (the read of every shard that also
+// reads each row's shard) a pool sends.
+type heldReadCounter struct{ reads atomic.Int64 }
+
+func (h *heldReadCounter) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
+	for _, q := range d.Batch.QueuedQueries {
+		if strings.Contains(q.SQL, "AS size, o.shard\nFROM") {
+			h.reads.Add(1)
+		}
+	}
+	return ctx
+}
+func (h *heldReadCounter) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+func (h *heldReadCounter) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
+func (h *heldReadCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	return ctx
+}
+func (h *heldReadCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
