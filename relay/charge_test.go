@@ -185,30 +185,6 @@ WHERE attempts = 1 AND last_error = $1 AND refused_kind = 1 AND first_refused_at
 	}
 }
 
-// failureTracer notes the ids each failure statement (the UPDATE that
-// charges failed events) names.
-type failureTracer struct {
-	mu  sync.Mutex
-	ids [][]int64
-}
-
-func (f *failureTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
-	for _, q := range d.Batch.QueuedQueries {
-		if strings.Contains(q.SQL, "SET last_error = CASE WHEN x.charge") {
-			f.mu.Lock()
-			f.ids = append(f.ids, slices.Clone(q.Arguments[0].([]int64)))
-			f.mu.Unlock()
-		}
-	}
-	return ctx
-}
-func (f *failureTracer) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
-func (f *failureTracer) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
-func (f *failureTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
-	return ctx
-}
-func (f *failureTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
-
 // The failure statement names only the rows it writes: each key's first
 // failed event, and a later one only while its row is in a refusal run that
 // must end. It named every failed event, and PostgreSQL looked up each one
@@ -238,8 +214,17 @@ WHERE id = (SELECT id FROM `+table+` WHERE key = 'K' ORDER BY id OFFSET 2 LIMIT 
 	if err != nil {
 		t.Fatal(err)
 	}
-	tracer := &failureTracer{}
-	cfg.ConnConfig.Tracer = tracer
+	// The ids each failure statement (the UPDATE charging failed events)
+	// names.
+	var mu sync.Mutex
+	var named [][]int64
+	cfg.ConnConfig.Tracer = batchTracer{see: func(q *pgx.QueuedQuery) {
+		if strings.Contains(q.SQL, "SET last_error = CASE WHEN x.charge") {
+			mu.Lock()
+			named = append(named, slices.Clone(q.Arguments[0].([]int64)))
+			mu.Unlock()
+		}
+	}}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -248,10 +233,10 @@ WHERE id = (SELECT id FROM `+table+` WHERE key = 'K' ORDER BY id OFFSET 2 LIMIT 
 	b.startRelayWith(t, pool, newOnceFailingPublisher(errNotEnoughReplicas), relay.Config{})
 	waitFor(t, "the failed round's outcome", 30*time.Second, func() bool { return b.chargeRows(t)[0].attempts > 0 })
 
-	tracer.mu.Lock()
-	defer tracer.mu.Unlock()
-	if len(tracer.ids) != 1 || !slices.Equal(tracer.ids[0], want) {
-		t.Fatalf("failure statements named %v, want one naming %v", tracer.ids, want)
+	mu.Lock()
+	defer mu.Unlock()
+	if len(named) != 1 || !slices.Equal(named[0], want) {
+		t.Fatalf("failure statements named %v, want one naming %v", named, want)
 	}
 	if r := b.chargeRows(t)[2]; r.refused || r.refusedKind != nil {
 		t.Errorf("K's third event: %v, want its unknown-topic run ended", r)

@@ -151,7 +151,9 @@ func randomRelayRun(t *testing.T, m randomMode, seed uint64) {
 	}
 	seq := map[string]int{}
 	total := 0
-	relayPool, held := pool, &heldReadCounter{}
+	// The held reads (the read of every shard that also reads each row's
+	// shard) the relays send, in the backlog mode.
+	relayPool, heldReads := pool, atomic.Int64{}
 	if m.backlog > 0 {
 		pub.stuckKey = "cold"
 		var ks [][]byte
@@ -173,7 +175,11 @@ SELECT 't0', k, v FROM unnest($1::bytea[], $2::bytea[]) WITH ORDINALITY AS x(k, 
 		if err != nil {
 			t.Fatal(err)
 		}
-		pc.ConnConfig.Tracer = held
+		pc.ConnConfig.Tracer = batchTracer{see: func(q *pgx.QueuedQuery) {
+			if strings.Contains(q.SQL, "AS size, o.shard\nFROM") {
+				heldReads.Add(1)
+			}
+		}}
 		if relayPool, err = pgxpool.NewWithConfig(ctx, pc); err != nil {
 			t.Fatal(err)
 		}
@@ -328,27 +334,8 @@ SELECT t, k, v FROM unnest($1::text[], $2::bytea[], $3::bytea[]) WITH ORDINALITY
 	if len(pub.acked) != total {
 		t.Fatalf("%d of %d events acknowledged", len(pub.acked), total)
 	}
-	if m.backlog > 0 && held.reads.Load() == 0 {
+	if m.backlog > 0 && heldReads.Load() == 0 {
 		t.Fatal("no claim took the held read: the mode no longer tests it")
 	}
-	t.Logf("%d events, %d calls, %d held reads", total, pub.calls, held.reads.Load())
+	t.Logf("%d events, %d calls, %d held reads", total, pub.calls, heldReads.Load())
 }
-
-// heldReadCounter counts the held reads (the read of every shard that also
-// reads each row's shard) a pool sends.
-type heldReadCounter struct{ reads atomic.Int64 }
-
-func (h *heldReadCounter) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
-	for _, q := range d.Batch.QueuedQueries {
-		if strings.Contains(q.SQL, "AS size, o.shard\nFROM") {
-			h.reads.Add(1)
-		}
-	}
-	return ctx
-}
-func (h *heldReadCounter) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
-func (h *heldReadCounter) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
-func (h *heldReadCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
-	return ctx
-}
-func (h *heldReadCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
