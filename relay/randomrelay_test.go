@@ -107,7 +107,7 @@ type randomMode struct {
 // (ceilings), two relays sharing the shards, and a backlog drained beside
 // a cold stuck key (its claims take the held read: the mode fails if none
 // does). Each key's first publications come in write order (G3) and every
-// event is published (G4).
+// event is published (G2).
 // ONCEFLOW_RANDOM_SEEDS runs more seeds per mode (default 1).
 func TestRandomRelayRunsKeepKeyOrderAndDrain(t *testing.T) {
 	seeds := 1
@@ -312,7 +312,7 @@ SELECT t, k, v FROM unnest($1::text[], $2::bytea[], $3::bytea[]) WITH ORDINALITY
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("%d events still pending after 60s (G4)", n)
+			t.Fatalf("%d events still pending after 60s (G2)", n)
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
