@@ -68,9 +68,11 @@ type Relay struct {
 	// skipped are events a ceiling stopped (belowCeiling dropped them),
 	// left out of every read by id while the ceilings stand, at most
 	// maxSkipped of them: reads go on past them (see round). skippedKeys
-	// are their keys (blockKey): no event of theirs goes out before the
-	// ceilings lift, whatever partition the publisher reports for it by
-	// then (a topic given more partitions).
+	// are the keys (blockKey) of every event a ceiling stopped, noted also
+	// past that cap: no event of theirs goes out before the ceilings lift,
+	// on another topic, or whatever partition the publisher reports for it
+	// by then (a topic given more partitions). Its size is bound by the
+	// keys of the rounds read while the ceilings stand.
 	skipped     []int64
 	skippedKeys map[string]bool
 	// keylessWaits are, per topic with a sick partition, the keyless events
@@ -1031,6 +1033,9 @@ func (r *Relay) raiseCeiling(e *pendingEvent) {
 		return
 	}
 	first := r.ceilingAll == 0 && len(r.ceilings) == 0
+	// e is the first event its ceiling stops: its key's events on other
+	// partitions and topics wait too (belowCeiling).
+	r.skippedKeys[blockKey(e)] = true
 	if tp, ok := r.partitionOf(e); ok {
 		if c, found := r.ceilings[tp]; !found || e.id < c {
 			r.ceilings[tp] = e.id
@@ -1094,9 +1099,10 @@ func (r *Relay) releaseKeyless() {
 }
 
 // belowCeiling drops, while a ceiling stands (see raiseCeiling), the events
-// at or above their partition's that are not a held key's, and notes them
-// in r.skipped while there is room; and the keyless events a topic's wait
-// drops (waitKeyless). Held keys' events are governed by their own hold.
+// at or above their partition's that are not a held key's, notes their
+// keys in r.skippedKeys, and their ids in r.skipped while there is room;
+// and the keyless events a topic's wait drops (waitKeyless). Held keys'
+// events are governed by their own hold.
 func (r *Relay) belowCeiling(events []pendingEvent) []pendingEvent {
 	if r.ceilingAll == 0 && len(r.ceilings) == 0 && len(r.keylessWaits) == 0 {
 		return events
@@ -1116,9 +1122,12 @@ func (r *Relay) belowCeiling(events []pendingEvent) []pendingEvent {
 				}
 			}
 			if above {
+				// The key is noted even with no room left for the id:
+				// it is what stops the key's events on other
+				// partitions, and other topics, until the ceilings lift.
+				r.skippedKeys[bk] = true
 				if len(r.skipped)+r.keylessIDs < maxSkipped {
 					r.skipped = append(r.skipped, e.id)
-					r.skippedKeys[bk] = true
 				}
 				continue
 			}
