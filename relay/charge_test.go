@@ -218,7 +218,7 @@ WHERE id = (SELECT id FROM `+table+` WHERE key = 'K' ORDER BY id OFFSET 2 LIMIT 
 	// names.
 	var mu sync.Mutex
 	var named [][]int64
-	cfg.ConnConfig.Tracer = batchTracer{see: func(q *pgx.QueuedQuery) {
+	cfg.ConnConfig.Tracer = relay.BatchTracer{See: func(q *pgx.QueuedQuery) {
 		if strings.Contains(q.SQL, "SET last_error = CASE WHEN x.charge") {
 			mu.Lock()
 			named = append(named, slices.Clone(q.Arguments[0].([]int64)))

@@ -67,7 +67,13 @@ func randomRelayClaims(t *testing.T, mode string, seed int64) (heldReads int64) 
 		t.Fatal(err)
 	}
 	var held atomic.Int64
-	cfg.ConnConfig.Tracer = heldReadTracer{reads: &held}
+	// The held reads (claimHeldSQL: one relay's read of every shard with
+	// each row's shard) its claims send.
+	cfg.ConnConfig.Tracer = BatchTracer{See: func(q *pgx.QueuedQuery) {
+		if strings.Contains(q.SQL, claimColumns+`, o.shard`) {
+			held.Add(1)
+		}
+	}}
 	cfg.MaxConns = 32 // late commits hold theirs across rounds
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
@@ -302,22 +308,3 @@ SELECT 't', k, decode(repeat('00', s), 'hex') FROM unnest($1::bytea[], $2::int4[
 	t.Fatal("not drained in 15,000 rounds")
 	return 0
 }
-
-// heldReadTracer counts the held reads (claimHeldSQL: one relay's read of
-// every shard with each row's shard) a pool sends.
-type heldReadTracer struct{ reads *atomic.Int64 }
-
-func (h heldReadTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
-	for _, q := range d.Batch.QueuedQueries {
-		if strings.Contains(q.SQL, claimColumns+`, o.shard`) {
-			h.reads.Add(1)
-		}
-	}
-	return ctx
-}
-func (heldReadTracer) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
-func (heldReadTracer) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
-func (heldReadTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
-	return ctx
-}
-func (heldReadTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}

@@ -175,7 +175,7 @@ SELECT 't0', k, v FROM unnest($1::bytea[], $2::bytea[]) WITH ORDINALITY AS x(k, 
 		if err != nil {
 			t.Fatal(err)
 		}
-		pc.ConnConfig.Tracer = batchTracer{see: func(q *pgx.QueuedQuery) {
+		pc.ConnConfig.Tracer = relay.BatchTracer{See: func(q *pgx.QueuedQuery) {
 			if strings.Contains(q.SQL, "AS size, o.shard\nFROM") {
 				heldReads.Add(1)
 			}

@@ -693,20 +693,3 @@ func TestFailedEventOfAFinishingRoundKeepsKeyOrder(t *testing.T) {
 		t.Fatalf("acknowledged in order %v: k2 went out before k1", pub.acked)
 	}
 }
-
-// batchTracer shows see every statement queued in the batches a pool
-// sends, as it sends them.
-type batchTracer struct{ see func(q *pgx.QueuedQuery) }
-
-func (b batchTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
-	for _, q := range d.Batch.QueuedQueries {
-		b.see(q)
-	}
-	return ctx
-}
-func (batchTracer) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
-func (batchTracer) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
-func (batchTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
-	return ctx
-}
-func (batchTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
