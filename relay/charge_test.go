@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/internal/pgtest"
 	"github.com/onceflow/onceflow/outbox"
@@ -95,6 +94,27 @@ FROM `+pgx.Identifier{b.schema, "outbox"}.Sanitize()+` ORDER BY id`)
 	return out
 }
 
+// writeFailingRound writes keyed events of key K and then keyless events
+// (topic "stuck"), puts K's third event in an unknown-topic run started 10
+// s ago, and returns its id.
+func (b *bundle) writeFailingRound(t *testing.T, keyed, keyless int) (inRun int64) {
+	t.Helper()
+	var msgs []outbox.Message
+	for i := range keyed {
+		msgs = append(msgs, outbox.Message{Topic: "stuck", Key: []byte("K"), Value: []byte(fmt.Sprint(i))})
+	}
+	for i := range keyless {
+		msgs = append(msgs, outbox.Message{Topic: "stuck", Value: []byte(fmt.Sprint("keyless-", i))})
+	}
+	b.write(t, msgs...)
+	table := pgx.Identifier{b.schema, "outbox"}.Sanitize()
+	if err := b.pool.QueryRow(context.Background(), `UPDATE `+table+` SET first_refused_at = now() - interval '10 seconds', refused_kind = 1
+WHERE id = (SELECT id FROM `+table+` WHERE key = 'K' ORDER BY id OFFSET 2 LIMIT 1) RETURNING id`).Scan(&inRun); err != nil {
+		t.Fatal(err)
+	}
+	return inRun
+}
+
 // A round in which a key's events fail with a passing error charges the
 // key's first failed event only: only that one is retried (alone, its key
 // held back behind it), and the charges on the later ones said nothing
@@ -105,19 +125,8 @@ FROM `+pgx.Identifier{b.schema, "outbox"}.Sanitize()+` ORDER BY id`)
 func TestAFailedRoundChargesEachKeysFirstEventOnly(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	var msgs []outbox.Message
-	for i := range 5 {
-		msgs = append(msgs, outbox.Message{Topic: "stuck", Key: []byte("K"), Value: []byte(fmt.Sprint(i))})
-	}
-	msgs = append(msgs, outbox.Message{Topic: "stuck", Value: []byte("keyless-0")}, outbox.Message{Topic: "stuck", Value: []byte("keyless-1")})
-	b.write(t, msgs...)
-	ctx := context.Background()
-	table := pgx.Identifier{b.schema, "outbox"}.Sanitize()
 	// K's third event carries an unknown-topic run from an earlier attempt.
-	if _, err := b.pool.Exec(ctx, `UPDATE `+table+` SET first_refused_at = now() - interval '10 seconds', refused_kind = 1
-WHERE id = (SELECT id FROM `+table+` WHERE key = 'K' ORDER BY id OFFSET 2 LIMIT 1)`); err != nil {
-		t.Fatal(err)
-	}
+	b.writeFailingRound(t, 5, 2)
 	before := b.chargeRows(t)
 
 	b.startRelayWith(t, b.pool, newOnceFailingPublisher(errNotEnoughReplicas), relay.Config{})
@@ -193,43 +202,22 @@ WHERE attempts = 1 AND last_error = $1 AND refused_kind = 1 AND first_refused_at
 func TestAFailedRoundNamesOnlyTheRowsItWrites(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	var msgs []outbox.Message
-	for i := range 50 {
-		msgs = append(msgs, outbox.Message{Topic: "stuck", Key: []byte("K"), Value: []byte(fmt.Sprint(i))})
-	}
-	msgs = append(msgs, outbox.Message{Topic: "stuck", Value: []byte("keyless")})
-	b.write(t, msgs...)
-	ctx := context.Background()
-	table := pgx.Identifier{b.schema, "outbox"}.Sanitize()
 	// K's third event is in an unknown-topic run, which this answer ends.
-	var inRun int64
-	if err := b.pool.QueryRow(ctx, `UPDATE `+table+` SET first_refused_at = now() - interval '10 seconds', refused_kind = 1
-WHERE id = (SELECT id FROM `+table+` WHERE key = 'K' ORDER BY id OFFSET 2 LIMIT 1) RETURNING id`).Scan(&inRun); err != nil {
-		t.Fatal(err)
-	}
+	inRun := b.writeFailingRound(t, 50, 1)
 	rows := b.chargeRows(t)
 	want := []int64{rows[0].id, inRun, rows[len(rows)-1].id} // K's first, the one in a run, the keyless
 
-	cfg, err := pgxpool.ParseConfig(pgtest.URL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
 	// The ids each failure statement (the UPDATE charging failed events)
 	// names.
 	var mu sync.Mutex
 	var named [][]int64
-	cfg.ConnConfig.Tracer = relay.BatchTracer{See: func(q *pgx.QueuedQuery) {
-		if strings.Contains(q.SQL, "SET last_error = CASE WHEN x.charge") {
+	pool := pgtest.TracedPool(t, relay.StatementTracer{See: func(sql string, args []any) {
+		if strings.Contains(sql, "SET last_error = CASE WHEN x.charge") {
 			mu.Lock()
-			named = append(named, slices.Clone(q.Arguments[0].([]int64)))
+			named = append(named, slices.Clone(args[0].([]int64)))
 			mu.Unlock()
 		}
-	}}
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
+	}}, 0)
 	b.startRelayWith(t, pool, newOnceFailingPublisher(errNotEnoughReplicas), relay.Config{})
 	waitFor(t, "the failed round's outcome", 30*time.Second, func() bool { return b.chargeRows(t)[0].attempts > 0 })
 

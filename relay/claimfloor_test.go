@@ -11,7 +11,6 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/internal/pgtest"
 )
@@ -602,28 +601,6 @@ func TestFloorReadsAfterATrickleThroughThePrimaryKeyProveTheirFloorSoon(t *testi
 	})
 }
 
-// proofTracer counts the floor proof's pg_locks reads a pool sends.
-type proofTracer struct{ locks atomic.Int64 }
-
-func (p *proofTracer) note(sql string) {
-	if strings.Contains(sql, "FROM pg_locks") {
-		p.locks.Add(1)
-	}
-}
-func (p *proofTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
-	p.note(d.SQL)
-	return ctx
-}
-func (p *proofTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
-func (p *proofTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
-	for _, q := range d.Batch.QueuedQueries {
-		p.note(q.SQL)
-	}
-	return ctx
-}
-func (p *proofTracer) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
-func (p *proofTracer) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
-
 // Runs of floor-shaped reads too short to use a floor proof (a key blocked
 // and released claim by claim while a backlog drains; whole and short
 // rounds in turn beside a stuck key) do not start one every run: each
@@ -637,17 +614,13 @@ func TestShortRunsOfFloorReadsDoNotStartAProofEveryRun(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
 			schema := pgtest.Schema(t)
-			cfg, err := pgxpool.ParseConfig(pgtest.URL(t))
-			if err != nil {
-				t.Fatal(err)
-			}
-			tracer := &proofTracer{}
-			cfg.ConnConfig.Tracer = tracer
-			pool, err := pgxpool.NewWithConfig(ctx, cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(pool.Close)
+			// The floor proof's pg_locks reads.
+			var locks atomic.Int64
+			pool := pgtest.TracedPool(t, StatementTracer{See: func(sql string, _ []any) {
+				if strings.Contains(sql, "FROM pg_locks") {
+					locks.Add(1)
+				}
+			}}, 0)
 			st := newStore(pool, schema)
 			outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
 			var stuck int64
@@ -687,7 +660,7 @@ func TestShortRunsOfFloorReadsDoNotStartAProofEveryRun(t *testing.T) {
 			if floorReads < claims/2-1 {
 				t.Fatalf("%d floor reads in %d claims: not the shape meant", floorReads, claims)
 			}
-			if n := tracer.locks.Load(); n > 4 {
+			if n := locks.Load(); n > 4 {
 				t.Fatalf("%d claims, %d of them floor reads in short runs: %d pg_locks reads, want at most 4", claims, floorReads, n)
 			}
 		})

@@ -12,7 +12,6 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/internal/pgtest"
 )
@@ -62,24 +61,15 @@ func randomRelayClaims(t *testing.T, mode string, seed int64) (heldReads int64) 
 	rng := rand.New(rand.NewPCG(uint64(seed), 77))
 	ctx := context.Background()
 	schema := pgtest.Schema(t)
-	cfg, err := pgxpool.ParseConfig(pgtest.URL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
 	var held atomic.Int64
 	// The held reads (claimHeldSQL: one relay's read of every shard with
-	// each row's shard) its claims send.
-	cfg.ConnConfig.Tracer = BatchTracer{See: func(q *pgx.QueuedQuery) {
-		if strings.Contains(q.SQL, claimColumns+`, o.shard`) {
+	// each row's shard) its claims send; late commits hold their
+	// connections across rounds.
+	pool := pgtest.TracedPool(t, StatementTracer{See: func(sql string, _ []any) {
+		if strings.Contains(sql, claimColumns+`, o.shard`) {
 			held.Add(1)
 		}
-	}}
-	cfg.MaxConns = 32 // late commits hold theirs across rounds
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
+	}}, 32)
 	st := newStore(pool, schema)
 	outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
 	hot := []byte{shardOf("stuck"), shardOf("hot-a")}

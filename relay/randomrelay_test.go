@@ -15,7 +15,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/internal/pgtest"
 	"github.com/onceflow/onceflow/relay"
@@ -171,19 +170,11 @@ func randomRelayRun(t *testing.T, m randomMode, seed uint64) {
 SELECT 't0', k, v FROM unnest($1::bytea[], $2::bytea[]) WITH ORDINALITY AS x(k, v, n) ORDER BY n`, ks, vals); err != nil {
 			t.Fatal(err)
 		}
-		pc, err := pgxpool.ParseConfig(pgtest.URL(t))
-		if err != nil {
-			t.Fatal(err)
-		}
-		pc.ConnConfig.Tracer = relay.BatchTracer{See: func(q *pgx.QueuedQuery) {
-			if strings.Contains(q.SQL, "AS size, o.shard\nFROM") {
+		relayPool = pgtest.TracedPool(t, relay.StatementTracer{See: func(sql string, _ []any) {
+			if strings.Contains(sql, "AS size, o.shard\nFROM") {
 				heldReads.Add(1)
 			}
-		}}
-		if relayPool, err = pgxpool.NewWithConfig(ctx, pc); err != nil {
-			t.Fatal(err)
-		}
-		defer relayPool.Close()
+		}}, 0)
 	}
 	rctx, cancel := context.WithCancel(ctx)
 	done := make(chan error, 2)

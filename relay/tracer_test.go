@@ -6,19 +6,21 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// BatchTracer shows See every statement queued in the batches a pool
-// sends, as it sends them. Exported for the package's external tests too.
-type BatchTracer struct{ See func(q *pgx.QueuedQuery) }
+// StatementTracer shows See every statement a pool sends, alone or queued
+// in a batch, as it sends it. Exported for the package's external tests
+// too.
+type StatementTracer struct{ See func(sql string, args []any) }
 
-func (b BatchTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
+func (s StatementTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
 	for _, q := range d.Batch.QueuedQueries {
-		b.See(q)
+		s.See(q.SQL, q.Arguments)
 	}
 	return ctx
 }
-func (BatchTracer) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
-func (BatchTracer) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
-func (BatchTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+func (s StatementTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	s.See(d.SQL, d.Args)
 	return ctx
 }
-func (BatchTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (StatementTracer) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+func (StatementTracer) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
+func (StatementTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData)     {}

@@ -53,6 +53,26 @@ func Pool(t testing.TB) *pgxpool.Pool {
 	return pool
 }
 
+// TracedPool returns a pool of its own whose statements tracer sees,
+// closed when the test ends. maxConns 0 keeps pgxpool's default.
+func TracedPool(t testing.TB, tracer pgx.QueryTracer, maxConns int32) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(URL(t))
+	if err != nil {
+		t.Fatalf("pgtest: %v", err)
+	}
+	cfg.ConnConfig.Tracer = tracer
+	if maxConns > 0 {
+		cfg.MaxConns = maxConns
+	}
+	p, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatalf("pgtest: %v", err)
+	}
+	t.Cleanup(p.Close)
+	return p
+}
+
 // Schema creates a fresh schema with every onceflow migration applied, drops
 // it when the test ends, and returns its name.
 func Schema(t testing.TB) string {
