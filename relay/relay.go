@@ -722,12 +722,15 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		r.observeAcked(events, o.acked, start, time.Now())
 	}
 	acked, dead, failedKeys := o.acked, o.dead, o.failedKeys
-	if next != nil && len(failedKeys) > 0 {
+	deadKeys := o.deadKeys(events)
+	if next != nil && (len(failedKeys) > 0 || len(deadKeys) > 0) {
 		// The round read ahead must not carry a failed key past its
-		// failure; those events stay pending for the key's retry.
+		// failure; those events stay pending for the key's retry. Nor
+		// a dead-lettered key past its dead letter before that is
+		// recorded (below).
 		kept := next.events[:0:0]
 		for i := range next.events {
-			if !failedKeys[blockKey(&next.events[i])] {
+			if bk := blockKey(&next.events[i]); !failedKeys[bk] && !deadKeys[bk] {
 				kept = append(kept, next.events[i])
 			}
 		}
@@ -767,6 +770,14 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		defer close(done)
 		r.record(ctx, start, o, shards, round)
 	}()
+	if len(dead) > 0 {
+		// A dead-lettered event's key goes on only once the dead letter
+		// is recorded. Had its statement failed (or this relay died
+		// first), the event would still be pending and, its topic
+		// created meanwhile, be published after its key's later events
+		// (G3). Dead letters are rare: the rounds wait for them.
+		r.waitFinish()
+	}
 	return roundResult{claimed: claimed, whole: whole, acked: len(acked), dead: len(dead), held: held, failedKeys: len(failedKeys)}, next, nil
 }
 
@@ -943,6 +954,25 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 	}
 	o.sickPartitions = r.sickCount
 	return o
+}
+
+// deadKeys returns the block keys of the events that o dead-letters; nil
+// if none.
+func (o *outcome) deadKeys(events []pendingEvent) map[string]bool {
+	if len(o.dead) == 0 {
+		return nil
+	}
+	ids := make(map[int64]bool, len(o.dead))
+	for _, d := range o.dead {
+		ids[d.id] = true
+	}
+	keys := make(map[string]bool, len(o.dead))
+	for i := range events {
+		if ids[events[i].id] {
+			keys[blockKey(&events[i])] = true
+		}
+	}
+	return keys
 }
 
 // graceOver reports whether event e's topic has given the refusal kind
