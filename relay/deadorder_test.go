@@ -2,16 +2,20 @@ package relay_test
 
 import (
 	"context"
+	"crypto/rand"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kadm"
 
 	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/relay"
+	"github.com/onceflow/onceflow/relay/kgopublisher"
 )
 
 // recordingPublisher passes records to a real publisher and notes the
@@ -70,18 +74,55 @@ func laterEventWaitsForDeadLetter(t *testing.T, batch int) {
 		outbox.Message{Topic: existing, Key: []byte("other"), Value: []byte("other")},
 		outbox.Message{Topic: existing, Key: []byte("K"), Value: []byte("second")},
 	)
+	// The first event's topic has been unknown for an hour: its grace
+	// (a minute) is over when the relay first tries it.
+	if _, err := b.pool.Exec(ctx, `UPDATE `+pgx.Identifier{b.schema, "outbox"}.Sanitize()+
+		` SET first_refused_at = now() - interval '1 hour', refused_kind = 1 WHERE value = 'first'`); err != nil {
+		t.Fatal(err)
+	}
+	deadLetterStarted := failFirstDeadLetter(t, b, 1500*time.Millisecond)
+	pub := &recordingPublisher{Publisher: b.publisher(t)}
+	b.startRelayWith(t, b.pool, pub, relay.Config{BatchSize: batch})
+
+	waitFor(t, "the first dead-letter attempt", 30*time.Second, deadLetterStarted)
+	b.kafka.CreateTopic(t, missing, 1, nil) // while the dead-letter hangs
+	waitFor(t, "the outbox to drain", 30*time.Second, func() bool { return b.count(t, "outbox") == 0 })
+
+	acked := slices.DeleteFunc(firstPublications(pub.ackedValues()), func(v string) bool { return v == "other" })
+	checkSettledInOrder(t, b, acked)
+}
+
+// checkSettledInOrder checks how a key's two events, "first" and
+// "second", were settled: "first" published before "second", or
+// dead-lettered and "second" published.
+func checkSettledInOrder(t *testing.T, b *bundle, firstPublished []string) {
+	t.Helper()
+	dead := b.count(t, "outbox_dead")
+	t.Logf("first publications %v, dead-lettered %d", firstPublished, dead)
+	switch {
+	case slices.Equal(firstPublished, []string{"first", "second"}) && dead == 0:
+		// The dead letter failed, and the first event went out on its retry.
+	case slices.Equal(firstPublished, []string{"second"}) && dead == 1:
+		// The retry dead-lettered it.
+	default:
+		t.Fatalf("first published %v with %d dead-lettered: the key's later event went out before its first event was settled", firstPublished, dead)
+	}
+}
+
+// failFirstDeadLetter makes the relay's first dead letter in b's schema
+// hang for hang, then fail (a database going away); later ones pass. A
+// sequence counts the attempts across the failed transactions. It returns
+// whether the first attempt has begun.
+func failFirstDeadLetter(t *testing.T, b *bundle, hang time.Duration) (started func() bool) {
+	t.Helper()
+	ctx := context.Background()
 	q := func(name string) string { return pgx.Identifier{b.schema, name}.Sanitize() }
 	for _, s := range []string{
-		// The first event's topic has been unknown for an hour: its grace
-		// (a minute) is over when the relay first tries it.
-		`UPDATE ` + q("outbox") + ` SET first_refused_at = now() - interval '1 hour', refused_kind = 1 WHERE value = 'first'`,
-		// A sequence counts the dead-letter attempts across the failed
-		// transactions; the first one hangs for a while, then fails.
 		`CREATE SEQUENCE ` + q("dead_letter_attempts"),
 		`CREATE FUNCTION ` + q("fail_first_dead_letter") + `() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     IF nextval('` + q("dead_letter_attempts") + `') = 1 THEN
-        PERFORM pg_sleep(1.5);
+        PERFORM pg_sleep(` + fmt.Sprint(hang.Seconds()) + `);
         RAISE EXCEPTION 'injected: the database went away';
     END IF;
     RETURN NEW;
@@ -93,28 +134,87 @@ END $$`,
 			t.Fatal(err)
 		}
 	}
-	pub := &recordingPublisher{Publisher: b.publisher(t)}
-	b.startRelayWith(t, b.pool, pub, relay.Config{BatchSize: batch})
-
-	waitFor(t, "the first dead-letter attempt", 30*time.Second, func() bool {
+	return func() bool {
 		var called bool
 		if err := b.pool.QueryRow(ctx, `SELECT is_called FROM `+q("dead_letter_attempts")).Scan(&called); err != nil {
 			t.Fatal(err)
 		}
 		return called
-	})
-	b.kafka.CreateTopic(t, missing, 1, nil) // while the dead-letter hangs
-	waitFor(t, "the outbox to drain", 30*time.Second, func() bool { return b.count(t, "outbox") == 0 })
-
-	acked := slices.DeleteFunc(firstPublications(pub.ackedValues()), func(v string) bool { return v == "other" })
-	dead := b.count(t, "outbox_dead")
-	t.Logf("first publications %v, dead-lettered %d", acked, dead)
-	switch {
-	case slices.Equal(acked, []string{"first", "second"}) && dead == 0:
-		// The dead-letter failed, and the topic was there on the retry.
-	case slices.Equal(acked, []string{"second"}) && dead == 1:
-		// The retry still found the topic unknown and dead-lettered it.
-	default:
-		t.Fatalf("first published %v with %d dead-lettered: the key's later event went out before its first event was settled", acked, dead)
 	}
+}
+
+// The same within one round: the broker refuses a batch holding a key's
+// first event, too large for the topic, and its later event. The relay
+// dead-letters the first (it is refused alone too) and must not publish
+// the later one before the dead letter is recorded. The dead letter fails;
+// meanwhile the operator raises the topic's max.message.bytes.
+func TestALaterEventInTheRoundWaitsForItsKeysDeadLetter(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	topic := "small-" + b.schema
+	limit, raised := "4000", "10000000"
+	b.kafka.CreateTopic(t, topic, 1, map[string]*string{"max.message.bytes": &limit})
+	b.write(t,
+		outbox.Message{Topic: topic, Key: []byte("K"), Value: incompressible("first", 6000)},
+		outbox.Message{Topic: topic, Key: []byte("K"), Value: []byte("second")},
+	)
+	deadLetterStarted := failFirstDeadLetter(t, b, 1500*time.Millisecond)
+	pub := &recordingPublisher{Publisher: b.publisher(t)}
+	b.startRelayWith(t, b.pool, pub, relay.Config{})
+	waitFor(t, "the first dead-letter attempt", 30*time.Second, deadLetterStarted)
+	resp, err := b.kafka.Admin(t).AlterTopicConfigs(ctx, []kadm.AlterConfig{{Op: kadm.SetConfig, Name: "max.message.bytes", Value: &raised}}, topic)
+	if err == nil {
+		_, err = resp.On(topic, nil)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the outbox to drain", 30*time.Second, func() bool { return b.count(t, "outbox") == 0 })
+	checkSettledInOrder(t, b, shortValues(firstPublications(pub.ackedValues())))
+}
+
+// The same when the client refuses the first event for its size by itself
+// and the broker would take the later one in the same call. The dead
+// letter fails while the relay stops (a rolling restart), and the relay
+// comes back with a larger limit.
+func TestALaterEventInTheCallWaitsForItsKeysDeadLetterAcrossARestart(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	topic := b.kafka.Topic(t, 1)
+	b.write(t,
+		outbox.Message{Topic: topic, Key: []byte("K"), Value: incompressible("first", 6000)},
+		outbox.Message{Topic: topic, Key: []byte("K"), Value: []byte("second")},
+	)
+	deadLetterStarted := failFirstDeadLetter(t, b, 1500*time.Millisecond)
+	small, err := kgopublisher.New(b.kafka.Brokers, &kgopublisher.Config{MaxRecordBytes: 4096})
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := &recordingPublisher{Publisher: small}
+	_, stop := b.startRelayWith(t, b.pool, before, relay.Config{InstanceID: "before"})
+	waitFor(t, "the first dead-letter attempt", 30*time.Second, deadLetterStarted)
+	stop()
+	after := &recordingPublisher{Publisher: b.publisher(t)}
+	b.startRelayWith(t, b.pool, after, relay.Config{InstanceID: "after"})
+	waitFor(t, "the outbox to drain", 30*time.Second, func() bool { return b.count(t, "outbox") == 0 })
+	checkSettledInOrder(t, b, shortValues(firstPublications(append(before.ackedValues(), after.ackedValues()...))))
+}
+
+// incompressible returns prefix and n random bytes: no codec takes them
+// under a limit.
+func incompressible(prefix string, n int) []byte {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return append([]byte(prefix), b...)
+}
+
+// shortValues cuts values to their first word ("first", "second").
+func shortValues(values []string) []string {
+	for i, v := range values {
+		if strings.HasPrefix(v, "first") {
+			values[i] = "first"
+		}
+	}
+	return values
 }

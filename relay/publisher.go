@@ -25,6 +25,9 @@ type Header struct {
 // Publish returns one error per record, in the records' order: nil means
 // the record was acknowledged. Records with the same key must be sent in
 // slice order and land in one partition (murmur2, as the Java client does).
+// Once a record fails, refused for good included, its key's later records
+// in the call must not be acknowledged: fail them unsent with a passing
+// error (relaytest.RunPublisherConformance checks both).
 // A publisher marks refusals by wrapping ErrRecordTooLarge, ErrTopicInvalid,
 // ErrTopicForbidden, ErrRecordInvalid or ErrUnknownTopic; any other error is taken as passing
 // (a broker outage) and the record is retried. Publish must return when ctx

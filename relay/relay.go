@@ -721,8 +721,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 	if r.events != nil {
 		r.observeAcked(events, o.acked, start, time.Now())
 	}
-	acked, dead, failedKeys := o.acked, o.dead, o.failedKeys
-	deadKeys := o.deadKeys(events)
+	acked, dead, failedKeys, deadKeys := o.acked, o.dead, o.failedKeys, o.deadKeys
 	if next != nil && (len(failedKeys) > 0 || len(deadKeys) > 0) {
 		// The round read ahead must not carry a failed key past its
 		// failure; those events stay pending for the key's retry. Nor
@@ -832,6 +831,8 @@ type outcome struct {
 	sickPartitions int       // partitions marked sick once judged
 	timedOutTopics []string
 	firstErr       string // of the first failure that is not a timeout
+	// deadKeys are the keys of the events in dead.
+	deadKeys map[string]bool
 }
 
 // judge sorts a publish attempt's events (in id order) by their errors:
@@ -856,6 +857,21 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 			continue
 		}
 		bk := blockKey(e)
+		if o.deadKeys[bk] {
+			// An earlier event of this key is dead-lettered in this
+			// call. This one must not go out (alone, below) before
+			// that is recorded: had the dead letter failed, the
+			// earlier event would still be pending and, accepted
+			// later (a topic's limit raised, say), published after
+			// it (G3). It stays pending, uncharged, for a round after
+			// the dead letter is recorded: the round waits for it.
+			// (Acknowledged in this very call, it is out already.)
+			if err != nil {
+				o.failed = append(o.failed, failedEvent{id: e.id, err: "held back behind its key's dead-lettered event", run: runKeep, inRun: e.refusedFor != nil})
+				o.failedKeys[bk] = true
+				continue
+			}
+		}
 		if err == nil {
 			// The publisher acknowledged a later event of a key whose
 			// earlier event failed in the same call. It is not taken
@@ -892,6 +908,7 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 			}
 		case kind == tooLarge || kind == topicInvalid || kind == invalid:
 			o.dead = append(o.dead, deadEvent{id: e.id, err: err.Error()})
+			o.noteDead(bk)
 			r.log.Warn("relay: Kafka refused an event for good; dead-lettered", "event_id", string(e.eventID), "topic", e.topic, "error", err)
 		case (kind == unknownTopic || kind == forbidden) && r.graceOver(e, kind):
 			what, grace := "unknown", r.cfg.UnknownTopicGrace
@@ -899,6 +916,7 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 				what, grace = "forbidden", r.cfg.TopicForbiddenGrace
 			}
 			o.dead = append(o.dead, deadEvent{id: e.id, err: fmt.Sprintf("%v (still %s after %s)", err, what, grace)})
+			o.noteDead(bk)
 			r.log.Warn("relay: topic still "+what+" after its grace; dead-lettered", "event_id", string(e.eventID), "topic", e.topic, "grace", grace)
 		default:
 			if ctx.Err() != nil {
@@ -956,23 +974,11 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 	return o
 }
 
-// deadKeys returns the block keys of the events that o dead-letters; nil
-// if none.
-func (o *outcome) deadKeys(events []pendingEvent) map[string]bool {
-	if len(o.dead) == 0 {
-		return nil
+func (o *outcome) noteDead(bk string) {
+	if o.deadKeys == nil {
+		o.deadKeys = map[string]bool{}
 	}
-	ids := make(map[int64]bool, len(o.dead))
-	for _, d := range o.dead {
-		ids[d.id] = true
-	}
-	keys := make(map[string]bool, len(o.dead))
-	for i := range events {
-		if ids[events[i].id] {
-			keys[blockKey(&events[i])] = true
-		}
-	}
-	return keys
+	o.deadKeys[bk] = true
 }
 
 // graceOver reports whether event e's topic has given the refusal kind

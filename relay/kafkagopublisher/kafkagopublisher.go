@@ -10,6 +10,7 @@
 package kafkagopublisher
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -340,12 +341,12 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 			idx = idx[n:]
 			p.publishByPartition(ctx, w, topic, records, wave, errs)
 			for _, i := range wave {
-				// Any error but a too-large record stops the key: the
-				// relay retries unknown and forbidden topics, and an invalid
-				// record may be the whole batch's refusal and go through
-				// alone. A record too large is refused for its own size
-				// (BatchBytes bounds the batch) and is dead-lettered.
-				if errs[i] != nil && records[i].Key != nil && !errors.Is(errs[i], relay.ErrRecordTooLarge) {
+				// Any error stops the key: the relay retries unknown and
+				// forbidden topics, and an invalid record may be the
+				// whole batch's refusal and go through alone. Nor may a
+				// record too large, which the relay dead-letters, let
+				// its key's later records out before that is recorded.
+				if errs[i] != nil && records[i].Key != nil {
 					failedKeys[string(records[i].Key)] = true
 				}
 			}
@@ -416,10 +417,22 @@ func publishWave(ctx context.Context, w *kafka.Writer, records []relay.Record, i
 		case err == nil:
 			return
 		case errors.As(err, &tooLarge):
-			// Find the offender (kafka-go returns a copy), fail it, retry the rest.
+			// Find the offender (kafka-go returns a copy), fail it and
+			// its key's later records (the relay dead-letters it, and
+			// they must not be acknowledged before that is recorded:
+			// G3), retry the rest.
 			j := indexOf(msgs, tooLarge.Message)
 			errs[idx[j]] = classify(err)
-			idx = append(idx[:j:j], idx[j+1:]...)
+			key := records[idx[j]].Key
+			rest := idx[:j:j]
+			for _, i := range idx[j+1:] {
+				if key != nil && bytes.Equal(records[i].Key, key) {
+					errs[i] = errHeldBack
+					continue
+				}
+				rest = append(rest, i)
+			}
+			idx = rest
 		case errors.As(err, &perMessage) && len(perMessage) == len(idx):
 			for j, e := range perMessage {
 				errs[idx[j]] = classify(e)

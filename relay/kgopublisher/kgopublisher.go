@@ -6,6 +6,7 @@ package kgopublisher
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"slices"
@@ -70,6 +71,9 @@ type Publisher struct {
 	known sync.Map // topic → topicMeta
 	// partitioner is the client's, for Partition.
 	partitioner kgo.Partitioner
+	// maxBatchBytes is the client's ProducerBatchMaxBytes: a record that
+	// cannot fit a batch of its own is refused before the call produces.
+	maxBatchBytes int32
 }
 
 // topicMeta is what a metadata request said of a topic.
@@ -140,7 +144,8 @@ func New(brokers []string, cfg *Config) (*Publisher, error) {
 
 func newPublisher(cl *kgo.Client, owned bool) *Publisher {
 	part, _ := cl.OptValue(kgo.RecordPartitioner).(kgo.Partitioner)
-	return &Publisher{cl: cl, owned: owned, partitioner: part}
+	maxBytes, _ := cl.OptValue(kgo.ProducerBatchMaxBytes).(int32)
+	return &Publisher{cl: cl, owned: owned, partitioner: part, maxBatchBytes: maxBytes}
 }
 
 // NewFromClient publishes through a client you configured. Keep it
@@ -182,6 +187,7 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 			pending--
 		}
 	}
+	pending -= p.refuseOversized(records, errs, finished)
 	if pending == 0 {
 		return errs
 	}
@@ -263,6 +269,72 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 		}
 	}
 	return out
+}
+
+// refuseOversized fails, before anything of the call is produced, each
+// record that cannot fit a batch of its own (the client would refuse it for
+// its size), and its key's later records in the call, unsent: the client
+// refuses such a record on its own while it produces the next ones, so a
+// key's later record could be acknowledged in the same call, before the
+// relay has dead-lettered the refused one. Were that dead letter then lost
+// (the relay killed first) and the record accepted later (a larger limit),
+// it would reach Kafka after its key's later record (G3). It returns how
+// many records it failed.
+func (p *Publisher) refuseOversized(records []relay.Record, errs []error, finished []bool) int {
+	if p.maxBatchBytes <= 0 {
+		return 0
+	}
+	var refusedKeys map[string]bool
+	failed := 0
+	for i := range records {
+		if finished[i] {
+			continue
+		}
+		r := &records[i]
+		switch size := minBatchBytes(r); {
+		case r.Key != nil && refusedKeys[string(r.Key)]:
+			errs[i] = errHeldBack
+		case size > int(p.maxBatchBytes):
+			errs[i] = fmt.Errorf("%w: %w (a batch of it alone takes at least %d bytes; the client's limit is %d)",
+				relay.ErrRecordTooLarge, kerr.MessageTooLarge, size, p.maxBatchBytes)
+			if r.Key != nil {
+				if refusedKeys == nil {
+					refusedKeys = map[string]bool{}
+				}
+				refusedKeys[string(r.Key)] = true
+			}
+		default:
+			continue
+		}
+		finished[i] = true
+		failed++
+	}
+	return failed
+}
+
+// errHeldBack fails a record not sent because an earlier record of its key
+// in the call was refused.
+var errHeldBack = errors.New("kgopublisher: not sent: an earlier record of its key was refused")
+
+// minBatchBytes is the size of a record batch holding r alone, as franz-go
+// counts it against ProducerBatchMaxBytes at the least (the record batch
+// format's 61-byte header; a client that does not know the broker's produce
+// version yet counts more), so a record over the limit here is over it
+// there too.
+func minBatchBytes(r *relay.Record) int {
+	const batchHeader = 61
+	n := 1 + varintLen(0) + varintLen(0) + // attributes, timestamp and offset deltas
+		varintLen(len(r.Key)) + len(r.Key) + varintLen(len(r.Value)) + len(r.Value) + varintLen(len(r.Headers))
+	for _, h := range r.Headers {
+		n += varintLen(len(h.Key)) + len(h.Key) + varintLen(len(h.Value)) + len(h.Value)
+	}
+	return batchHeader + varintLen(n) + n
+}
+
+// varintLen is the length of n as a zigzag varint.
+func varintLen(n int) int {
+	var buf [binary.MaxVarintLen64]byte
+	return binary.PutVarint(buf[:], int64(n))
 }
 
 // call holds one Publish's records as the client sees them, for reuse by
