@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -217,4 +218,41 @@ func shortValues(values []string) []string {
 		}
 	}
 	return values
+}
+
+// callCounter counts Publish calls.
+type callCounter struct {
+	relay.Publisher
+	calls atomic.Int64
+}
+
+func (p *callCounter) Publish(ctx context.Context, records []relay.Record) []error {
+	p.calls.Add(1)
+	return p.Publisher.Publish(ctx, records)
+}
+
+// Holding a dead-lettered event's key back must not cost a round per
+// event when the key's later events are refused for good as well: a
+// key's events to a topic unknown past its grace are dead-lettered
+// together, in the round that refuses them (one dead letter, one
+// statement), not one a round.
+func TestAKeysEventsRefusedForGoodAreDeadLetteredInOneRound(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	const n = 200
+	msgs := make([]outbox.Message, n)
+	for i := range msgs {
+		msgs[i] = outbox.Message{Topic: "gone-" + b.schema, Key: []byte("K"), Value: []byte(fmt.Sprint(i))}
+	}
+	b.write(t, msgs...)
+	if _, err := b.pool.Exec(context.Background(), `UPDATE `+pgx.Identifier{b.schema, "outbox"}.Sanitize()+
+		` SET first_refused_at = now() - interval '1 hour', refused_kind = 1`); err != nil {
+		t.Fatal(err)
+	}
+	pub := &callCounter{Publisher: b.publisher(t)}
+	b.startRelayWith(t, b.pool, pub, relay.Config{})
+	waitFor(t, "the dead letters", 30*time.Second, func() bool { return b.count(t, "outbox_dead") == n })
+	if calls := pub.calls.Load(); calls > 3 {
+		t.Fatalf("%d events of one key to a topic unknown past its grace took %d publish calls to dead-letter", n, calls)
+	}
 }

@@ -857,7 +857,7 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 			continue
 		}
 		bk := blockKey(e)
-		if o.deadKeys[bk] {
+		if err != nil && o.deadKeys[bk] && !r.refusedForGood(e, err) {
 			// An earlier event of this key is dead-lettered in this
 			// call. This one must not go out (alone, below) before
 			// that is recorded: had the dead letter failed, the
@@ -865,12 +865,12 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 			// later (a topic's limit raised, say), published after
 			// it (G3). It stays pending, uncharged, for a round after
 			// the dead letter is recorded: the round waits for it.
-			// (Acknowledged in this very call, it is out already.)
-			if err != nil {
-				o.failed = append(o.failed, failedEvent{id: e.id, err: "held back behind its key's dead-lettered event", run: runKeep, inRun: e.refusedFor != nil})
-				o.failedKeys[bk] = true
-				continue
-			}
+			// (Acknowledged in this very call, it is out already;
+			// refused for good without a doubt, it is dead-lettered
+			// beside the earlier one.)
+			o.failed = append(o.failed, failedEvent{id: e.id, err: "held back behind its key's dead-lettered event", run: runKeep, inRun: e.refusedFor != nil})
+			o.failedKeys[bk] = true
+			continue
 		}
 		if err == nil {
 			// The publisher acknowledged a later event of a key whose
@@ -979,6 +979,20 @@ func (o *outcome) noteDead(bk string) {
 		o.deadKeys = map[string]bool{}
 	}
 	o.deadKeys[bk] = true
+}
+
+// refusedForGood reports whether err refuses event e for good without
+// publishing it again: an invalid topic name, or a topic unknown or
+// forbidden past its grace. (A record refused for its size or content is
+// published alone first to be sure.)
+func (r *Relay) refusedForGood(e *pendingEvent, err error) bool {
+	switch kind := classify(err); kind {
+	case topicInvalid:
+		return true
+	case unknownTopic, forbidden:
+		return r.graceOver(e, kind)
+	}
+	return false
 }
 
 // graceOver reports whether event e's topic has given the refusal kind
