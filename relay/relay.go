@@ -1419,11 +1419,13 @@ func (r *Relay) exclusions(now time.Time) (keys []keyBlock, ids []int64) {
 // events did not bring that event back and it is not in flight (inFlight):
 // published by another relay after its shard moved, not this relay's shard
 // any more, or beyond the round's size. The next claim reads the key from
-// its oldest pending event, as for any key.
+// its oldest pending event, as for any key. Keyless events' holds too:
+// kept, a hold on an event another relay published counted towards
+// MaxHeldKeys for good, and a ceiling raised over the cap never lifted.
 func (r *Relay) forgetLostRetries(now time.Time, events []pendingEvent, inFlight []int64) {
 	var found map[string]bool
 	for bk, k := range r.blocked {
-		if k.keyless || now.Before(k.retryAt) {
+		if now.Before(k.retryAt) {
 			continue
 		}
 		if found == nil {
