@@ -4,13 +4,16 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"runtime/debug"
+	"slices"
+	"strings"
 	"time"
 )
 
 // Headers added to every dead-letter record, beside the original headers
 // (message-id included), key and value.
 const (
-	// HeaderDLQError holds the last error's text.
+	// HeaderDLQError holds the last error's text (its first 8 KiB).
 	HeaderDLQError = "onceflow-error"
 	// HeaderDLQAttempts holds how many times the handler ran (0 when the
 	// message had no usable id).
@@ -24,6 +27,10 @@ const (
 	HeaderDLQOffset    = "onceflow-origin-offset"
 	// HeaderDLQTime holds when the message was dead-lettered (RFC 3339).
 	HeaderDLQTime = "onceflow-dead-at"
+	// HeaderDLQValueOmitted is set on a dead letter too large for its
+	// topic, published without the original's value: it holds the value's
+	// size in bytes. The origin headers say where the original lies.
+	HeaderDLQValueOmitted = "onceflow-value-omitted"
 )
 
 // DeadLetter is a record for the dead-letter topic, built by the Processor
@@ -53,7 +60,7 @@ func (p *Processor) newDeadLetter(msg Message, attempts int, err error) DeadLett
 		hs = append(hs, h)
 	}
 	hs = append(hs,
-		Header{HeaderDLQError, []byte(err.Error())},
+		Header{HeaderDLQError, []byte(errorText(err))},
 		Header{HeaderDLQAttempts, itoa(int64(attempts))},
 		Header{HeaderDLQConsumer, []byte(p.name)},
 		Header{HeaderDLQTopic, []byte(msg.Topic)},
@@ -62,7 +69,7 @@ func (p *Processor) newDeadLetter(msg Message, attempts int, err error) DeadLett
 		Header{HeaderDLQTime, []byte(time.Now().UTC().Format(time.RFC3339Nano))},
 	)
 	return DeadLetter{
-		Topic:    p.cfg.DeadLetterTopic(msg),
+		Topic:    p.deadLetterTopic(msg),
 		Key:      msg.Key,
 		Value:    msg.Value,
 		Headers:  hs,
@@ -70,6 +77,57 @@ func (p *Processor) newDeadLetter(msg Message, attempts int, err error) DeadLett
 		Err:      err,
 		Attempts: attempts,
 	}
+}
+
+// maxErrorHeader bounds HeaderDLQError: a handler's error may carry a
+// whole payload, and a dead letter must fit its topic.
+const maxErrorHeader = 8 << 10
+
+func errorText(err error) string {
+	s := err.Error()
+	if len(s) <= maxErrorHeader {
+		return s
+	}
+	return strings.ToValidUTF8(s[:maxErrorHeader], "") + "... (cut at 8 KiB)"
+}
+
+// shrinkDeadLetter returns d smaller, and what it left out: first the
+// original's value (HeaderDLQValueOmitted holds its size), then the
+// original's headers but its message id. "" when nothing is left to drop.
+// A message near its topic's size limit gains the dead letter's headers,
+// and a dead-letter topic may take less than the consumed one: blocking
+// the partition until an operator noticed would break G6, and the origin
+// headers say where the original still lies.
+func shrinkDeadLetter(d DeadLetter) (DeadLetter, string) {
+	if d.Value != nil {
+		d.Value = nil
+		d.Headers = append(slices.Clip(d.Headers), Header{HeaderDLQValueOmitted, itoa(int64(len(d.Message.Value)))})
+		return d, "value"
+	}
+	kept := make([]Header, 0, len(d.Headers))
+	for _, h := range d.Headers {
+		if h.Key == MessageIDHeader || strings.HasPrefix(h.Key, "onceflow-") {
+			kept = append(kept, h)
+		}
+	}
+	if len(kept) == len(d.Headers) {
+		return d, ""
+	}
+	d.Headers = kept
+	return d, "headers"
+}
+
+// deadLetterTopic is Config.DeadLetterTopic's answer for msg, or the
+// default "<topic>.dlq" if it panics: the message must still go somewhere.
+func (p *Processor) deadLetterTopic(msg Message) (topic string) {
+	defer func() {
+		if r := recover(); r != nil {
+			topic = msg.Topic + ".dlq"
+			p.log.Error("consumer: Config.DeadLetterTopic panicked; the message goes to the default dead-letter topic",
+				"topic", msg.Topic, "partition", msg.Partition, "offset", msg.Offset, "dlq", topic, "panic", r, "stack", string(debug.Stack()))
+		}
+	}()
+	return p.cfg.DeadLetterTopic(msg)
 }
 
 // deadLetter publishes msg to the dead-letter topic, retrying the publish
@@ -88,6 +146,15 @@ func (p *Processor) deadLetter(ctx context.Context, stop <-chan struct{}, msg Me
 		}
 		if ctx.Err() != nil {
 			return errAbandoned
+		}
+		if errors.Is(err, ErrDeadLetterTooLarge) {
+			if smaller, what := shrinkDeadLetter(rec); what != "" {
+				p.log.LogAttrs(ctx, slog.LevelError, "consumer: dead letter too large for its topic; publishing it without the original's "+what,
+					slog.String("dlq", rec.Topic), slog.String("topic", msg.Topic), slog.Int("partition", int(msg.Partition)),
+					slog.Int64("offset", msg.Offset), slog.String("message_id", msg.ID), slog.Int("value_bytes", len(msg.Value)), slog.Any("error", err))
+				rec = smaller
+				continue
+			}
 		}
 		wait := bo.NextBackOff()
 		missing := errors.Is(err, ErrDeadLetterTopicMissing)

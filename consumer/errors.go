@@ -47,3 +47,12 @@ func (e *PanicError) Error() string { return fmt.Sprintf("handler panicked: %v",
 // HookDeadLetterFailed, and the adapters' StopOnMissingDeadLetterTopic makes
 // Run return an error wrapping this instead.
 var ErrDeadLetterTopicMissing = errors.New("dead-letter topic does not exist")
+
+// ErrDeadLetterTooLarge is wrapped by a Transport's PublishDeadLetter error
+// when the client or the broker refuses the dead letter for its size (the
+// dead-letter topic's max.message.bytes, or the headers added to a record
+// near the limit). The Processor then publishes it without the original's
+// value (HeaderDLQValueOmitted), and, still too large, without the
+// original's headers but its message id, rather than stop the partition
+// for good.
+var ErrDeadLetterTooLarge = errors.New("dead letter too large for its topic")

@@ -226,8 +226,17 @@ func (p *Processor) retryAfter(ctx context.Context, stop <-chan struct{}, msg Me
 	return sleep(ctx, stop, wait)
 }
 
-func (p *Processor) messageID(msg Message) (string, error) {
-	id, err := p.cfg.MessageID(msg)
+func (p *Processor) messageID(msg Message) (id string, err error) {
+	// Config.MessageID may parse the payload: a poison message that makes
+	// it panic would otherwise kill the process on every redelivery (G6).
+	defer func() {
+		if r := recover(); r != nil {
+			id, err = "", fmt.Errorf("%w: Config.MessageID panicked: %v", ErrNoMessageID, r)
+			p.log.Error("consumer: Config.MessageID panicked; the message is dead-lettered",
+				"topic", msg.Topic, "partition", msg.Partition, "offset", msg.Offset, "panic", r, "stack", string(debug.Stack()))
+		}
+	}()
+	id, err = p.cfg.MessageID(msg)
 	if err != nil {
 		if !errors.Is(err, ErrNoMessageID) {
 			err = fmt.Errorf("%w: %w", ErrNoMessageID, err)

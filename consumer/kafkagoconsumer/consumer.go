@@ -475,6 +475,8 @@ func (t *transport) PublishDeadLetter(ctx context.Context, d consumer.DeadLetter
 			t.c.fail(err)
 		}
 		return err
+	case tooLarge(err):
+		return fmt.Errorf("kafkagoconsumer: publish dead letter to %s: %w: %w", d.Topic, consumer.ErrDeadLetterTooLarge, err)
 	default:
 		return fmt.Errorf("kafkagoconsumer: publish dead letter to %s: %w", d.Topic, err)
 	}
@@ -490,6 +492,30 @@ func unknownTopic(err error) bool {
 	if errors.As(err, &we) {
 		for _, e := range we {
 			if e != nil && errors.Is(e, kafka.UnknownTopicOrPartition) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// tooLarge reports whether err refuses a message for its size: the
+// writer's own limit (BatchBytes) or the broker's.
+func tooLarge(err error) bool {
+	var client kafka.MessageTooLargeError
+	if errors.As(err, &client) {
+		return true
+	}
+	is := func(e error) bool {
+		return errors.Is(e, kafka.MessageSizeTooLarge) || errors.Is(e, kafka.RecordListTooLarge)
+	}
+	if is(err) {
+		return true
+	}
+	var we kafka.WriteErrors
+	if errors.As(err, &we) {
+		for _, e := range we {
+			if e != nil && is(e) {
 				return true
 			}
 		}

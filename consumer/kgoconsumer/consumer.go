@@ -373,6 +373,8 @@ func (t *transport) PublishDeadLetter(ctx context.Context, d consumer.DeadLetter
 			t.c.fail(err)
 		}
 		return err
+	case errors.Is(err, kerr.MessageTooLarge), errors.Is(err, kerr.RecordListTooLarge):
+		return fmt.Errorf("kgoconsumer: publish dead letter to %s: %w: %w", d.Topic, consumer.ErrDeadLetterTooLarge, err)
 	default:
 		return fmt.Errorf("kgoconsumer: publish dead letter to %s: %w", d.Topic, err)
 	}

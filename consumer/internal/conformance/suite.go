@@ -2,6 +2,7 @@ package conformance
 
 import (
 	"context"
+	"crypto/rand"
 	"errors"
 	"log/slog"
 	"strconv"
@@ -21,6 +22,7 @@ func Run(t *testing.T, a Adapter) {
 	t.Run("RedeliveryAndRepublishHaveOneEffect", func(t *testing.T) { testDedup(t, a) })
 	t.Run("DeadLetters", func(t *testing.T) { testDeadLetters(t, a) })
 	t.Run("MissingDeadLetterTopic", func(t *testing.T) { testMissingDeadLetterTopic(t, a) })
+	t.Run("DeadLetterTooLargeForItsTopic", func(t *testing.T) { testDeadLetterTooLarge(t, a) })
 	t.Run("InOrder", func(t *testing.T) { testMode(t, a, "in-order") })
 	t.Run("KeyParallel", func(t *testing.T) { testMode(t, a, "key-parallel") })
 	t.Run("Batch", func(t *testing.T) { testMode(t, a, "batch") })
@@ -330,6 +332,50 @@ func (h *errorLog) Handle(_ context.Context, r slog.Record) error {
 }
 func (h *errorLog) WithAttrs([]slog.Attr) slog.Handler { return h }
 func (h *errorLog) WithGroup(string) slog.Handler      { return h }
+
+// testDeadLetterTooLarge: a message the dead-letter topic cannot take (its
+// max.message.bytes is smaller than the consumed topic's, or the dead
+// letter's headers tip it over) must not stop its partition for good (G6):
+// it is dead-lettered without its value, which a header measures, and the
+// origin headers say where the original lies; the partition moves on.
+func testDeadLetterTooLarge(t *testing.T, a Adapter) {
+	e := setup(t, a)
+	topic := e.k.Topic(t, 1)
+	limit := "100000"
+	e.k.CreateTopic(t, topic+".dlq", 1, map[string]*string{"max.message.bytes": &limit})
+	big := make([]byte, 150_000)
+	_, _ = rand.Read(big) // no codec takes it under the limit
+	e.produce(t, topic, rec{id: "big", value: string(big)}, rec{id: "id-0", value: "ok"})
+	p, err := consumer.New(e.pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		if len(m.Value) > 1000 {
+			return consumer.Permanent(errors.New("too big to handle"))
+		}
+		return e.handler("ledger")(ctx, tx, m)
+	}, &consumer.Config{Schema: e.schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := e.startWith(t, p, Options{}, "g", topic)
+	e.waitCommitted(t, "g", topic, 60*time.Second)
+	if err := r.stop(); err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	e.exactlyOnce(t, "ledger", 1)
+	dead := e.k.ReadAll(t, topic+".dlq", 1, 20*time.Second)
+	if len(dead) != 1 {
+		t.Fatalf("dead letters = %d, want 1", len(dead))
+	}
+	h := map[string]string{}
+	for _, x := range dead[0].Headers {
+		h[x.Key] = string(x.Value)
+	}
+	if len(dead[0].Value) != 0 || h[consumer.HeaderDLQValueOmitted] != "150000" {
+		t.Errorf("dead letter of %d value bytes, %s %q; want none, and the original's size", len(dead[0].Value), consumer.HeaderDLQValueOmitted, h[consumer.HeaderDLQValueOmitted])
+	}
+	if h[consumer.MessageIDHeader] != "big" || h[consumer.HeaderDLQTopic] != topic || h[consumer.HeaderDLQOffset] != "0" || h[consumer.HeaderDLQError] != "permanent: too big to handle" {
+		t.Errorf("dead letter's headers %v, want its id, origin and error", h)
+	}
+}
 
 // testMissingDeadLetterTopic: the dead-letter topic does not exist (and
 // the broker does not create topics). The partition waits, loudly: an
