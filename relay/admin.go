@@ -40,7 +40,7 @@ func ListDead(ctx context.Context, db Querier, schema string, limit int) ([]Dead
 		return nil, fmt.Errorf("relay: %w", err)
 	}
 	rows, err := db.Query(ctx, `SELECT `+deadColumns+`
-FROM `+pgx.Identifier{schema, "outbox_dead"}.Sanitize()+` ORDER BY id LIMIT $1`, limit)
+FROM `+pgx.Identifier{schema, "outbox_dead"}.Sanitize()+` ORDER BY `+deadOrder+` LIMIT $1`, limit)
 	if err != nil {
 		return nil, fmt.Errorf("relay: list dead events: %w", err)
 	}
@@ -55,6 +55,12 @@ FROM `+pgx.Identifier{schema, "outbox_dead"}.Sanitize()+` ORDER BY id LIMIT $1`,
 	}
 	return out, rows.Err()
 }
+
+// deadOrder is the order of dead events: when they died, and within one
+// statement their write order. (Before the dead-letter statement inserted
+// in outbox id order, the ids of one statement's dead letters followed the
+// table's order, not the write order.)
+const deadOrder = `dead_at, outbox_id, id`
 
 const deadColumns = `id, outbox_id, event_id::text, topic, key, value, headers, created_at, error, attempts, dead_at`
 
@@ -80,10 +86,10 @@ func ReplayDead(ctx context.Context, db Querier, schema string, ids []int64) (in
 		return 0, fmt.Errorf("relay: replay dead events: no ids given (nil means all)")
 	}
 	outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
-	rows, err := db.Query(ctx, deadTake(schema, "id, event_id, topic, key, value, headers, created_at")+`,
+	rows, err := db.Query(ctx, deadTake(schema, "id, outbox_id, dead_at, event_id, topic, key, value, headers, created_at")+`,
 ins AS (
     INSERT INTO `+outbox+` (event_id, topic, key, value, headers, created_at)
-    SELECT event_id, topic, key, value, headers, created_at FROM taken ORDER BY id
+    SELECT event_id, topic, key, value, headers, created_at FROM taken ORDER BY `+deadOrder+`
     RETURNING 1)
 SELECT taken.id FROM taken`, ids)
 	if err != nil {
@@ -107,7 +113,7 @@ func DiscardDead(ctx context.Context, db Querier, schema string, ids []int64) ([
 		return nil, fmt.Errorf("relay: discard dead events: no ids given")
 	}
 	rows, err := db.Query(ctx, deadTake(schema, deadColumns)+`
-SELECT `+deadColumns+` FROM taken ORDER BY id`, ids)
+SELECT `+deadColumns+` FROM taken ORDER BY `+deadOrder, ids)
 	if err != nil {
 		return nil, fmt.Errorf("relay: discard dead events: %w", err)
 	}

@@ -256,3 +256,71 @@ func TestAKeysEventsRefusedForGoodAreDeadLetteredInOneRound(t *testing.T) {
 		t.Fatalf("%d events of one key to a topic unknown past its grace took %d publish calls to dead-letter", n, calls)
 	}
 }
+
+// Dead letters keep their key's order: a round's events dead-lettered
+// together are listed, and replayed, in write order, also when the first
+// one's row was rewritten (its retries) and lies after the others in the
+// table (the statement that moves them reads it in table order). A
+// replay that put a key's first event behind its later one would publish
+// them out of order (G3).
+func TestDeadLettersListAndReplayInWriteOrder(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	missing := "missing-" + b.schema
+	var msgs []outbox.Message
+	for i := range 4 {
+		msgs = append(msgs, outbox.Message{Topic: missing, Key: []byte("K"), Value: []byte(fmt.Sprint(i))})
+	}
+	b.write(t, msgs...)
+	outboxT := pgx.Identifier{b.schema, "outbox"}.Sanitize()
+	// The first event's retries rewrote its row, past the others'.
+	for range 3 {
+		if _, err := b.pool.Exec(ctx, `UPDATE `+outboxT+` SET attempts = attempts + 1 WHERE value = '0'`); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := b.pool.Exec(ctx, `UPDATE `+outboxT+` SET first_refused_at = now() - interval '1 hour', refused_kind = 1`); err != nil {
+		t.Fatal(err)
+	}
+	var physical []string
+	rows, err := b.pool.Query(ctx, `SELECT convert_from(value, 'UTF8') FROM `+outboxT+` ORDER BY ctid`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if physical, err = pgx.CollectRows(rows, pgx.RowTo[string]); err != nil {
+		t.Fatal(err)
+	}
+	if physical[0] == "0" {
+		t.Fatalf("table order %v: the first event's row is still first; the test proves nothing", physical)
+	}
+	_, stop := b.startRelay(t, relay.Config{})
+	waitFor(t, "the dead letters", 30*time.Second, func() bool { return b.count(t, "outbox_dead") == len(msgs) })
+	stop()
+	dead, err := relay.ListDead(ctx, b.pool, b.schema, 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var listed []string
+	for _, d := range dead {
+		listed = append(listed, string(d.Value))
+	}
+	if !slices.Equal(listed, []string{"0", "1", "2", "3"}) {
+		t.Fatalf("dead letters listed %v (table order %v), want write order", listed, physical)
+	}
+	b.kafka.CreateTopic(t, missing, 1, nil)
+	if n, err := relay.ReplayDead(ctx, b.pool, b.schema, nil); err != nil || n != len(msgs) {
+		t.Fatalf("replay: %d, %v", n, err)
+	}
+	rows, err = b.pool.Query(ctx, `SELECT convert_from(value, 'UTF8') FROM `+outboxT+` ORDER BY id`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	replayed, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(replayed, []string{"0", "1", "2", "3"}) {
+		t.Fatalf("replayed in id order %v, want write order", replayed)
+	}
+}

@@ -10,6 +10,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceflow/onceflow/migrations"
 )
 
 // ErrPreparedStatementsLost is returned by Run (wrapping the database error
@@ -109,5 +111,37 @@ func (r *Relay) noteDBError(err error) {
 		}
 	case isStatementLoss(err):
 		r.log.Warn("relay: a prepared statement was missing on its connection (did another user of the pool run DISCARD ALL or DEALLOCATE?); prepared again", "error", err)
+	case isSchemaError(err):
+		r.recheckSchema()
 	}
+}
+
+// isSchemaError reports whether err says a table, column, schema or
+// function is missing: the schema changed under the relay (migrated down,
+// dropped), not a database away.
+func isSchemaError(err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		return false
+	}
+	switch pgErr.Code {
+	case "42P01", "42703", "3F000", "42883": // undefined table, column, schema, function
+		return true
+	}
+	return false
+}
+
+// recheckSchema stops the run, as its start would have, if the schema now
+// lacks a migration this relay needs: every statement would fail for good
+// while the probes said ready.
+func (r *Relay) recheckSchema() {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	err := migrations.Check(ctx, r.pool, r.cfg.Schema)
+	var missing *migrations.MissingError
+	if !errors.As(err, &missing) {
+		return
+	}
+	r.log.Error("relay: stopping: the schema was changed under the running relay", "error", err)
+	r.stopRun(fmt.Errorf("relay: the schema changed while the relay ran: %w", err))
 }

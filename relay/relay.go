@@ -212,7 +212,8 @@ func (r *Relay) Run(ctx context.Context) error {
 	}
 	r.log.Info("relay started", "schema", r.cfg.Schema)
 	// The lease loop ends the run if another process takes this
-	// relay's instance id.
+	// relay's instance id; noteDBError if a pooler loses its prepared
+	// statements or the schema loses a migration under the relay.
 	ctx, r.stopRun = context.WithCancelCause(ctx)
 	defer r.stopRun(nil)
 
@@ -233,7 +234,8 @@ func (r *Relay) Run(ctx context.Context) error {
 		return inUse
 	}
 	var stopErr error
-	if cause := context.Cause(ctx); errors.Is(cause, ErrPreparedStatementsLost) {
+	var missing *migrations.MissingError
+	if cause := context.Cause(ctx); errors.Is(cause, ErrPreparedStatementsLost) || errors.As(cause, &missing) {
 		stopErr = cause
 	}
 	r.handBack()

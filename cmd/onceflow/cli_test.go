@@ -39,6 +39,12 @@ func TestBadInputIsAUsageError(t *testing.T) {
 		"replay bad id":    {"dead", "replay", "--database-url", url, "--ids", "x"},
 		"schema too long":  {"status", "--database-url", url, "--schema", strings.Repeat("s", 64)},
 	}
+	// An explicit zero is not taken for "the default": each would mean
+	// something else (dead-letter at once, never wait) or nothing.
+	for _, flag := range []string{"--batch-size", "--batch-bytes", "--probe-interval", "--poll-interval", "--lease-duration",
+		"--unknown-topic-grace", "--topic-forbidden-grace", "--publish-timeout"} {
+		cases["relay "+flag+" 0"] = []string{"relay", "--database-url", url, "--brokers", "127.0.0.1:1", flag, "0"}
+	}
 	for name, args := range cases {
 		if _, err := runCLI(t, args...); !errors.Is(err, errUsage) {
 			t.Errorf("%s: err = %v, want a usage error", name, err)

@@ -59,6 +59,26 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	if *maxHeldKeys < 1 {
 		return fmt.Errorf("%w: --max-held-keys: %d is not positive", errUsage, *maxHeldKeys)
 	}
+	// relay.Config takes a zero for "the default": on the command line an
+	// explicit 0 is more likely meant as "at once" or "none", which it is
+	// not, so it is refused.
+	for _, f := range []struct {
+		name string
+		n    int64
+	}{{"batch-size", int64(*batchSize)}, {"batch-bytes", int64(*batchBytes)}} {
+		if f.n < 1 {
+			return fmt.Errorf("%w: --%s: %d is not positive", errUsage, f.name, f.n)
+		}
+	}
+	for _, f := range []struct {
+		name string
+		d    time.Duration
+	}{{"probe-interval", *probe}, {"poll-interval", *poll}, {"lease-duration", *lease}, {"unknown-topic-grace", *grace},
+		{"topic-forbidden-grace", *forbiddenGrace}, {"publish-timeout", *publishTimeout}} {
+		if f.d <= 0 {
+			return fmt.Errorf("%w: --%s: %s is not positive", errUsage, f.name, f.d)
+		}
+	}
 	if err := kf.check(); err != nil {
 		return fmt.Errorf("%w: %v", errUsage, err)
 	}
