@@ -51,8 +51,7 @@ type DeadLetter struct {
 func (p *Processor) newDeadLetter(msg Message, attempts int, err error) DeadLetter {
 	hs := make([]Header, 0, len(msg.Headers)+7)
 	for _, h := range msg.Headers {
-		switch h.Key {
-		case HeaderDLQError, HeaderDLQAttempts, HeaderDLQConsumer, HeaderDLQTopic, HeaderDLQPartition, HeaderDLQOffset, HeaderDLQTime:
+		if slices.Contains(deadLetterHeaders, h.Key) {
 			// A message dead-lettered twice (replayed from a DLQ) reports
 			// its latest failure only.
 			continue
@@ -93,29 +92,39 @@ func errorText(err error) string {
 
 // shrinkDeadLetter returns d smaller, and what it left out: first the
 // original's value (HeaderDLQValueOmitted holds its size), then the
-// original's headers but its message id. "" when nothing is left to drop.
-// A message near its topic's size limit gains the dead letter's headers,
-// and a dead-letter topic may take less than the consumed one: blocking
-// the partition until an operator noticed would break G6, and the origin
-// headers say where the original still lies.
+// original's headers but its message id, then its key. "" when nothing is
+// left to drop. A message near its topic's size limit gains the dead
+// letter's headers, and a dead-letter topic may take less than the
+// consumed one: blocking the partition until an operator noticed would
+// break G6, and the origin headers say where the original still lies.
+// The value left out is empty, not null: a null value is a tombstone,
+// which a compacted topic deletes along with the key's earlier records.
 func shrinkDeadLetter(d DeadLetter) (DeadLetter, string) {
-	if d.Value != nil {
-		d.Value = nil
+	if len(d.Value) > 0 {
+		d.Value = []byte{}
 		d.Headers = append(slices.Clip(d.Headers), Header{HeaderDLQValueOmitted, itoa(int64(len(d.Message.Value)))})
 		return d, "value"
 	}
 	kept := make([]Header, 0, len(d.Headers))
 	for _, h := range d.Headers {
-		if h.Key == MessageIDHeader || strings.HasPrefix(h.Key, "onceflow-") {
+		if h.Key == MessageIDHeader || slices.Contains(deadLetterHeaders, h.Key) {
 			kept = append(kept, h)
 		}
 	}
-	if len(kept) == len(d.Headers) {
-		return d, ""
+	if len(kept) < len(d.Headers) {
+		d.Headers = kept
+		return d, "headers"
 	}
-	d.Headers = kept
-	return d, "headers"
+	if d.Key != nil {
+		d.Key = nil
+		return d, "key"
+	}
+	return d, ""
 }
+
+// deadLetterHeaders are the headers newDeadLetter and shrinkDeadLetter add.
+var deadLetterHeaders = []string{HeaderDLQError, HeaderDLQAttempts, HeaderDLQConsumer, HeaderDLQTopic,
+	HeaderDLQPartition, HeaderDLQOffset, HeaderDLQTime, HeaderDLQValueOmitted}
 
 // deadLetterTopic is Config.DeadLetterTopic's answer for msg, or the
 // default "<topic>.dlq" if it panics: the message must still go somewhere.

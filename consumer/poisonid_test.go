@@ -120,8 +120,10 @@ func (s *sizeLimitedTransport) PublishDeadLetter(ctx context.Context, d consumer
 }
 
 // A dead letter its topic refuses for its size goes out without the
-// original's value, then without the original's headers but its message
-// id, rather than stop the partition for good (G6); a long error is cut.
+// original's value (empty, not null: a null value is a tombstone on a
+// compacted topic), then without the original's headers but its message
+// id (an "onceflow-" header of the original's too), then without its key,
+// rather than stop the partition for good (G6); a long error is cut.
 func TestADeadLetterTooLargeForItsTopicGoesOutSmaller(t *testing.T) {
 	b := setup(t)
 	p, err := consumer.New(b.pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
@@ -133,11 +135,13 @@ func TestADeadLetterTooLargeForItsTopicGoesOutSmaller(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	big := msg(0, "id-0", "k")
+	key := strings.Repeat("k", 20_000)
+	big := msg(0, "id-0", key)
 	big.Value = bytes.Repeat([]byte("v"), 500)
-	big.Headers = append(big.Headers, consumer.Header{Key: "trace", Value: bytes.Repeat([]byte("t"), 20_000)})
+	big.Headers = append(big.Headers, consumer.Header{Key: "trace", Value: bytes.Repeat([]byte("t"), 20_000)},
+		consumer.Header{Key: "onceflow-bad-headers", Value: bytes.Repeat([]byte("b"), 20_000)})
 	tr := &sizeLimitedTransport{limit: 12_000}
-	w := start(t, p, tr, big, msg(1, "id-1", "k"))
+	w := start(t, p, tr, big, msg(1, "id-1", key))
 	defer w.Stop(context.Background())
 	waitFor(t, 30*time.Second, "offset 1 marked done", func() bool { return tr.lastMark() == 1 })
 	dead := tr.deadLetters()
@@ -148,9 +152,10 @@ func TestADeadLetterTooLargeForItsTopicGoesOutSmaller(t *testing.T) {
 	for _, x := range dead[0].Headers {
 		h[x.Key] = string(x.Value)
 	}
-	if dead[0].Value != nil || h[consumer.HeaderDLQValueOmitted] != "500" || h["trace"] != "" || h[consumer.MessageIDHeader] != "id-0" || string(dead[0].Key) != "k" {
-		t.Fatalf("dead letter: value %d bytes, headers %d, omitted %q, id %q, key %q; want no value or trace header, its size, id and key",
-			len(dead[0].Value), len(dead[0].Headers), h[consumer.HeaderDLQValueOmitted], h[consumer.MessageIDHeader], dead[0].Key)
+	if dead[0].Value == nil || len(dead[0].Value) != 0 || h[consumer.HeaderDLQValueOmitted] != "500" || h["trace"] != "" || h["onceflow-bad-headers"] != "" ||
+		h[consumer.MessageIDHeader] != "id-0" || dead[0].Key != nil || h[consumer.HeaderDLQTopic] != "orders" {
+		t.Fatalf("dead letter: value %d bytes (nil %v), headers %d, omitted %q, id %q, key of %d bytes; want an empty value, no original header but its id, the value's size, no key",
+			len(dead[0].Value), dead[0].Value == nil, len(dead[0].Headers), h[consumer.HeaderDLQValueOmitted], h[consumer.MessageIDHeader], len(dead[0].Key))
 	}
 	if e := h[consumer.HeaderDLQError]; len(e) > 8<<10+32 || !strings.HasPrefix(e, "permanent: a very long reason") {
 		t.Fatalf("error header of %d bytes, want the reason's first 8 KiB", len(e))

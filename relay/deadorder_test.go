@@ -3,6 +3,7 @@ package relay_test
 import (
 	"context"
 	"crypto/rand"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -23,8 +24,9 @@ import (
 // values it acknowledged, in the order their calls returned.
 type recordingPublisher struct {
 	relay.Publisher
-	mu    sync.Mutex
-	acked []string
+	mu      sync.Mutex
+	acked   []string
+	notSent atomic.Int64 // records failed with relay.ErrNotSent
 }
 
 func (p *recordingPublisher) Publish(ctx context.Context, records []relay.Record) []error {
@@ -34,6 +36,9 @@ func (p *recordingPublisher) Publish(ctx context.Context, records []relay.Record
 	for i, err := range errs {
 		if err == nil {
 			p.acked = append(p.acked, string(records[i].Value))
+		}
+		if errors.Is(err, relay.ErrNotSent) {
+			p.notSent.Add(1)
 		}
 	}
 	return errs
@@ -322,5 +327,58 @@ func TestDeadLettersListAndReplayInWriteOrder(t *testing.T) {
 	}
 	if !slices.Equal(replayed, []string{"0", "1", "2", "3"}) {
 		t.Fatalf("replayed in id order %v, want write order", replayed)
+	}
+}
+
+// batchWatch keeps the most failed events and sick partitions any round
+// reported.
+type batchWatch struct {
+	mu           sync.Mutex
+	failed, sick int
+}
+
+func (w *batchWatch) ObserveBatch(s relay.BatchStats) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.failed, w.sick = max(w.failed, s.Failed), max(w.sick, s.SickPartitions)
+}
+
+func (w *batchWatch) ObserveShards(int) {}
+
+// A record near the client's size limit goes out, but the publisher holds
+// its key's later record of the call (relay.ErrNotSent), in case the
+// client refuses it. The relay reads that one again in the next round: not
+// a failure, its partition not taken for sick, no backoff.
+func TestARecordHeldBehindOneNearTheLimitGoesOutNext(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	topic := b.kafka.Topic(t, 1)
+	b.write(t,
+		outbox.Message{Topic: topic, Key: []byte("K"), Value: incompressible("first", 3925)},
+		outbox.Message{Topic: topic, Key: []byte("K"), Value: []byte("second")},
+		outbox.Message{Topic: topic, Key: []byte("other"), Value: []byte("other")},
+	)
+	pub, err := kgopublisher.New(b.kafka.Brokers, &kgopublisher.Config{MaxRecordBytes: 4096})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec := &recordingPublisher{Publisher: pub}
+	watch := &batchWatch{}
+	b.startRelayWith(t, b.pool, rec, relay.Config{Observer: watch})
+	waitFor(t, "the outbox to drain", 10*time.Second, func() bool { return b.count(t, "outbox") == 0 })
+	first := slices.DeleteFunc(shortValues(firstPublications(rec.ackedValues())), func(v string) bool { return v == "other" })
+	if !slices.Equal(first, []string{"first", "second"}) {
+		t.Fatalf("first published %v, want first then second", first)
+	}
+	watch.mu.Lock()
+	defer watch.mu.Unlock()
+	if watch.failed > 0 || watch.sick > 0 {
+		t.Fatalf("a record held behind one near the limit counted as %d failed, %d sick partitions", watch.failed, watch.sick)
+	}
+	if rec.notSent.Load() == 0 {
+		t.Fatal("the publisher never held the later record back; the test proves nothing")
+	}
+	if b.count(t, "outbox_dead") != 0 {
+		t.Fatal("dead-lettered")
 	}
 }

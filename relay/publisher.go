@@ -26,8 +26,8 @@ type Header struct {
 // the record was acknowledged. Records with the same key must be sent in
 // slice order and land in one partition (murmur2, as the Java client does).
 // Once a record fails, refused for good included, its key's later records
-// in the call must not be acknowledged: fail them unsent with a passing
-// error (relaytest.RunPublisherConformance checks both).
+// in the call must not be acknowledged: fail them unsent, wrapping
+// ErrNotSent (relaytest.RunPublisherConformance checks both).
 // A publisher marks refusals by wrapping ErrRecordTooLarge, ErrTopicInvalid,
 // ErrTopicForbidden, ErrRecordInvalid or ErrUnknownTopic; any other error is taken as passing
 // (a broker outage) and the record is retried. Publish must return when ctx
@@ -86,6 +86,11 @@ var (
 	// record on a compacted topic). Published alone to find the offender
 	// (the broker fails the whole batch), then dead-lettered.
 	ErrRecordInvalid = errors.New("record invalid")
+	// ErrNotSent: the publisher did not send the record, to keep its key's
+	// order: an earlier record of its key in the call failed, or may yet
+	// be refused (one near the size limit). The relay reads it again in a
+	// later round, uncharged and without backoff.
+	ErrNotSent = errors.New("not sent")
 )
 
 // refusal classifies a publish error.

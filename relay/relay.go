@@ -859,18 +859,19 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 			continue
 		}
 		bk := blockKey(e)
-		if err != nil && o.deadKeys[bk] && !r.refusedForGood(e, err) {
+		if err != nil && (o.deadKeys[bk] && !r.refusedForGood(e, err) || errors.Is(err, ErrNotSent) && !o.failedKeys[bk]) {
 			// An earlier event of this key is dead-lettered in this
 			// call. This one must not go out (alone, below) before
 			// that is recorded: had the dead letter failed, the
 			// earlier event would still be pending and, accepted
 			// later (a topic's limit raised, say), published after
-			// it (G3). It stays pending, uncharged, for a round after
-			// the dead letter is recorded: the round waits for it.
-			// (Acknowledged in this very call, it is out already;
-			// refused for good without a doubt, it is dead-lettered
-			// beside the earlier one.)
-			o.failed = append(o.failed, failedEvent{id: e.id, err: "held back behind its key's dead-lettered event", run: runKeep, inRun: e.refusedFor != nil})
+			// it (G3). (Acknowledged in this very call, it is out
+			// already; refused for good without a doubt, it is
+			// dead-lettered beside the earlier one.) Or the
+			// publisher did not send it behind its key's earlier
+			// record, which went out. Either way it stays pending,
+			// untouched and unblocked, for a later round (one after
+			// the dead letter is recorded: the round waits for it).
 			o.failedKeys[bk] = true
 			continue
 		}
@@ -928,7 +929,7 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 				continue
 			}
 			notSent := isPartitionError(err)
-			timedOut := deadline && kind == retriable && !errors.Is(err, errHeldBack) && !notSent
+			timedOut := deadline && kind == retriable && !errors.Is(err, errHeldBack) && !errors.Is(err, ErrNotSent) && !notSent
 			msg := err.Error()
 			if notSent {
 				o.held++
@@ -943,7 +944,7 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 			}
 			run := runReset
 			switch {
-			case errors.Is(err, errHeldBack), notSent:
+			case errors.Is(err, errHeldBack), errors.Is(err, ErrNotSent), notSent:
 				run = runKeep
 			case kind == unknownTopic:
 				run = runUnknownTopic
@@ -965,7 +966,7 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 				// a passing error) marks its partition sick: the key is
 				// then retried beside the rounds, as its probe.
 				sick := notSent
-				if kind == retriable && !notSent && !errors.Is(err, errHeldBack) {
+				if kind == retriable && !notSent && !errors.Is(err, errHeldBack) && !errors.Is(err, ErrNotSent) {
 					sick = r.markSick(e, bk, err)
 				}
 				r.block(bk, e, timedOut || sick, sick && r.isProbe(e, bk))

@@ -357,7 +357,7 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 
 // errHeldBack fails a record not sent because an earlier record of its key
 // failed.
-var errHeldBack = errors.New("kafkagopublisher: not sent: an earlier record of its key failed")
+var errHeldBack = fmt.Errorf("kafkagopublisher: %w: an earlier record of its key failed", relay.ErrNotSent)
 
 // sizeOf is at least kafka-go's size of the record in a batch.
 func sizeOf(r *relay.Record) int64 {
@@ -426,7 +426,7 @@ func publishWave(ctx context.Context, w *kafka.Writer, records []relay.Record, i
 			key := records[idx[j]].Key
 			rest := idx[:j:j]
 			for _, i := range idx[j+1:] {
-				if key != nil && bytes.Equal(records[i].Key, key) {
+				if key != nil && records[i].Key != nil && bytes.Equal(records[i].Key, key) {
 					errs[i] = errHeldBack
 					continue
 				}

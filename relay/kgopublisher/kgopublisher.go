@@ -71,9 +71,9 @@ type Publisher struct {
 	known sync.Map // topic → topicMeta
 	// partitioner is the client's, for Partition.
 	partitioner kgo.Partitioner
-	// maxBatchBytes is the client's ProducerBatchMaxBytes: a record that
+	// maxBatchBytes is the client's ProducerBatchMaxBytesFn: a record that
 	// cannot fit a batch of its own is refused before the call produces.
-	maxBatchBytes int32
+	maxBatchBytes func(topic string) int32
 }
 
 // topicMeta is what a metadata request said of a topic.
@@ -144,7 +144,7 @@ func New(brokers []string, cfg *Config) (*Publisher, error) {
 
 func newPublisher(cl *kgo.Client, owned bool) *Publisher {
 	part, _ := cl.OptValue(kgo.RecordPartitioner).(kgo.Partitioner)
-	maxBytes, _ := cl.OptValue(kgo.ProducerBatchMaxBytes).(int32)
+	maxBytes, _ := cl.OptValue(kgo.ProducerBatchMaxBytesFn).(func(string) int32) // per topic, ProducerBatchMaxBytes too
 	return &Publisher{cl: cl, owned: owned, partitioner: part, maxBatchBytes: maxBytes}
 }
 
@@ -273,48 +273,62 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 
 // refuseOversized fails, before anything of the call is produced, each
 // record that cannot fit a batch of its own (the client would refuse it for
-// its size), and its key's later records in the call, unsent: the client
-// refuses such a record on its own while it produces the next ones, so a
-// key's later record could be acknowledged in the same call, before the
-// relay has dead-lettered the refused one. Were that dead letter then lost
-// (the relay killed first) and the record accepted later (a larger limit),
-// it would reach Kafka after its key's later record (G3). It returns how
-// many records it failed.
+// its size), and keeps its key's later records in the call unsent: the
+// client refuses such a record on its own while it produces the next ones,
+// so a key's later record could be acknowledged in the same call, before
+// the relay has dead-lettered the refused one. Were that dead letter then
+// lost (the relay killed first) and the record accepted later (a larger
+// limit), it would reach Kafka after its key's later record (G3). A record
+// within nearLimit of the limit, which the client may count over it, is
+// produced, but its key's later records wait for a later call too. It
+// returns how many records it failed.
 func (p *Publisher) refuseOversized(records []relay.Record, errs []error, finished []bool) int {
-	if p.maxBatchBytes <= 0 {
+	if p.maxBatchBytes == nil {
 		return 0
 	}
-	var refusedKeys map[string]bool
+	var stopped map[string]bool // keys whose later records are not sent
+	stop := func(key []byte) {
+		if key != nil {
+			if stopped == nil {
+				stopped = map[string]bool{}
+			}
+			stopped[string(key)] = true
+		}
+	}
 	failed := 0
 	for i := range records {
 		if finished[i] {
 			continue
 		}
 		r := &records[i]
-		switch size := minBatchBytes(r); {
-		case r.Key != nil && refusedKeys[string(r.Key)]:
-			errs[i] = errHeldBack
-		case size > int(p.maxBatchBytes):
-			errs[i] = fmt.Errorf("%w: %w (a batch of it alone takes at least %d bytes; the client's limit is %d)",
-				relay.ErrRecordTooLarge, kerr.MessageTooLarge, size, p.maxBatchBytes)
-			if r.Key != nil {
-				if refusedKeys == nil {
-					refusedKeys = map[string]bool{}
-				}
-				refusedKeys[string(r.Key)] = true
-			}
-		default:
+		if r.Key != nil && stopped[string(r.Key)] {
+			errs[i], finished[i] = errHeldBack, true
+			failed++
 			continue
 		}
-		finished[i] = true
-		failed++
+		limit := int(p.maxBatchBytes(r.Topic))
+		switch size := minBatchBytes(r); {
+		case size > limit:
+			errs[i], finished[i] = fmt.Errorf("%w: %w (a batch of it alone takes at least %d bytes; the client's limit is %d)",
+				relay.ErrRecordTooLarge, kerr.MessageTooLarge, size, limit), true
+			failed++
+			stop(r.Key)
+		case size > limit-nearLimit:
+			stop(r.Key)
+		}
 	}
 	return failed
 }
 
-// errHeldBack fails a record not sent because an earlier record of its key
-// in the call was refused.
-var errHeldBack = errors.New("kgopublisher: not sent: an earlier record of its key was refused")
+// nearLimit is how far below the client's limit a record may still be
+// refused by it: minBatchBytes counts the record batch's header at its
+// least, and the client a few bytes more (a flexible request's length
+// prefix, a produce version not known yet).
+const nearLimit = 128
+
+// errHeldBack fails a record not sent behind an earlier record of its key
+// in the call.
+var errHeldBack = fmt.Errorf("kgopublisher: %w: an earlier record of its key was refused or may be", relay.ErrNotSent)
 
 // minBatchBytes is the size of a record batch holding r alone, as franz-go
 // counts it against ProducerBatchMaxBytes at the least (the record batch

@@ -17,7 +17,8 @@ import (
 // The publisher refuses a record for its size only where the client would:
 // around the limit, every record minBatchBytes puts over it is one the
 // client refuses, and the records it lets through that the client then
-// refuses lie within a few bytes of the limit.
+// refuses lie within nearLimit of the limit (their key's later records
+// are held).
 func TestMinBatchBytesNeverRefusesWhatTheClientSends(t *testing.T) {
 	t.Parallel()
 	k := kafkatest.New(t)
@@ -58,7 +59,61 @@ func TestMinBatchBytesNeverRefusesWhatTheClientSends(t *testing.T) {
 		}
 	}
 	t.Logf("records the client refused that minBatchBytes let through: within %d bytes of the limit", slack)
-	if slack > 16 {
-		t.Fatalf("minBatchBytes counts %d bytes short of the client: records that close to the limit get through to be refused by the client alone", slack)
+	if slack >= nearLimit {
+		t.Fatalf("minBatchBytes counts %d bytes short of the client, nearLimit only %d: a record the client refuses could let its key's later records out", slack, nearLimit)
+	}
+}
+
+// A record the client may still count over its limit (within nearLimit of
+// it) is produced, but its key's later record in the call is not sent:
+// were the record refused, the later one would otherwise be acknowledged
+// ahead of its dead letter (G3).
+func TestARecordAtTheLimitHoldsItsKeysLaterRecords(t *testing.T) {
+	t.Parallel()
+	k := kafkatest.New(t)
+	topic := k.Topic(t, 1)
+	const limit = 1024
+	p := NewFromClient(k.Client(t, kgo.ProducerBatchMaxBytes(limit)))
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	// Learn the produce version first, as a running relay has.
+	if errs := p.Publish(ctx, []relay.Record{{Topic: topic, Key: []byte("warm"), Value: []byte("x")}}); errs[0] != nil {
+		t.Fatal(errs[0])
+	}
+	for _, n := range []int{953, 940} { // refused by the client; sent
+		rec := relay.Record{Topic: topic, Key: []byte("k"), Value: bytes.Repeat([]byte("v"), n)}
+		if size := minBatchBytes(&rec); size > limit || size <= limit-nearLimit {
+			t.Fatalf("minBatchBytes %d: not within %d bytes under the limit %d", size, nearLimit, limit)
+		}
+		errs := p.Publish(ctx, []relay.Record{rec, {Topic: topic, Key: []byte("k"), Value: []byte("later")}, {Topic: topic, Key: []byte("other"), Value: []byte("o")}})
+		t.Logf("value of %d bytes: %v", n, errs)
+		if !errors.Is(errs[1], relay.ErrNotSent) {
+			t.Fatalf("the key's later record: %v, want ErrNotSent", errs[1])
+		}
+		if errs[2] != nil {
+			t.Fatalf("another key's record: %v", errs[2])
+		}
+	}
+}
+
+// The limit is the client's for the record's topic
+// (kgo.ProducerBatchMaxBytesFn), not its default's: a record the client
+// sends to its topic is not refused (and dead-lettered) for another
+// topic's limit.
+func TestTheLimitIsTheClientsForTheTopic(t *testing.T) {
+	t.Parallel()
+	k := kafkatest.New(t)
+	topic := k.Topic(t, 1)
+	cl := k.Client(t, kgo.ProducerBatchMaxBytesFn(func(tp string) int32 {
+		if tp == topic {
+			return 64 << 10
+		}
+		return 1024
+	}))
+	p := NewFromClient(cl)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if errs := p.Publish(ctx, []relay.Record{{Topic: topic, Key: []byte("k"), Value: bytes.Repeat([]byte("v"), 4000)}}); errs[0] != nil {
+		t.Fatalf("a 4000-byte record to a topic whose client limit is 64 KiB: %v", errs[0])
 	}
 }
