@@ -9,10 +9,12 @@ import (
 	"log/slog"
 	"os"
 	"slices"
+	"strconv"
 	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // InstanceInUseError is returned by Run when another live relay holds the
@@ -56,6 +58,8 @@ type leases struct {
 	lapsed     bool      // the leases lapsed before a renewal: reported as 0 owned
 	claimed    bool      // the instance row is this process's (charged its crashed round)
 	changed    chan struct{}
+
+	outboxLocked bool // tick's: the last charge found the outbox locked (logged once)
 }
 
 func newLeases(st *store, id string, duration time.Duration, obs Observer, log *slog.Logger) *leases {
@@ -78,6 +82,33 @@ func (l *leases) snapshot() []int16 {
 func (l *leases) interval() time.Duration { return l.duration / 3 }
 
 // tick does one round of lease upkeep.
+// chargeCrashed charges the events of dead relays' rounds an attempt. It
+// reports false, without an error, when the outbox stayed locked by
+// another session for longer than a tenth of the lease.
+func (l *leases) chargeCrashed(ctx context.Context) (bool, error) {
+	wait := max(l.duration/10, 10*time.Millisecond)
+	err := pgx.BeginFunc(ctx, l.st.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, strconv.FormatInt(wait.Milliseconds(), 10)); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, l.st.chargeCrashedSQL)
+		return err
+	})
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "55P03" { // lock_not_available
+		if !l.outboxLocked {
+			l.log.Warn("relay: the outbox is locked by another session; shards are renewed, none taken, until it is free", "error", err)
+		}
+		l.outboxLocked = true
+		return false, nil
+	}
+	if err == nil && l.outboxLocked {
+		l.outboxLocked = false
+		l.log.Info("relay: the outbox is free again")
+	}
+	return err == nil, err
+}
+
 func (l *leases) tick(ctx context.Context) error {
 	start := time.Now()
 	dur := l.duration.String()
@@ -98,8 +129,15 @@ func (l *leases) tick(ctx context.Context) error {
 		}
 		l.claimed = true
 	}
-	// Charge an attempt to the events a dead relay had in flight.
-	if _, err := l.st.pool.Exec(ctx, l.st.chargeCrashedSQL); err != nil {
+	// Charge an attempt to the events a dead relay had in flight, before
+	// any of its shards is taken. The charge writes the outbox: an
+	// operator's long lock on it (VACUUM FULL, CLUSTER, a migration) must
+	// not hold up this tick's heartbeat and renewal, or every relay's
+	// leases would lapse together and, once it ends, relays would take
+	// each other's shards for dead (publishing their events again, and
+	// charging them a crash). Then this tick renews and takes nothing new.
+	charged, err := l.chargeCrashed(ctx)
+	if err != nil {
 		return fmt.Errorf("charge crashed rounds: %w", err)
 	}
 	var live int
@@ -114,7 +152,7 @@ func (l *leases) tick(ctx context.Context) error {
 		return fmt.Errorf("renew shards: %w", err)
 	}
 	var taken []int16
-	if len(renewed) < fair {
+	if len(renewed) < fair && charged {
 		// takeSQL also re-takes this relay's own lapsed leases first.
 		taken, err = l.queryShards(ctx, l.st.takeSQL, l.id, dur, fair-len(renewed))
 		if err != nil {

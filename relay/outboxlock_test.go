@@ -1,0 +1,56 @@
+package relay_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/outbox"
+	"github.com/onceflow/onceflow/relay"
+)
+
+// An operator's long lock on the outbox (VACUUM FULL, CLUSTER, a migration
+// rewriting it) stops the rounds, not the leases: the relays keep their
+// shards, so that once it ends no relay takes another's for dead and
+// publishes its events again, nor charges them a crash.
+func TestALongLockOnTheOutboxLeavesTheLeasesAlone(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	cfg := relay.Config{LeaseDuration: time.Second, PollInterval: 20 * time.Millisecond}
+	for _, id := range []string{"a", "b"} {
+		c := cfg
+		c.InstanceID = id
+		b.startRelay(t, c)
+	}
+	shards := pgx.Identifier{b.schema, "relay_shards"}.Sanitize()
+	live := func() (a, bb, lapsed int) {
+		if err := b.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE owner = 'a' AND lease_until > now()), count(*) FILTER (WHERE owner = 'b' AND lease_until > now()),
+    count(*) FILTER (WHERE owner IS NULL OR lease_until <= now()) FROM `+shards).Scan(&a, &bb, &lapsed); err != nil {
+			t.Fatal(err)
+		}
+		return a, bb, lapsed
+	}
+	waitFor(t, "both relays to hold shards", 30*time.Second, func() bool { a, bb, lapsed := live(); return a > 0 && bb > 0 && lapsed == 0 })
+
+	tx, err := b.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	if _, err := tx.Exec(ctx, `LOCK TABLE `+pgx.Identifier{b.schema, "outbox"}.Sanitize()+` IN ACCESS EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	for end := time.Now().Add(4 * time.Second); time.Now().Before(end); time.Sleep(100 * time.Millisecond) {
+		if a, bb, lapsed := live(); lapsed > 0 {
+			t.Fatalf("while the outbox was locked %d shards lapsed (a %d, b %d)", lapsed, a, bb)
+		}
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	b.write(t, outbox.Message{Topic: b.kafka.Topic(t, 1), Key: []byte("k"), Value: []byte("after")})
+	waitFor(t, "the outbox to drain after the lock", 30*time.Second, func() bool { return b.count(t, "outbox") == 0 })
+}
