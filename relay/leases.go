@@ -81,10 +81,10 @@ func (l *leases) snapshot() []int16 {
 
 func (l *leases) interval() time.Duration { return l.duration / 3 }
 
-// tick does one round of lease upkeep.
 // chargeCrashed charges the events of dead relays' rounds an attempt. It
-// reports false, without an error, when the outbox stayed locked by
-// another session for longer than a tenth of the lease.
+// reports false, without an error, when the outbox table stayed locked by
+// another session for longer than a tenth of the lease (its rows locked
+// are skipped, see chargeCrashedSQL).
 func (l *leases) chargeCrashed(ctx context.Context) (bool, error) {
 	wait := max(l.duration/10, 10*time.Millisecond)
 	err := pgx.BeginFunc(ctx, l.st.pool, func(tx pgx.Tx) error {
@@ -109,6 +109,7 @@ func (l *leases) chargeCrashed(ctx context.Context) (bool, error) {
 	return err == nil, err
 }
 
+// tick does one round of lease upkeep.
 func (l *leases) tick(ctx context.Context) error {
 	start := time.Now()
 	dur := l.duration.String()

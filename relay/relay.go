@@ -833,8 +833,9 @@ type outcome struct {
 	sickPartitions int       // partitions marked sick once judged
 	timedOutTopics []string
 	firstErr       string // of the first failure that is not a timeout
-	// deadKeys are the keys of the events in dead.
-	deadKeys map[string]bool
+	// deadKeys are the keys of the events in dead; heldKeys those of
+	// events left pending untouched (in failedKeys too, not in failed).
+	deadKeys, heldKeys map[string]bool
 }
 
 // judge sorts a publish attempt's events (in id order) by their errors:
@@ -859,7 +860,7 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 			continue
 		}
 		bk := blockKey(e)
-		if err != nil && (o.deadKeys[bk] && !r.refusedForGood(e, err) || errors.Is(err, ErrNotSent) && !o.failedKeys[bk]) {
+		if err != nil && (o.deadKeys[bk] && !r.refusedForGood(e, err) || errors.Is(err, ErrNotSent) && (!o.failedKeys[bk] || o.heldKeys[bk])) {
 			// An earlier event of this key is dead-lettered in this
 			// call. This one must not go out (alone, below) before
 			// that is recorded: had the dead letter failed, the
@@ -873,6 +874,10 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 			// untouched and unblocked, for a later round (one after
 			// the dead letter is recorded: the round waits for it).
 			o.failedKeys[bk] = true
+			if o.heldKeys == nil {
+				o.heldKeys = map[string]bool{}
+			}
+			o.heldKeys[bk] = true
 			continue
 		}
 		if err == nil {

@@ -222,18 +222,28 @@ WHERE owner = $1 AND EXISTS (SELECT 1 FROM ` + instances + ` WHERE id = $1 AND t
 		landedSQL:  `DELETE FROM ` + rounds + ` WHERE instance = $1 AND lo = $2 AND hi = $3`,
 		forgetRoundsSQL: `DELETE FROM ` + rounds + ` WHERE instance = $1
     AND EXISTS (SELECT 1 FROM ` + instances + ` WHERE id = $1 AND token = $2)`,
+		// A crashed round's rows that another session holds locked (an
+		// operator's open transaction, the dead host's backend that has
+		// not noticed its client is gone) are skipped, uncharged for that
+		// crash: waiting for them would stop the relays taking shards.
 		chargeOwnSQL: `WITH crashed AS (
-    DELETE FROM ` + rounds + ` WHERE instance = $1 RETURNING lo, hi, shards)
+    DELETE FROM ` + rounds + ` WHERE instance = $1 RETURNING lo, hi, shards),
+charged AS (
+    SELECT o.id FROM ` + outbox + ` o JOIN crashed c ON o.id BETWEEN c.lo AND c.hi AND o.shard = ANY(c.shards)
+    FOR UPDATE OF o SKIP LOCKED)
 UPDATE ` + outbox + ` o SET attempts = o.attempts + 1, last_error = coalesce(o.last_error, 'relay died while publishing')
-FROM crashed c WHERE o.id BETWEEN c.lo AND c.hi AND o.shard = ANY(c.shards)`,
+FROM charged WHERE o.id = charged.id`,
 		// A round whose relay's lease lapsed (or whose instance row is gone)
 		// was cut short.
 		chargeCrashedSQL: `WITH crashed AS (
     DELETE FROM ` + rounds + ` r
     WHERE NOT EXISTS (SELECT 1 FROM ` + instances + ` i WHERE i.id = r.instance AND i.lease_until > now())
-    RETURNING lo, hi, shards)
+    RETURNING lo, hi, shards),
+charged AS (
+    SELECT o.id FROM ` + outbox + ` o JOIN crashed c ON o.id BETWEEN c.lo AND c.hi AND o.shard = ANY(c.shards)
+    FOR UPDATE OF o SKIP LOCKED)
 UPDATE ` + outbox + ` o SET attempts = o.attempts + 1, last_error = coalesce(o.last_error, 'relay died while publishing')
-FROM crashed c WHERE o.id BETWEEN c.lo AND c.hi AND o.shard = ANY(c.shards)`,
+FROM charged WHERE o.id = charged.id`,
 		forgetOldSQL: `DELETE FROM ` + instances + ` WHERE lease_until < now() - interval '1 hour'`,
 	}
 }

@@ -71,9 +71,12 @@ type Publisher struct {
 	known sync.Map // topic → topicMeta
 	// partitioner is the client's, for Partition.
 	partitioner kgo.Partitioner
-	// maxBatchBytes is the client's ProducerBatchMaxBytesFn: a record that
-	// cannot fit a batch of its own is refused before the call produces.
+	// maxBatchBytes is the client's ProducerBatchMaxBytesFn, and
+	// requestRoom what its BrokerMaxWriteBytes leaves a topic's batch (see
+	// limit): a record that cannot fit a batch of its own is refused before
+	// the call produces.
 	maxBatchBytes func(topic string) int32
+	requestRoom   int32
 }
 
 // topicMeta is what a metadata request said of a topic.
@@ -145,7 +148,13 @@ func New(brokers []string, cfg *Config) (*Publisher, error) {
 func newPublisher(cl *kgo.Client, owned bool) *Publisher {
 	part, _ := cl.OptValue(kgo.RecordPartitioner).(kgo.Partitioner)
 	maxBytes, _ := cl.OptValue(kgo.ProducerBatchMaxBytesFn).(func(string) int32) // per topic, ProducerBatchMaxBytes too
-	return &Publisher{cl: cl, owned: owned, partitioner: part, maxBatchBytes: maxBytes}
+	writeBytes, _ := cl.OptValue(kgo.BrokerMaxWriteBytes).(int32)
+	id, _ := cl.OptValue(kgo.ClientID).(string)
+	// What a produce request of one partition's batch spends besides the
+	// batch, as the client counts it (its header with the client id, acks,
+	// timeout, the topic's name, at least 16 bytes, and the arrays'
+	// lengths); the topic's name is taken off per record.
+	return &Publisher{cl: cl, owned: owned, partitioner: part, maxBatchBytes: maxBytes, requestRoom: writeBytes - 37 - int32(len(id))}
 }
 
 // NewFromClient publishes through a client you configured. Keep it
@@ -306,7 +315,7 @@ func (p *Publisher) refuseOversized(records []relay.Record, errs []error, finish
 			failed++
 			continue
 		}
-		limit := int(p.maxBatchBytes(r.Topic))
+		limit := p.limit(r.Topic)
 		switch size := minBatchBytes(r); {
 		case size > limit:
 			errs[i], finished[i] = fmt.Errorf("%w: %w (a batch of it alone takes at least %d bytes; the client's limit is %d)",
@@ -318,6 +327,17 @@ func (p *Publisher) refuseOversized(records []relay.Record, errs []error, finish
 		}
 	}
 	return failed
+}
+
+// limit is the largest record batch the client sends to topic: its
+// ProducerBatchMaxBytesFn's, unless a produce request of BrokerMaxWriteBytes
+// leaves less room.
+func (p *Publisher) limit(topic string) int {
+	limit := p.maxBatchBytes(topic)
+	if p.requestRoom > 0 {
+		limit = min(limit, p.requestRoom-int32(max(16, len(topic))))
+	}
+	return int(limit)
 }
 
 // nearLimit is how far below the client's limit a record may still be

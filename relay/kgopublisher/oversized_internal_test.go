@@ -117,3 +117,35 @@ func TestTheLimitIsTheClientsForTheTopic(t *testing.T) {
 		t.Fatalf("a 4000-byte record to a topic whose client limit is 64 KiB: %v", errs[0])
 	}
 }
+
+// The limit is also what the client's BrokerMaxWriteBytes leaves a batch
+// in a produce request: a record over it is refused up front and its key's
+// later record not sent, not acknowledged in the same call while the
+// client refuses the first (G3).
+func TestTheLimitIsWhatARequestLeavesTheBatch(t *testing.T) {
+	t.Parallel()
+	k := kafkatest.New(t)
+	topic := k.Topic(t, 1)
+	cl := k.Client(t, kgo.BrokerMaxWriteBytes(4096), kgo.ProducerBatchMaxBytesFn(func(tp string) int32 {
+		if tp == topic {
+			return 1 << 20
+		}
+		return 1024
+	}))
+	p := NewFromClient(cl)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	for _, n := range []int{5000, 3960} { // over the room a request leaves; near it
+		errs := p.Publish(ctx, []relay.Record{
+			{Topic: topic, Key: []byte("k"), Value: bytes.Repeat([]byte("v"), n)},
+			{Topic: topic, Key: []byte("k"), Value: []byte("later")},
+		})
+		t.Logf("value of %d bytes: %v", n, errs)
+		if errs[0] != nil && !errors.Is(errs[0], relay.ErrRecordTooLarge) {
+			t.Fatalf("first: %v, want ErrRecordTooLarge", errs[0])
+		}
+		if !errors.Is(errs[1], relay.ErrNotSent) {
+			t.Fatalf("the key's later record: %v, want ErrNotSent", errs[1])
+		}
+	}
+}
