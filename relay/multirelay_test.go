@@ -2,7 +2,6 @@ package relay_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"hash/fnv"
 	"log/slog"
@@ -112,33 +111,17 @@ func (c *mrCore) publish(records []relay.Record) []error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.calls++
-	errs := make([]error, len(records))
-	failed := map[string]bool{}
-	for i, r := range records {
-		k := "\x00nokey"
-		if r.Key != nil {
-			k = r.Topic + "/" + string(r.Key)
-		}
-		if r.Key != nil && failed[k] {
-			errs[i] = errors.New("held: earlier failed")
-			continue
-		}
-		v := string(r.Value)
+	return publishLikeAPartition(records, func(relay.Record) (failed, written bool) {
 		if c.rng.Float64() < c.failP {
-			if c.rng.Float64() < c.lostAckP && !c.seen[v] {
-				c.seen[v] = true
-				c.acked = append(c.acked, v)
-			}
-			errs[i] = errors.New("not enough replicas")
-			failed[k] = true
-			continue
+			return true, c.rng.Float64() < c.lostAckP
 		}
+		return false, true
+	}, func(v string) {
 		if !c.seen[v] {
 			c.seen[v] = true
 			c.acked = append(c.acked, v)
 		}
-	}
-	return errs
+	})
 }
 
 // mrPub is one relay incarnation's publisher: it can be paused (calls wait

@@ -48,30 +48,47 @@ func (p *randomPublisher) Publish(_ context.Context, records []relay.Record) []e
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.calls++
+	return publishLikeAPartition(records, func(r relay.Record) (failed, written bool) {
+		v := string(r.Value)
+		if p.rng.Float64() < p.failP || (p.stuckOn && r.Key != nil && string(r.Key) == p.stuckKey) ||
+			time.Now().Before(p.stuckUntil[v]) {
+			if p.stickFor > 0 && p.stuckUntil[v].IsZero() {
+				p.stuckUntil[v] = time.Now().Add(p.stickFor)
+			}
+			return true, false
+		}
+		return false, true
+	}, func(v string) {
+		if !p.seen[v] {
+			p.seen[v] = true
+			p.acked = append(p.acked, v)
+		}
+	})
+}
+
+// publishLikeAPartition answers records as one partition does: once a
+// key's record fails, its later records fail too, unsent. fail decides a
+// record's failure, and whether it was written all the same (a lost
+// acknowledgement); wrote is told each value written.
+func publishLikeAPartition(records []relay.Record, fail func(relay.Record) (failed, written bool), wrote func(v string)) []error {
 	errs := make([]error, len(records))
-	failed := map[string]bool{}
+	failedKeys := map[string]bool{}
 	for i, r := range records {
 		k := "\x00nokey"
 		if r.Key != nil {
 			k = r.Topic + "/" + string(r.Key)
 		}
-		if r.Key != nil && failed[k] {
-			errs[i] = errors.New("held: earlier failed")
+		if r.Key != nil && failedKeys[k] {
+			errs[i] = fmt.Errorf("%w: an earlier record of its key failed", relay.ErrNotSent)
 			continue
 		}
-		v := string(r.Value)
-		if p.rng.Float64() < p.failP || (p.stuckOn && r.Key != nil && string(r.Key) == p.stuckKey) ||
-			time.Now().Before(p.stuckUntil[v]) {
+		failed, written := fail(r)
+		if written {
+			wrote(string(r.Value))
+		}
+		if failed {
 			errs[i] = errors.New("not enough replicas")
-			failed[k] = true
-			if p.stickFor > 0 && p.stuckUntil[v].IsZero() {
-				p.stuckUntil[v] = time.Now().Add(p.stickFor)
-			}
-			continue
-		}
-		if !p.seen[v] {
-			p.seen[v] = true
-			p.acked = append(p.acked, v)
+			failedKeys[k] = true
 		}
 	}
 	return errs
