@@ -105,17 +105,49 @@ type mrCore struct {
 	acked    []string
 	seen     map[string]bool
 	calls    int
+	// refuseEvery > 0 refuses for good (as too large) one value in about
+	// that many, for refuseFor from its first refusal (a topic's limit
+	// raised then): the relay dead-letters it, unless it is accepted
+	// first, its dead letter lost.
+	refuseEvery uint32
+	refuseFor   time.Duration
+	refusedAt   map[string]time.Time
+}
+
+// refusable reports whether v is one of the values refused for good.
+func refusable(v string, every uint32) bool {
+	if every == 0 {
+		return false
+	}
+	h := fnv.New32a()
+	h.Write([]byte(v))
+	return h.Sum32()%every == 0
+}
+
+func (c *mrCore) refuses(v string) bool {
+	if !refusable(v, c.refuseEvery) {
+		return false
+	}
+	at, ok := c.refusedAt[v]
+	if !ok {
+		at = time.Now()
+		c.refusedAt[v] = at
+	}
+	return time.Since(at) < c.refuseFor
 }
 
 func (c *mrCore) publish(records []relay.Record) []error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.calls++
-	return publishLikeAPartition(records, func(relay.Record) (failed, written bool) {
-		if c.rng.Float64() < c.failP {
-			return true, c.rng.Float64() < c.lostAckP
+	return publishLikeAPartition(records, func(r relay.Record) (err error, written bool) {
+		if c.refuses(string(r.Value)) {
+			return relay.ErrRecordTooLarge, false
 		}
-		return false, true
+		if c.rng.Float64() < c.failP {
+			return errNotEnoughReplicas, c.rng.Float64() < c.lostAckP
+		}
+		return nil, true
 	}, func(v string) {
 		if !c.seen[v] {
 			c.seen[v] = true
@@ -167,6 +199,7 @@ type mrMode struct {
 	topics   int
 	failP    float64
 	chaos    time.Duration
+	refuse   uint32 // see mrCore.refuseEvery
 }
 
 type mrIncarnation struct {
@@ -199,6 +232,7 @@ func TestMultiRelayChaosKeepsKeyOrderAndDrains(t *testing.T) {
 		"three":         {relays: 3, batch: 10, failP: 0.03, topics: 1, chaos: 6 * time.Second},
 		"three-ceiling": {relays: 3, batch: 10, heldKeys: 3, failP: 0.06, topics: 1, chaos: 6 * time.Second},
 		"two-topics":    {relays: 2, batch: 20, failP: 0.03, topics: 2, chaos: 6 * time.Second},
+		"dead-letters":  {relays: 3, batch: 10, failP: 0.03, topics: 2, chaos: 6 * time.Second, refuse: 40},
 	}
 	only := os.Getenv("ONCEFLOW_MR_MODE")
 	for name, m := range modes {
@@ -220,7 +254,27 @@ func multiRelayRun(t *testing.T, m mrMode, seed uint64) {
 	outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
 	shardsT := pgx.Identifier{schema, "relay_shards"}.Sanitize()
 	rng := rand.New(rand.NewPCG(seed, 7))
-	core := &mrCore{rng: rand.New(rand.NewPCG(seed, 11)), failP: m.failP, lostAckP: 0.3, seen: map[string]bool{}}
+	core := &mrCore{rng: rand.New(rand.NewPCG(seed, 11)), failP: m.failP, lostAckP: 0.3, seen: map[string]bool{},
+		refuseEvery: m.refuse, refuseFor: 30 * time.Millisecond, refusedAt: map[string]time.Time{}}
+	if m.refuse > 0 {
+		// A third of the dead letters fail (a database failing over), so
+		// some refused events are still pending when their refusal heals.
+		q := func(name string) string { return pgx.Identifier{schema, name}.Sanitize() }
+		for _, s := range []string{
+			`CREATE FUNCTION ` + q("fail_some_dead_letters") + `() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF random() < 0.3 THEN
+        RAISE EXCEPTION 'injected: the dead letter failed';
+    END IF;
+    RETURN NEW;
+END $$`,
+			`CREATE TRIGGER fail_some_dead_letters BEFORE INSERT ON ` + q("outbox_dead") + ` FOR EACH ROW EXECUTE FUNCTION ` + q("fail_some_dead_letters") + `()`,
+		} {
+			if _, err := pool.Exec(ctx, s); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
 	lease := 600 * time.Millisecond
 	cfg := relay.Config{Schema: schema, BatchSize: m.batch, PollInterval: 20 * time.Millisecond,
 		LeaseDuration: lease, MaxRetryBackoff: 100 * time.Millisecond, MaxHeldKeys: m.heldKeys, PublishTimeout: 200 * time.Millisecond}
@@ -467,7 +521,10 @@ SELECT t, k, v FROM unnest($1::text[], $2::bytea[], $3::bytea[]) WITH ORDINALITY
 	chaos.Wait()
 	bg.Wait() // every pause over, every restart made
 	core.mu.Lock()
-	core.failP = 0
+	// Kafka heals, refusals included (a topic's limit raised): an event
+	// whose dead letter was lost (its relay crashed first) is published
+	// now, and must not be behind its key's later events (G3).
+	core.failP, core.refuseEvery = 0, 0
 	core.mu.Unlock()
 	mu.Lock()
 	for _, inc := range live {
@@ -523,6 +580,24 @@ FROM `+outbox+` o JOIN `+shardsT+` s USING (shard) ORDER BY o.id LIMIT 20`)
 		}
 	}
 
+	// The dead letters: values refused for good only (G7).
+	refused := func(v string) bool { return refusable(v, m.refuse) }
+	rows, err := pool.Query(ctx, `SELECT convert_from(value, 'UTF8') FROM `+pgx.Identifier{schema, "outbox_dead"}.Sanitize())
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadValues, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead := map[string]bool{}
+	for _, v := range deadValues {
+		if !refused(v) || dead[v] {
+			t.Errorf("%s dead-lettered (twice: %v), but Kafka never refused it for good (G7)", v, dead[v])
+		}
+		dead[v] = true
+	}
+
 	core.mu.Lock()
 	defer core.mu.Unlock()
 	last := map[string]int{}
@@ -533,6 +608,9 @@ FROM `+outbox+` o JOIN `+shardsT+` s USING (shard) ORDER BY o.id LIMIT 20`)
 		if k == "~" {
 			continue
 		}
+		for dead[k+"|"+strconv.Itoa(last[k]+1)] {
+			last[k]++ // dead-lettered: its key's later events follow it
+		}
 		if s != last[k]+1 {
 			t.Errorf("key %s: first publication #%d is seq %d after seq %d (G3)", k, i, s, last[k])
 		}
@@ -540,10 +618,10 @@ FROM `+outbox+` o JOIN `+shardsT+` s USING (shard) ORDER BY o.id LIMIT 20`)
 			last[k] = s
 		}
 	}
-	if len(core.acked) != total {
-		t.Errorf("%d of %d events published (G2)", len(core.acked), total)
+	if len(core.acked)+len(dead) != total {
+		t.Errorf("%d of %d events published, %d dead-lettered (G2)", len(core.acked), total, len(dead))
 	}
-	t.Logf("%d events, %d calls, %d shard moves sampled, actions %v", total, core.calls, moves.Load(), actions)
+	t.Logf("%d events (%d dead-lettered), %d calls, %d shard moves sampled, actions %v", total, len(dead), core.calls, moves.Load(), actions)
 }
 
 type tlogWriter struct {

@@ -2,7 +2,6 @@ package relay_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -48,16 +47,16 @@ func (p *randomPublisher) Publish(_ context.Context, records []relay.Record) []e
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.calls++
-	return publishLikeAPartition(records, func(r relay.Record) (failed, written bool) {
+	return publishLikeAPartition(records, func(r relay.Record) (err error, written bool) {
 		v := string(r.Value)
 		if p.rng.Float64() < p.failP || (p.stuckOn && r.Key != nil && string(r.Key) == p.stuckKey) ||
 			time.Now().Before(p.stuckUntil[v]) {
 			if p.stickFor > 0 && p.stuckUntil[v].IsZero() {
 				p.stuckUntil[v] = time.Now().Add(p.stickFor)
 			}
-			return true, false
+			return errNotEnoughReplicas, false
 		}
-		return false, true
+		return nil, true
 	}, func(v string) {
 		if !p.seen[v] {
 			p.seen[v] = true
@@ -67,10 +66,10 @@ func (p *randomPublisher) Publish(_ context.Context, records []relay.Record) []e
 }
 
 // publishLikeAPartition answers records as one partition does: once a
-// key's record fails, its later records fail too, unsent. fail decides a
-// record's failure, and whether it was written all the same (a lost
+// key's record fails, its later records fail too, unsent. fail gives a
+// record's error, and whether it was written all the same (a lost
 // acknowledgement); wrote is told each value written.
-func publishLikeAPartition(records []relay.Record, fail func(relay.Record) (failed, written bool), wrote func(v string)) []error {
+func publishLikeAPartition(records []relay.Record, fail func(relay.Record) (err error, written bool), wrote func(v string)) []error {
 	errs := make([]error, len(records))
 	failedKeys := map[string]bool{}
 	for i, r := range records {
@@ -82,12 +81,12 @@ func publishLikeAPartition(records []relay.Record, fail func(relay.Record) (fail
 			errs[i] = fmt.Errorf("%w: an earlier record of its key failed", relay.ErrNotSent)
 			continue
 		}
-		failed, written := fail(r)
+		err, written := fail(r)
 		if written {
 			wrote(string(r.Value))
 		}
-		if failed {
-			errs[i] = errors.New("not enough replicas")
+		if err != nil {
+			errs[i] = err
 			failedKeys[k] = true
 		}
 	}
