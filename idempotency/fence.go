@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"log/slog"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // FenceConfig configures a Fence. The zero value is usable.
@@ -117,6 +119,10 @@ func (f *Fence) Do(ctx context.Context, key string, fn func(ctx context.Context)
 	c := claim{scope: f.scope, key: key, token: newToken(), fingerprint: []byte{}}
 	held := time.Now()
 	claimed, rec, err := f.store.tryClaim(ctx, f.db, c, f.cfg.Lease, f.cfg.Window)
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "54000" { // program_limit_exceeded: the key does not fit the index
+		return nil, fmt.Errorf("%w: %d bytes is too long (%s)", ErrKeyInvalid, len(key), pgErr.Message)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("idempotency: claim key %q: %w", key, err)
 	}

@@ -2,6 +2,7 @@ package idempotency_test
 
 import (
 	"context"
+	"crypto/rand"
 	"errors"
 	"net/http"
 	"strings"
@@ -315,5 +316,25 @@ VALUES ('do:default', 'k', '', 'done', gen_random_uuid(), 'stale', now() - inter
 	}
 	if got, err := f.Do(context.Background(), "k", nil); err != nil || string(got) != "fresh" {
 		t.Fatalf("replay: %q, %v", got, err)
+	}
+}
+
+// A key too long for the records' index is bad input, said so
+// (ErrKeyInvalid), not a database error on every call; fn does not run.
+func TestDoRefusesAKeyTooLongForTheIndex(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	f := newFence(t, b, idempotency.FenceConfig{})
+	var key strings.Builder
+	for key.Len() < 3000 {
+		key.WriteString(rand.Text()) // random: not compressed into the index
+	}
+	ran := false
+	_, err := f.Do(context.Background(), key.String(), func(context.Context) ([]byte, error) {
+		ran = true
+		return nil, nil
+	})
+	if !errors.Is(err, idempotency.ErrKeyInvalid) || ran {
+		t.Fatalf("Do with a 3,000-byte key: %v (fn ran: %v), want ErrKeyInvalid and no run", err, ran)
 	}
 }
