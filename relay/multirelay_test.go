@@ -435,88 +435,16 @@ END $$`,
 		}
 	}()
 
-	// Writers (one; a fifth of its transactions commit late, their keys
-	// not written meanwhile).
-	keys := make([]string, 30)
-	for i := range keys {
-		keys[i] = "key" + strconv.Itoa(i)
-	}
-	seq := map[string]int{}
-	total := 0
-	type open struct {
-		tx    pgx.Tx
-		keys  []string
-		until time.Time
-	}
-	var opens []open
-	locked := map[string]bool{}
-	began := time.Now()
-	for time.Since(began) < m.chaos {
-		now := time.Now()
-		for i := 0; i < len(opens); i++ {
-			if now.After(opens[i].until) {
-				if err := opens[i].tx.Commit(ctx); err != nil {
-					t.Fatal(err)
-				}
-				for _, k := range opens[i].keys {
-					delete(locked, k)
-				}
-				opens = slices.Delete(opens, i, i+1)
-				i--
-			}
-		}
-		tx, err := pool.Begin(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		n := 1 + rng.IntN(15)
-		var used []string
-		var ks [][]byte
-		var vals [][]byte
-		var topics []string
-		for range n {
-			var key []byte
-			kname := "~"
-			if rng.IntN(10) != 0 {
-				k := keys[rng.IntN(len(keys))]
-				if rng.IntN(2) == 0 {
-					k = keys[rng.IntN(4)]
-				}
-				if locked[k] {
-					continue
-				}
-				key, kname = []byte(k), k
-				if !slices.Contains(used, k) {
-					used = append(used, k)
-				}
-			}
-			seq[kname]++
-			total++
-			ks = append(ks, key)
-			vals = append(vals, []byte(fmt.Sprintf("%s|%d", kname, seq[kname])))
-			topics = append(topics, "t"+strconv.Itoa(rng.IntN(m.topics)))
-		}
-		if len(vals) > 0 {
-			if _, err := tx.Exec(ctx, `INSERT INTO `+outbox+` (topic, key, value)
-SELECT t, k, v FROM unnest($1::text[], $2::bytea[], $3::bytea[]) WITH ORDINALITY AS x(t, k, v, n) ORDER BY n`, topics, ks, vals); err != nil {
-				t.Fatal(err)
-			}
-		}
-		if rng.IntN(5) == 0 {
-			for _, k := range used {
-				locked[k] = true
-			}
-			opens = append(opens, open{tx: tx, keys: used, until: time.Now().Add(time.Duration(rng.IntN(300)) * time.Millisecond)})
-		} else if err := tx.Commit(ctx); err != nil {
-			t.Fatal(err)
-		}
+	// One writer; a fifth of its transactions commit late, their keys
+	// not written meanwhile.
+	w := newLateWriter(pool, outbox, rng, 30)
+	w.maxEvents, w.keylessOneIn, w.topics = 15, 10, m.topics
+	for began := time.Now(); time.Since(began) < m.chaos; {
+		w.commitDue(ctx, t)
+		w.write(ctx, t)
 		time.Sleep(time.Duration(5+rng.IntN(15)) * time.Millisecond)
 	}
-	for _, o := range opens {
-		if err := o.tx.Commit(ctx); err != nil {
-			t.Fatal(err)
-		}
-	}
+	w.commitAll(ctx, t)
 	close(stopChaos)
 	chaos.Wait()
 	bg.Wait() // every pause over, every restart made
@@ -590,19 +518,21 @@ FROM `+outbox+` o JOIN `+shardsT+` s USING (shard) ORDER BY o.id LIMIT 20`)
 	if err != nil {
 		t.Fatal(err)
 	}
-	dead := map[string]bool{}
+	dead := map[string]bool{} // by "key|seq"
 	for _, v := range deadValues {
-		if !refused(v) || dead[v] {
-			t.Errorf("%s dead-lettered (twice: %v), but Kafka never refused it for good (G7)", v, dead[v])
+		parts := strings.SplitN(v, "|", 3)
+		ks := parts[0] + "|" + parts[1]
+		if !refused(v) || dead[ks] {
+			t.Errorf("%s dead-lettered (twice: %v), but Kafka never refused it for good (G7)", ks, dead[ks])
 		}
-		dead[v] = true
+		dead[ks] = true
 	}
 
 	core.mu.Lock()
 	defer core.mu.Unlock()
 	last := map[string]int{}
 	for i, v := range core.acked {
-		parts := strings.SplitN(v, "|", 2)
+		parts := strings.SplitN(v, "|", 3)
 		k := parts[0]
 		s, _ := strconv.Atoi(parts[1])
 		if k == "~" {
@@ -618,10 +548,10 @@ FROM `+outbox+` o JOIN `+shardsT+` s USING (shard) ORDER BY o.id LIMIT 20`)
 			last[k] = s
 		}
 	}
-	if len(core.acked)+len(dead) != total {
-		t.Errorf("%d of %d events published, %d dead-lettered (G2)", len(core.acked), total, len(dead))
+	if len(core.acked)+len(dead) != w.total {
+		t.Errorf("%d of %d events published, %d dead-lettered (G2)", len(core.acked), w.total, len(dead))
 	}
-	t.Logf("%d events (%d dead-lettered), %d calls, %d shard moves sampled, actions %v", total, len(dead), core.calls, moves.Load(), actions)
+	t.Logf("%d events (%d dead-lettered), %d calls, %d shard moves sampled, actions %v", w.total, len(dead), core.calls, moves.Load(), actions)
 }
 
 type tlogWriter struct {

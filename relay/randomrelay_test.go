@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/internal/pgtest"
 	"github.com/onceflow/onceflow/relay"
@@ -63,6 +64,122 @@ func (p *randomPublisher) Publish(_ context.Context, records []relay.Record) []e
 			p.acked = append(p.acked, v)
 		}
 	})
+}
+
+// lateWriter writes the random runs' transactions: each of 1 to maxEvents
+// events, one in keylessOneIn keyless, the others over keys (the first four
+// hot), valued "key|seq|padding" (keyless: key "~"; bigP of them 3-33 KB),
+// on topics t0 to t<topics-1>. A fifth of the transactions commit late
+// (within 300 ms), their keys not written meanwhile.
+type lateWriter struct {
+	pool                            *pgxpool.Pool
+	outbox                          string
+	rng                             *rand.Rand
+	keys                            []string
+	maxEvents, keylessOneIn, topics int
+	bigP                            float64
+	seq                             map[string]int // per key, the last value's number
+	total                           int            // events written
+	opens                           []lateTx
+	locked                          map[string]bool
+}
+
+type lateTx struct {
+	tx    pgx.Tx
+	keys  []string
+	until time.Time
+}
+
+func newLateWriter(pool *pgxpool.Pool, outbox string, rng *rand.Rand, keys int) *lateWriter {
+	w := &lateWriter{pool: pool, outbox: outbox, rng: rng, keys: make([]string, keys), seq: map[string]int{}, locked: map[string]bool{}}
+	for i := range w.keys {
+		w.keys[i] = "key" + strconv.Itoa(i)
+	}
+	return w
+}
+
+// commitDue commits the late transactions that are due.
+func (w *lateWriter) commitDue(ctx context.Context, t *testing.T) {
+	now := time.Now()
+	for i := 0; i < len(w.opens); i++ {
+		if now.After(w.opens[i].until) {
+			if err := w.opens[i].tx.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
+			for _, k := range w.opens[i].keys {
+				delete(w.locked, k)
+			}
+			w.opens = slices.Delete(w.opens, i, i+1)
+			i--
+		}
+	}
+}
+
+// commitAll commits every late transaction.
+func (w *lateWriter) commitAll(ctx context.Context, t *testing.T) {
+	for _, o := range w.opens {
+		if err := o.tx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	w.opens, w.locked = nil, map[string]bool{}
+}
+
+// write writes one transaction.
+func (w *lateWriter) write(ctx context.Context, t *testing.T) {
+	rng := w.rng
+	tx, err := w.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 1 + rng.IntN(w.maxEvents)
+	var used []string
+	var ks [][]byte
+	var vals [][]byte
+	var topics []string
+	for range n {
+		var key []byte
+		kname := "~"
+		if rng.IntN(w.keylessOneIn) != 0 {
+			// hot keys more often
+			var k string
+			if rng.IntN(2) == 0 {
+				k = w.keys[rng.IntN(4)]
+			} else {
+				k = w.keys[rng.IntN(len(w.keys))]
+			}
+			if w.locked[k] {
+				continue
+			}
+			key, kname = []byte(k), k
+			if !slices.Contains(used, k) {
+				used = append(used, k)
+			}
+		}
+		w.seq[kname]++
+		w.total++
+		size := 1
+		if w.bigP > 0 && rng.Float64() < w.bigP {
+			size = 3000 + rng.IntN(30000)
+		}
+		ks = append(ks, key)
+		vals = append(vals, []byte(fmt.Sprintf("%s|%d|%s", kname, w.seq[kname], strings.Repeat("x", size))))
+		topics = append(topics, "t"+strconv.Itoa(rng.IntN(w.topics)))
+	}
+	if len(vals) > 0 {
+		if _, err := tx.Exec(ctx, `INSERT INTO `+w.outbox+` (topic, key, value)
+SELECT t, k, v FROM unnest($1::text[], $2::bytea[], $3::bytea[]) WITH ORDINALITY AS x(t, k, v, n) ORDER BY n`, topics, ks, vals); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if rng.IntN(5) == 0 {
+		for _, k := range used {
+			w.locked[k] = true
+		}
+		w.opens = append(w.opens, lateTx{tx: tx, keys: used, until: time.Now().Add(time.Duration(rng.IntN(300)) * time.Millisecond)})
+	} else if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // publishLikeAPartition answers records as one partition does: once a
@@ -160,12 +277,9 @@ func randomRelayRun(t *testing.T, m randomMode, seed uint64) {
 		stickFor: m.stickFor, stuckUntil: map[string]time.Time{}}
 	cfg := relay.Config{Schema: schema, BatchSize: m.batch, BatchBytes: m.batchBytes, PollInterval: 20 * time.Millisecond,
 		LeaseDuration: 2 * time.Second, MaxRetryBackoff: 80 * time.Millisecond, MaxHeldKeys: m.heldKeys, PublishTimeout: 5 * time.Second}
-	keys := make([]string, 40)
-	for i := range keys {
-		keys[i] = "key" + strconv.Itoa(i)
-	}
-	seq := map[string]int{}
-	total := 0
+	w := newLateWriter(pool, outbox, rng, 40)
+	w.maxEvents, w.keylessOneIn, w.topics, w.bigP = 30, m.keyless, m.topics, m.bigP
+	keys, seq := w.keys, w.seq
 	// The held reads (the read of every shard that also reads each row's
 	// shard) the relays send, in the backlog mode.
 	relayPool, heldReads := pool, atomic.Int64{}
@@ -181,7 +295,7 @@ func randomRelayRun(t *testing.T, m randomMode, seed uint64) {
 			seq[k]++
 			ks, vals = append(ks, []byte(k)), append(vals, []byte(fmt.Sprintf("%s|%d|x", k, seq[k])))
 		}
-		total += len(vals)
+		w.total += len(vals)
 		if _, err := pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key, value)
 SELECT 't0', k, v FROM unnest($1::bytea[], $2::bytea[]) WITH ORDINALITY AS x(k, v, n) ORDER BY n`, ks, vals); err != nil {
 			t.Fatal(err)
@@ -210,13 +324,6 @@ SELECT 't0', k, v FROM unnest($1::bytea[], $2::bytea[]) WITH ORDINALITY AS x(k, 
 		}
 	}()
 
-	type open struct {
-		tx    pgx.Tx
-		keys  []string
-		until time.Time
-	}
-	var opens []open
-	locked := map[string]bool{}
 	if m.stuck {
 		pub.mu.Lock()
 		pub.stuckOn = true
@@ -224,87 +331,16 @@ SELECT 't0', k, v FROM unnest($1::bytea[], $2::bytea[]) WITH ORDINALITY AS x(k, 
 	}
 	start := time.Now()
 	for time.Since(start) < 3*time.Second {
-		// commit the late ones that are due
-		now := time.Now()
-		for i := 0; i < len(opens); i++ {
-			if now.After(opens[i].until) {
-				if err := opens[i].tx.Commit(ctx); err != nil {
-					t.Fatal(err)
-				}
-				for _, k := range opens[i].keys {
-					delete(locked, k)
-				}
-				opens = slices.Delete(opens, i, i+1)
-				i--
-			}
-		}
+		w.commitDue(ctx, t)
 		if m.stuck && time.Since(start) > 2*time.Second {
 			pub.mu.Lock()
 			pub.stuckOn = false
 			pub.mu.Unlock()
 		}
-		tx, err := pool.Begin(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		n := 1 + rng.IntN(30)
-		var used []string
-		var ks [][]byte
-		var vals [][]byte
-		var topics []string
-		for range n {
-			var key []byte
-			var kname string
-			if rng.IntN(m.keyless) != 0 {
-				// hot keys more often
-				var k string
-				if rng.IntN(2) == 0 {
-					k = keys[rng.IntN(4)]
-				} else {
-					k = keys[rng.IntN(len(keys))]
-				}
-				if locked[k] {
-					continue
-				}
-				key, kname = []byte(k), k
-				if !slices.Contains(used, k) {
-					used = append(used, k)
-				}
-			} else {
-				kname = "~"
-			}
-			seq[kname]++
-			total++
-			size := 1
-			if m.bigP > 0 && rng.Float64() < m.bigP {
-				size = 3000 + rng.IntN(30000)
-			}
-			v := fmt.Sprintf("%s|%d|%s", kname, seq[kname], strings.Repeat("x", size))
-			ks = append(ks, key)
-			vals = append(vals, []byte(v))
-			topics = append(topics, "t"+strconv.Itoa(rng.IntN(m.topics)))
-		}
-		if len(vals) > 0 {
-			if _, err := tx.Exec(ctx, `INSERT INTO `+outbox+` (topic, key, value)
-SELECT t, k, v FROM unnest($1::text[], $2::bytea[], $3::bytea[]) WITH ORDINALITY AS x(t, k, v, n) ORDER BY n`, topics, ks, vals); err != nil {
-				t.Fatal(err)
-			}
-		}
-		if rng.IntN(5) == 0 {
-			for _, k := range used {
-				locked[k] = true
-			}
-			opens = append(opens, open{tx: tx, keys: used, until: time.Now().Add(time.Duration(rng.IntN(300)) * time.Millisecond)})
-		} else if err := tx.Commit(ctx); err != nil {
-			t.Fatal(err)
-		}
+		w.write(ctx, t)
 		time.Sleep(time.Duration(rng.IntN(8)) * time.Millisecond)
 	}
-	for _, o := range opens {
-		if err := o.tx.Commit(ctx); err != nil {
-			t.Fatal(err)
-		}
-	}
+	w.commitAll(ctx, t)
 	pub.mu.Lock()
 	pub.stuckOn = false
 	pub.failP = 0
@@ -338,11 +374,11 @@ SELECT t, k, v FROM unnest($1::text[], $2::bytea[], $3::bytea[]) WITH ORDINALITY
 		}
 		last[k] = s
 	}
-	if len(pub.acked) != total {
-		t.Fatalf("%d of %d events acknowledged", len(pub.acked), total)
+	if len(pub.acked) != w.total {
+		t.Fatalf("%d of %d events acknowledged", len(pub.acked), w.total)
 	}
 	if m.backlog > 0 && heldReads.Load() == 0 {
 		t.Fatal("no claim took the held read: the mode no longer tests it")
 	}
-	t.Logf("%d events, %d calls, %d held reads", total, pub.calls, heldReads.Load())
+	t.Logf("%d events, %d calls, %d held reads", w.total, pub.calls, heldReads.Load())
 }
