@@ -362,6 +362,18 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 		rw.flush(false)
 		return
 	}
+	if tx.Conn().PgConn().TxStatus() == 'E' {
+		// A statement of the handler's failed and left the transaction
+		// aborted: its writes and the claim are lost, and no response can be
+		// stored in it.
+		_ = tx.Rollback(context.WithoutCancel(ctx))
+		if status < 400 {
+			m.fail(w, r, fmt.Errorf("idempotency: the handler answered %d after a statement in its transaction failed; nothing was committed", status))
+			return
+		}
+		m.storeErrorAlone(w, r, c, rw)
+		return
+	}
 	if err := m.storeResponse(ctx, tx, c, rw); err != nil {
 		m.fail(w, r, fmt.Errorf("idempotency: store response: %w", err))
 		return
@@ -371,6 +383,28 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 		return
 	}
 	committed = true
+	rw.flush(false)
+}
+
+// storeErrorAlone stores and sends an error answer whose handler's
+// transaction was aborted (a unique violation answered as 409, say): the
+// answer is stored like any other, with a claim of its own since the first
+// one was rolled back. Should another request have claimed the key in
+// between, this answer goes out unstored and that request answers for the
+// key.
+func (m *Middleware) storeErrorAlone(w http.ResponseWriter, r *http.Request, c claim, rw *recorder) {
+	ctx := r.Context()
+	err := pgx.BeginFunc(ctx, m.db, func(tx pgx.Tx) error {
+		claimed, _, err := m.store.tryClaim(ctx, tx, c, 0, m.cfg.Window)
+		if err != nil || !claimed {
+			return err
+		}
+		return m.storeResponse(ctx, tx, c, rw)
+	})
+	if err != nil {
+		m.fail(w, r, fmt.Errorf("idempotency: store response: %w", err))
+		return
+	}
 	rw.flush(false)
 }
 
