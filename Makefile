@@ -39,6 +39,7 @@ BENCH_PACKAGES = ./relay/ ./relay/relayprom/ ./consumer/ ./idempotency/ ./otelon
 bench:
 	ONCEFLOW_BENCH_DRAIN=$(BENCH_DRAIN) ONCEFLOW_BENCH_SCRAPE=$(BENCH_SCRAPE) \
 		$(GO) test -run '^$$' -p 1 -bench . -benchtime 1x -timeout 150m $(BENCH_PACKAGES)
+	scripts/producer-pgbench.sh
 
 # The same benchmarks at their small default sizes (300k drain, 100k
 # scrape): a few minutes, for checking a change before the full run.
