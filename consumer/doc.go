@@ -104,11 +104,15 @@
 //
 // # Retention
 //
-// Dedup records are kept for a window (default 7 days) and then deleted in
+// Dedup records are kept for a window (default 15 days) and then deleted in
 // small batches by a Janitor. The window must exceed the longest
-// redelivery horizon: the topic's retention (a group reset to the earliest
-// offset re-reads all of it), producer re-sends, and consumer downtime. A
-// message delivered again after its record expired is processed again.
+// redelivery horizon: how long the topic can keep a record (retention.ms
+// plus segment.ms: a group that lost its offsets or was reset to the
+// earliest re-reads all of it), producer re-sends, how long an offset can
+// stay behind messages already processed, and consumer downtime (see
+// JanitorConfig.Window). A message delivered again after its record expired
+// is processed again. A janitor sweeps every consumer of its schema unless
+// JanitorConfig.Consumers names some.
 //
 // # Side effects outside the database
 //

@@ -22,25 +22,44 @@ type Execer interface {
 type JanitorConfig struct {
 	// Schema holds the processed_messages table. Defaults to "onceflow".
 	Schema string
-	// Window is how long dedup records are kept. It must exceed the longest
-	// time a message can be delivered again: the topic's retention (a
-	// consumer group reset to the earliest offset re-reads everything still
-	// in the topic), plus how long a producer may re-publish an event (the
-	// relay's outbox backlog), plus any consumer downtime. A message
-	// redelivered after its record was deleted is processed again.
-	// Defaults to 7 days.
+	// Window is how long dedup records are kept, counted from processing on
+	// the database's clock. It must exceed the longest time a message can
+	// be delivered again:
+	//   - how long Kafka keeps a record: retention.ms counts from a
+	//     segment's newest record, so a quiet topic keeps a record for
+	//     retention.ms plus segment.ms (7 + 7 days by Kafka's defaults), and
+	//     a group that lost its offsets (idle past offsets.retention.minutes,
+	//     7 days by default) or was reset re-reads everything still there;
+	//   - plus how long a producer may re-publish an event (the relay's
+	//     outbox backlog);
+	//   - plus how long a partition's committed offset can stay behind
+	//     messages already processed: while one message waits (a dead letter
+	//     whose topic is missing, say), the messages after it are processed
+	//     but their offsets not committed, and a restart reads them again;
+	//   - plus any consumer downtime while the group keeps its offsets.
+	// A message redelivered after its record was deleted is processed
+	// again. At least one hour (shorter is refused as a unit slip).
+	// Defaults to 15 days: Kafka's default retention and segment roll, plus
+	// a day.
 	Window time.Duration
+	// Consumers limits the sweep to these consumers' records (the names
+	// given to consumer.New). Empty sweeps every consumer of the schema, so
+	// the shortest window of any janitor on the schema wins: give each
+	// service's janitor its own consumers when services with different
+	// windows share a schema.
+	Consumers []string
 	// BatchSize is how many records one DELETE removes, keeping each
 	// transaction and its locks short. Defaults to 1000.
 	BatchSize int
-	// Interval is the time between sweeps in Run. Defaults to 1 minute.
+	// Interval is the time between sweeps in Run. At least one second.
+	// Defaults to 1 minute.
 	Interval time.Duration
 	// Logger receives sweep errors (Warn). Defaults to discarding.
 	Logger *slog.Logger
 }
 
-// Janitor deletes dedup records older than the window, for every consumer
-// of a schema. It is safe for concurrent use, and several Janitors (one per
+// Janitor deletes dedup records older than the window, for the consumers
+// it is given, else for every consumer of a schema. It is safe for concurrent use, and several Janitors (one per
 // service instance) may run at once.
 type Janitor struct {
 	db        Execer
@@ -61,7 +80,7 @@ func NewJanitor(db Execer, cfg *JanitorConfig) (*Janitor, error) {
 		c.Schema = migrations.DefaultSchema
 	}
 	if c.Window == 0 {
-		c.Window = 7 * 24 * time.Hour
+		c.Window = DefaultDedupWindow
 	}
 	if c.BatchSize == 0 {
 		c.BatchSize = 1000
@@ -76,20 +95,34 @@ func NewJanitor(db Execer, cfg *JanitorConfig) (*Janitor, error) {
 		return nil, fmt.Errorf("consumer: JanitorConfig.Schema: %w", err)
 	}
 	switch {
-	case c.Window < 0:
-		return nil, errors.New("consumer: JanitorConfig.Window must not be negative")
+	case c.Window < time.Hour:
+		return nil, fmt.Errorf("consumer: JanitorConfig.Window %s is under an hour: records would go before their offsets are committed (a unit slip? 168 is 168ns, not hours)", c.Window)
 	case c.BatchSize < 1:
 		return nil, errors.New("consumer: JanitorConfig.BatchSize must be at least 1")
-	case c.Interval < 0:
-		return nil, errors.New("consumer: JanitorConfig.Interval must not be negative")
+	case c.Interval < time.Second:
+		return nil, fmt.Errorf("consumer: JanitorConfig.Interval %s is under a second", c.Interval)
+	}
+	for _, name := range c.Consumers {
+		if name == "" {
+			return nil, errors.New("consumer: JanitorConfig.Consumers holds an empty name")
+		}
 	}
 	table := pgx.Identifier{c.Schema, "processed_messages"}.Sanitize()
+	only := ""
+	if len(c.Consumers) > 0 {
+		only = ` AND consumer = ANY($3)`
+	}
 	// The inner SELECT walks processed_messages_processed_at_idx; SKIP
 	// LOCKED lets concurrent janitors take different rows.
 	return &Janitor{db: db, cfg: c, deleteSQL: `DELETE FROM ` + table + ` WHERE ctid = ANY(ARRAY(
-	SELECT ctid FROM ` + table + ` WHERE processed_at < now() - $1::interval
+	SELECT ctid FROM ` + table + ` WHERE processed_at < now() - $1::interval` + only + `
 	ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED))`}, nil
 }
+
+// DefaultDedupWindow is JanitorConfig.Window's default: how long Kafka's
+// defaults can keep a record (retention.ms and segment.ms, 7 days each),
+// plus a day.
+const DefaultDedupWindow = 15 * 24 * time.Hour
 
 // Sweep deletes every record older than the window, one batch per
 // statement, and returns how many it deleted. It stops early with ctx's
@@ -97,7 +130,11 @@ func NewJanitor(db Execer, cfg *JanitorConfig) (*Janitor, error) {
 func (j *Janitor) Sweep(ctx context.Context) (int64, error) {
 	var total int64
 	for {
-		tag, err := j.db.Exec(ctx, j.deleteSQL, j.cfg.Window, j.cfg.BatchSize)
+		args := []any{j.cfg.Window, j.cfg.BatchSize}
+		if len(j.cfg.Consumers) > 0 {
+			args = append(args, j.cfg.Consumers)
+		}
+		tag, err := j.db.Exec(ctx, j.deleteSQL, args...)
 		if err != nil {
 			return total, fmt.Errorf("consumer: janitor: delete expired records: %w", err)
 		}

@@ -15,8 +15,8 @@ func TestJanitorDeletesOnlyExpiredRecordsInBatches(t *testing.T) {
 	ctx := context.Background()
 	table := pgx.Identifier{b.schema, "processed_messages"}.Sanitize()
 	_, err := b.pool.Exec(ctx, `INSERT INTO `+table+` (consumer, message_id, processed_at)
-		SELECT 'ledger', 'old-'||i, now() - interval '8 days' FROM generate_series(1, 2500) i
-		UNION ALL SELECT 'ledger', 'new-'||i, now() - interval '6 days' FROM generate_series(1, 30) i`)
+		SELECT 'ledger', 'old-'||i, now() - interval '16 days' FROM generate_series(1, 2500) i
+		UNION ALL SELECT 'ledger', 'new-'||i, now() - interval '14 days' FROM generate_series(1, 30) i`)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -36,8 +36,8 @@ func TestJanitorDeletesOnlyExpiredRecordsInBatches(t *testing.T) {
 	}
 
 	// Run sweeps at once and returns nil when canceled.
-	_, _ = b.pool.Exec(ctx, `UPDATE `+table+` SET processed_at = now() - interval '1 hour'`)
-	j, _ = consumer.NewJanitor(b.pool, &consumer.JanitorConfig{Schema: b.schema, Window: time.Minute, Interval: time.Hour})
+	_, _ = b.pool.Exec(ctx, `UPDATE `+table+` SET processed_at = now() - interval '2 hours'`)
+	j, _ = consumer.NewJanitor(b.pool, &consumer.JanitorConfig{Schema: b.schema, Window: time.Hour, Interval: time.Hour})
 	runCtx, cancel := context.WithCancel(ctx)
 	done := make(chan error)
 	go func() { done <- j.Run(runCtx) }()
@@ -73,5 +73,81 @@ func TestJanitorUsesProcessedAtIndex(t *testing.T) {
 	}
 	if !contains(joined, "processed_messages_processed_at_idx") {
 		t.Fatalf("janitor query does not use the processed_at index:\n%s", joined)
+	}
+}
+
+// A record can be read again for as long as Kafka keeps it, and with
+// Kafka's defaults that is up to 14 days: retention.ms (7 days) counts from
+// a segment's newest record, and a quiet topic rolls its segment only after
+// segment.ms (7 days). A group idle for offsets.retention.minutes (7 days)
+// loses its offsets and re-reads the topic from its start. The default
+// window must keep a record that long.
+func TestJanitorsDefaultWindowOutlastsKafkasDefaultRetention(t *testing.T) {
+	b := setup(t)
+	ctx := context.Background()
+	table := pgx.Identifier{b.schema, "processed_messages"}.Sanitize()
+	if _, err := b.pool.Exec(ctx, `INSERT INTO `+table+` (consumer, message_id, processed_at)
+		VALUES ('ledger', 'still-in-a-quiet-topic', now() - interval '14 days'),
+		       ('ledger', 'gone-from-kafka', now() - interval '15 days 1 hour')`); err != nil {
+		t.Fatal(err)
+	}
+	j, err := consumer.NewJanitor(b.pool, &consumer.JanitorConfig{Schema: b.schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n, err := j.Sweep(ctx); err != nil || n != 1 {
+		t.Fatalf("Sweep = %d, %v; want 1 record deleted", n, err)
+	}
+	var left string
+	if err := b.pool.QueryRow(ctx, `SELECT message_id FROM `+table).Scan(&left); err != nil || left != "still-in-a-quiet-topic" {
+		t.Fatalf("left %q (%v), want the 14-day-old record kept", left, err)
+	}
+}
+
+// Services sharing a schema share processed_messages. A janitor told its
+// consumers sweeps only theirs, so one service's short window does not
+// expire another's records.
+func TestAJanitorSweepsOnlyTheConsumersItIsGiven(t *testing.T) {
+	b := setup(t)
+	ctx := context.Background()
+	table := pgx.Identifier{b.schema, "processed_messages"}.Sanitize()
+	if _, err := b.pool.Exec(ctx, `INSERT INTO `+table+` (consumer, message_id, processed_at)
+		SELECT c, 'm-'||i, now() - interval '2 days' FROM generate_series(1, 5) i, unnest(ARRAY['payments', 'notifications', 'emails']) c`); err != nil {
+		t.Fatal(err)
+	}
+	j, err := consumer.NewJanitor(b.pool, &consumer.JanitorConfig{Schema: b.schema, Window: 24 * time.Hour, Consumers: []string{"notifications", "emails"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n, err := j.Sweep(ctx); err != nil || n != 10 {
+		t.Fatalf("Sweep = %d, %v; want 10 records deleted", n, err)
+	}
+	for name, want := range map[string]int{"payments": 5, "notifications": 0, "emails": 0} {
+		if got := b.processedRows(t, name); got != want {
+			t.Errorf("%s: %d records left, want %d", name, got, want)
+		}
+	}
+}
+
+// A window below an hour is a unit slip (168 meant as hours is 168 ns): it
+// would delete records before their offsets are committed, and a
+// redelivery would be processed again. An interval below a second would
+// hammer the database with DELETEs.
+func TestNewJanitorRefusesAWindowOrIntervalTooShort(t *testing.T) {
+	b := setup(t)
+	for _, cfg := range []consumer.JanitorConfig{
+		{Window: 168},
+		{Window: 168 * time.Millisecond},
+		{Window: 59 * time.Minute},
+		{Interval: time.Millisecond},
+		{Consumers: []string{"ledger", ""}},
+	} {
+		cfg.Schema = b.schema
+		if _, err := consumer.NewJanitor(b.pool, &cfg); err == nil {
+			t.Errorf("NewJanitor(%+v) = nil error, want a refusal", cfg)
+		}
+	}
+	if _, err := consumer.NewJanitor(b.pool, &consumer.JanitorConfig{Schema: b.schema, Window: time.Hour, Interval: time.Second}); err != nil {
+		t.Errorf("NewJanitor at the floors: %v", err)
 	}
 }

@@ -53,7 +53,7 @@ func run(ctx context.Context, args []string, log *slog.Logger) error {
 	schema := fs.String("schema", envOr("ONCEFLOW_SCHEMA", migrations.DefaultSchema), "schema holding onceflow's tables (env ONCEFLOW_SCHEMA)")
 	topic := fs.String("topic", "payments", "topic to consume")
 	group := fs.String("group", "ledger", "consumer group, also the name payments are deduplicated under")
-	window := fs.Duration("dedup-window", 7*24*time.Hour, "keep dedup records this long; must exceed the topic's retention")
+	window := fs.Duration("dedup-window", consumer.DefaultDedupWindow, "keep dedup records this long; must exceed how long the topic can keep a record (retention.ms plus segment.ms)")
 	session := fs.Duration("session-timeout", 0, "group session timeout: how soon a worker that died gives up its partitions (0: franz-go's 45s)")
 	rebalance := fs.Duration("rebalance-timeout", 0, "group rebalance timeout (0: franz-go's 60s)")
 	tracing := fs.Bool("trace", false, "trace each payment in a consumer span joined to its producer's trace (the record's traceparent header); spans are exported as the standard OTEL_* environment variables say (OTEL_EXPORTER_OTLP_ENDPOINT, ...)")
@@ -108,7 +108,7 @@ func run(ctx context.Context, args []string, log *slog.Logger) error {
 	}
 	// The janitor deletes dedup records older than the window, so
 	// processed_messages does not grow forever. Every worker may run one.
-	janitor, err := consumer.NewJanitor(pool, &consumer.JanitorConfig{Schema: *schema, Window: *window, Logger: log})
+	janitor, err := consumer.NewJanitor(pool, &consumer.JanitorConfig{Schema: *schema, Window: *window, Consumers: []string{*group}, Logger: log})
 	if err != nil {
 		return err
 	}
