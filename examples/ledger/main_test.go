@@ -230,8 +230,9 @@ func TestLedgerTwoProcessesStartTogether(t *testing.T) {
 	b.Stop(t, 20*time.Second)
 }
 
-// The worker runs the consumer's janitor: dedup records older than the
-// window are deleted, newer ones kept.
+// The worker runs the consumer's janitor: its group's dedup records older
+// than the window are deleted, newer ones kept, and another consumer's
+// records, which follow that consumer's window, left alone.
 func TestLedgerRunsTheJanitor(t *testing.T) {
 	t.Parallel()
 	schema := pgtest.Schema(t)
@@ -240,9 +241,9 @@ func TestLedgerRunsTheJanitor(t *testing.T) {
 	pool := pgtest.Pool(t)
 	table := pgx.Identifier{schema, "processed_messages"}.Sanitize()
 	if _, err := pool.Exec(context.Background(), `INSERT INTO `+table+` (consumer, message_id, processed_at) VALUES
-		('ledger', 'expired', now() - interval '8 days'),
-		('other', 'expired-too', now() - interval '30 days'),
-		('ledger', 'kept', now() - interval '6 days')`); err != nil {
+		('ledger', 'expired', now() - interval '16 days'),
+		('other', 'another consumers', now() - interval '30 days'),
+		('ledger', 'kept', now() - interval '14 days')`); err != nil {
 		t.Fatal(err)
 	}
 
@@ -260,8 +261,8 @@ func TestLedgerRunsTheJanitor(t *testing.T) {
 		return ids
 	}
 	exampletest.Eventually(t, 30*time.Second, func() error {
-		if ids := left(); len(ids) != 1 || ids[0] != "kept" {
-			return fmt.Errorf("processed_messages holds %v, want only the record inside the window", ids)
+		if ids := left(); len(ids) != 2 || ids[0] != "another consumers" || ids[1] != "kept" {
+			return fmt.Errorf("processed_messages holds %v, want the record inside the window and another consumer's", ids)
 		}
 		return nil
 	})
