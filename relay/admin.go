@@ -56,11 +56,15 @@ FROM `+pgx.Identifier{schema, "outbox_dead"}.Sanitize()+` ORDER BY `+deadOrder+`
 	return out, rows.Err()
 }
 
-// deadOrder is the order of dead events: when they died, and within one
-// statement their write order. (Before the dead-letter statement inserted
-// in outbox id order, the ids of one statement's dead letters followed the
-// table's order, not the write order.)
-const deadOrder = `dead_at, outbox_id, id`
+// deadOrder is the order of dead events: their write order, the outbox id
+// each was first written with (kept across replays since migration 9; rows
+// dead-lettered before it have their outbox id), then the dead letter's.
+const deadOrder = `coalesce(first_outbox_id, outbox_id), id`
+
+// deadPosition is deadOrder for the outbox_dead row aliased d.
+func deadPosition(d string) string {
+	return `(coalesce(` + d + `.first_outbox_id, ` + d + `.outbox_id), ` + d + `.id)`
+}
 
 const deadColumns = `id, outbox_id, event_id::text, topic, key, value, headers, created_at, error, attempts, dead_at`
 
@@ -72,34 +76,90 @@ func scanDead(rows pgx.Rows) (DeadEvent, error) {
 
 // ReplayDead moves dead events back into the outbox in one statement,
 // keeping their event_id (so consumers still deduplicate them) and their
-// original order among themselves. ids selects outbox_dead ids; nil means
-// all, and an empty non-nil slice is an error. When an id is not a dead
-// event, ReplayDead moves nothing and returns a *DeadNotFoundError naming
-// the missing ids. It returns how many it moved. A replayed event goes to
-// the back of its key's queue: events of the same key written after it was
-// dead-lettered have already been published.
-func ReplayDead(ctx context.Context, db Querier, schema string, ids []int64) (int, error) {
+// write order among themselves, also across replays. ids selects
+// outbox_dead ids; nil means all, and an empty non-nil slice is an error.
+// When an id is not a dead event, ReplayDead moves nothing and returns a
+// *DeadNotFoundError naming the missing ids. When a replayed event's key
+// has an earlier dead event left out of ids, the replay would publish the
+// key's events out of order (G3): ReplayDead moves nothing and returns a
+// *DeadOutOfOrderError naming those earlier events, unless
+// ReplayOutOfOrder is given. It returns how many it moved. A replayed event
+// goes to the back of its key's queue: events of the same key written
+// after it was dead-lettered have already been published.
+func ReplayDead(ctx context.Context, db Querier, schema string, ids []int64, opts ...ReplayOption) (int, error) {
 	if err := migrations.ValidateSchema(schema); err != nil {
 		return 0, fmt.Errorf("relay: %w", err)
 	}
 	if ids != nil && len(ids) == 0 {
 		return 0, fmt.Errorf("relay: replay dead events: no ids given (nil means all)")
 	}
+	var cfg replayConfig
+	for _, o := range opts {
+		o(&cfg)
+	}
 	outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
-	rows, err := db.Query(ctx, deadTake(schema, "id, outbox_id, dead_at, event_id, topic, key, value, headers, created_at")+`,
+	dead := pgx.Identifier{schema, "outbox_dead"}.Sanitize()
+	// held: the earlier dead events, left out of ids, of the keys being
+	// replayed. Keyless events have no order to keep.
+	held := `SELECT d.id FROM ` + dead + ` d WHERE $1::bigint[] IS NOT NULL AND NOT $2::boolean
+        AND d.key IS NOT NULL AND d.id <> ALL($1::bigint[])
+        AND EXISTS (SELECT 1 FROM ` + dead + ` r WHERE r.id = ANY($1::bigint[]) AND r.key = d.key
+            AND ` + deadPosition("r") + ` > ` + deadPosition("d") + `)`
+	rows, err := db.Query(ctx, `WITH held AS (`+held+`),
+`+strings.TrimPrefix(deadTake(schema, "id, outbox_id, first_outbox_id, event_id, topic, key, value, headers, created_at", "NOT EXISTS (SELECT 1 FROM held)"), "WITH ")+`,
 ins AS (
-    INSERT INTO `+outbox+` (event_id, topic, key, value, headers, created_at)
-    SELECT event_id, topic, key, value, headers, created_at FROM taken ORDER BY `+deadOrder+`
+    INSERT INTO `+outbox+` (event_id, topic, key, value, headers, created_at, first_id)
+    SELECT event_id, topic, key, value, headers, created_at, coalesce(first_outbox_id, outbox_id) FROM taken ORDER BY `+deadOrder+`
     RETURNING 1)
-SELECT taken.id FROM taken`, ids)
+SELECT taken.id, false FROM taken
+UNION ALL SELECT held.id, true FROM held`, ids, cfg.outOfOrder)
 	if err != nil {
 		return 0, fmt.Errorf("relay: replay dead events: %w", err)
 	}
-	moved, err := pgx.CollectRows(rows, pgx.RowTo[int64])
-	if err != nil {
+	var moved, earlier []int64
+	var id int64
+	var isHeld bool
+	if _, err := pgx.ForEachRow(rows, []any{&id, &isHeld}, func() error {
+		if isHeld {
+			earlier = append(earlier, id)
+		} else {
+			moved = append(moved, id)
+		}
+		return nil
+	}); err != nil {
 		return 0, fmt.Errorf("relay: replay dead events: %w", err)
+	}
+	if len(earlier) > 0 {
+		slices.Sort(earlier)
+		return 0, &DeadOutOfOrderError{IDs: earlier}
 	}
 	return len(moved), notFound(ctx, db, schema, "replayed", ids, moved)
+}
+
+// ReplayOption changes how ReplayDead replays.
+type ReplayOption func(*replayConfig)
+
+type replayConfig struct{ outOfOrder bool }
+
+// ReplayOutOfOrder lets ReplayDead replay a key's dead events while earlier
+// dead events of the same key stay dead: they will be published after
+// them, if ever.
+func ReplayOutOfOrder() ReplayOption { return func(c *replayConfig) { c.outOfOrder = true } }
+
+// DeadOutOfOrderError names the dead events that a replay left out and
+// that come before, in their key's write order, an event it would have
+// replayed. Nothing was replayed: replay them along, or say the order does
+// not matter (ReplayOutOfOrder).
+type DeadOutOfOrderError struct {
+	IDs []int64
+}
+
+func (e *DeadOutOfOrderError) Error() string {
+	s := make([]string, len(e.IDs))
+	for i, id := range e.IDs {
+		s[i] = strconv.FormatInt(id, 10)
+	}
+	return fmt.Sprintf("relay: nothing replayed: dead events %s come first in their keys' order and would be published after the ones given; replay them too, or replay out of order on purpose", strings.Join(s, ", "))
 }
 
 // DiscardDead deletes the given dead events for good and returns them, so
@@ -112,7 +172,7 @@ func DiscardDead(ctx context.Context, db Querier, schema string, ids []int64) ([
 	if len(ids) == 0 {
 		return nil, fmt.Errorf("relay: discard dead events: no ids given")
 	}
-	rows, err := db.Query(ctx, deadTake(schema, deadColumns)+`
+	rows, err := db.Query(ctx, deadTake(schema, deadColumns+", first_outbox_id", "true")+`
 SELECT `+deadColumns+` FROM taken ORDER BY `+deadOrder, ids)
 	if err != nil {
 		return nil, fmt.Errorf("relay: discard dead events: %w", err)
@@ -136,14 +196,15 @@ SELECT `+deadColumns+` FROM taken ORDER BY `+deadOrder, ids)
 
 // deadTake is the start of a statement that deletes the outbox_dead rows
 // whose ids are in $1 (all when $1 is NULL) into the CTE "taken", returning
-// cols, but only when every id in $1 is there.
-func deadTake(schema, cols string) string {
+// cols, but only when every id in $1 is there and the SQL condition when
+// holds.
+func deadTake(schema, cols, when string) string {
 	dead := pgx.Identifier{schema, "outbox_dead"}.Sanitize()
 	return `WITH missing AS (
     SELECT count(*) AS n FROM unnest($1::bigint[]) AS w(id)
     WHERE NOT EXISTS (SELECT 1 FROM ` + dead + ` d WHERE d.id = w.id)),
 taken AS (
-    DELETE FROM ` + dead + ` WHERE ($1::bigint[] IS NULL OR id = ANY($1::bigint[])) AND (SELECT n FROM missing) = 0
+    DELETE FROM ` + dead + ` WHERE ($1::bigint[] IS NULL OR id = ANY($1::bigint[])) AND (SELECT n FROM missing) = 0 AND ` + when + `
     RETURNING ` + cols + `)`
 }
 

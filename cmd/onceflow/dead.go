@@ -67,11 +67,15 @@ func runDead(ctx context.Context, args []string, stdout, stderr io.Writer) error
 			return nil
 		})
 	case "replay":
-		fs := newFlagSet("dead replay", "Move dead events back into the outbox (keeping their event id) for the relay to publish again.\n"+
-			"If an id is not a dead event, nothing is replayed and the command fails naming it.", stderr)
+		fs := newFlagSet("dead replay", "Move dead events back into the outbox (keeping their event id) for the relay to publish again,\n"+
+			"in their keys' write order. If an id is not a dead event, nothing is replayed and the command fails\n"+
+			"naming it. If a replayed event's key has an earlier dead event not among the ids, nothing is\n"+
+			"replayed and the command fails naming it (the key's events would be published out of order),\n"+
+			"unless --out-of-order.", stderr)
 		c.register(fs, false)
 		ids := fs.String("ids", "", "comma-separated outbox_dead ids (see 'onceflow dead list')")
 		all := fs.Bool("all", false, "replay every dead event")
+		outOfOrder := fs.Bool("out-of-order", false, "replay the ids even if earlier dead events of their keys stay dead (published after them, if ever)")
 		if err := c.parse(fs, rest, false); err != nil {
 			return err
 		}
@@ -80,7 +84,11 @@ func runDead(ctx context.Context, args []string, stdout, stderr io.Writer) error
 			return err
 		}
 		return withPool(ctx, &c, func(q relay.Querier) error {
-			n, err := relay.ReplayDead(ctx, q, c.schema, idList)
+			var opts []relay.ReplayOption
+			if *outOfOrder {
+				opts = append(opts, relay.ReplayOutOfOrder())
+			}
+			n, err := relay.ReplayDead(ctx, q, c.schema, idList, opts...)
 			if err != nil {
 				return err
 			}

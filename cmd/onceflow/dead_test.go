@@ -59,3 +59,21 @@ func TestDeadReplayUnknownIDsFails(t *testing.T) {
 		t.Fatalf("--ids 1: %v\n%s", err, out)
 	}
 }
+
+// A replay that would publish a key's later event before an earlier one
+// that stays dead fails naming the earlier one and replays nothing;
+// --out-of-order replays it anyway.
+func TestDeadReplayKeepsAKeysOrderUnlessToldNot(t *testing.T) {
+	t.Parallel()
+	schema, flags := deadSetup(t, 2) // two dead events of key "k", ids 1 and 2
+	out, err := runCLI(t, append([]string{"dead", "replay", "--ids", "2"}, flags...)...)
+	if err == nil || !strings.Contains(err.Error(), "dead events 1 come first") {
+		t.Fatalf("replay of the key's later event alone: err %v, want it refused naming 1\n%s", err, out)
+	}
+	if n := count(t, schema, "outbox_dead"); n != 2 {
+		t.Fatalf("%d dead events left, want 2 (none replayed)", n)
+	}
+	if out, err := runCLI(t, append([]string{"dead", "replay", "--ids", "2", "--out-of-order"}, flags...)...); err != nil || !strings.Contains(out, "replayed 1 dead events") {
+		t.Fatalf("--out-of-order: %v\n%s", err, out)
+	}
+}

@@ -1,0 +1,129 @@
+package relay_test
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kmsg"
+
+	"github.com/onceflow/onceflow/outbox"
+	"github.com/onceflow/onceflow/relay"
+)
+
+// deadRow is a dead letter written by hand: its key, value and outbox id.
+type deadRow struct {
+	key      any // nil: keyless
+	value    string
+	outboxID int64
+}
+
+// insertDead writes rows into outbox_dead and returns their ids by value.
+func (b *bundle) insertDead(t *testing.T, rows ...deadRow) map[string]int64 {
+	t.Helper()
+	ids := map[string]int64{}
+	for _, r := range rows {
+		var id int64
+		if err := b.pool.QueryRow(context.Background(), `INSERT INTO `+pgx.Identifier{b.schema, "outbox_dead"}.Sanitize()+
+			` (outbox_id, event_id, topic, key, value, created_at, error, attempts) VALUES ($1, gen_random_uuid(), 'payments', $2::bytea, convert_to($3, 'UTF8'), now(), 'too large', 1)
+			RETURNING id`, r.outboxID, r.key, r.value).Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		ids[r.value] = id
+	}
+	return ids
+}
+
+// pendingValues lists the outbox's values in id order, the order the relay
+// publishes a key's events in.
+func (b *bundle) pendingValues(t *testing.T) []string {
+	t.Helper()
+	rows, err := b.pool.Query(context.Background(), `SELECT convert_from(value, 'UTF8') FROM `+pgx.Identifier{b.schema, "outbox"}.Sanitize()+` ORDER BY id`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	v, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	return v
+}
+
+// Replaying a key's later dead event while an earlier one of the same key
+// stays dead would publish "refund 100" before "debit 100" (G3): the replay
+// is refused, naming the earlier events, and moves nothing, unless the
+// operator says the order does not matter. Other keys, keyless events and
+// a replay that takes the earlier event along are not held.
+func TestAReplayThatPutsAKeysLaterEventAheadOfAnEarlierDeadOneIsRefused(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	ids := b.insertDead(t,
+		deadRow{nil, "keyless", 9},
+		deadRow{"acct-1", "debit 100", 10},
+		deadRow{"acct-1", "refund 100", 11},
+		deadRow{"acct-2", "other", 12},
+		deadRow{"acct-3", "first", 13},
+		deadRow{"acct-3", "second", 14},
+	)
+	n, err := relay.ReplayDead(ctx, b.pool, b.schema, []int64{ids["refund 100"], ids["other"]})
+	var order *relay.DeadOutOfOrderError
+	if !errors.As(err, &order) || n != 0 || !slices.Equal(order.IDs, []int64{ids["debit 100"]}) {
+		t.Fatalf("replay of acct-1's later event alone: %d, %v; want nothing replayed and debit 100 (id %d) named", n, err, ids["debit 100"])
+	}
+	if got := b.count(t, "outbox_dead"); got != 6 {
+		t.Fatalf("%d dead events left, want 6 (nothing replayed)", got)
+	}
+	for _, take := range [][]int64{{ids["keyless"]}, {ids["other"]}, {ids["refund 100"], ids["debit 100"]}} {
+		if n, err := relay.ReplayDead(ctx, b.pool, b.schema, take); err != nil || n != len(take) {
+			t.Fatalf("replay %v: %d, %v", take, n, err)
+		}
+	}
+	if n, err := relay.ReplayDead(ctx, b.pool, b.schema, []int64{ids["second"]}, relay.ReplayOutOfOrder()); err != nil || n != 1 {
+		t.Fatalf("replay of acct-3's later event, out of order on purpose: %d, %v", n, err)
+	}
+	if got, want := b.pendingValues(t), []string{"keyless", "other", "debit 100", "refund 100", "second"}; !slices.Equal(got, want) {
+		t.Fatalf("outbox %q, want %q", got, want)
+	}
+}
+
+// An event replayed alone that Kafka refuses again is dead a second time,
+// with a new outbox id and a later dead_at than its key's later event that
+// stayed dead. A replay of both must still put it first: write order is the
+// event's first outbox id, kept across replays (G3).
+func TestAReplayedEventThatDiesAgainKeepsItsPlaceInItsKeysOrder(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	fake := b.kafka.RequireFake(t)
+	topic := b.kafka.Topic(t, 1)
+	refused := fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topic, Err: kerr.InvalidTopicException, Count: -1})
+	b.write(t,
+		outbox.Message{Topic: topic, Key: []byte("acct-1"), Value: []byte("debit 100")},
+		outbox.Message{Topic: topic, Key: []byte("acct-1"), Value: []byte("refund 100")},
+	)
+	_, stop := b.startRelay(t, relay.Config{})
+	waitFor(t, "both dead", 30*time.Second, func() bool { return b.count(t, "outbox_dead") == 2 })
+	dead, err := relay.ListDead(ctx, b.pool, b.schema, 10)
+	if err != nil || len(dead) != 2 || string(dead[0].Value) != "debit 100" {
+		t.Fatalf("dead letters %+v, %v", dead, err)
+	}
+	// The operator replays the first one to try a fix; Kafka refuses it again.
+	if n, err := relay.ReplayDead(ctx, b.pool, b.schema, []int64{dead[0].ID}); err != nil || n != 1 {
+		t.Fatalf("replay of debit 100: %d, %v", n, err)
+	}
+	waitFor(t, "debit 100 dead again", 30*time.Second, func() bool { return b.count(t, "outbox_dead") == 2 })
+	stop()
+	refused.Remove()
+	if n, err := relay.ReplayDead(ctx, b.pool, b.schema, nil); err != nil || n != 2 {
+		t.Fatalf("replay of all: %d, %v", n, err)
+	}
+	if got, want := b.pendingValues(t), []string{"debit 100", "refund 100"}; !slices.Equal(got, want) {
+		t.Fatalf("acct-1 queued as %q, want its write order %q", got, want)
+	}
+}
