@@ -185,6 +185,11 @@ func validate(m Message) error {
 	if m.ID != "" && !isUUID(m.ID) {
 		return fmt.Errorf("%w: ID %q is not a UUID", ErrInvalidMessage, m.ID)
 	}
+	// An unset uuid.UUID{} formats to the nil UUID: every event written
+	// with it would share one id, and consumers would keep only the first.
+	if m.ID == nilUUID {
+		return fmt.Errorf("%w: ID is the nil UUID %s (an unset uuid.UUID?); leave ID empty for a random one", ErrInvalidMessage, nilUUID)
+	}
 	if _, ok := m.Headers[MessageIDHeader]; ok {
 		return fmt.Errorf("%w: header %q is reserved; set Message.ID instead", ErrInvalidMessage, MessageIDHeader)
 	}
@@ -218,6 +223,8 @@ func ValidateTopic(topic string) error {
 	}
 	return nil
 }
+
+const nilUUID = "00000000-0000-0000-0000-000000000000"
 
 func isUUID(s string) bool {
 	if len(s) != 36 {

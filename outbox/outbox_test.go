@@ -227,6 +227,9 @@ func TestWriteRejectsBadMessages(t *testing.T) {
 		"binary header name":  {Topic: "t", Headers: map[string]string{"k\xff": "v"}},
 		"NUL in a value":      {Topic: "t", Headers: map[string]string{"k": "a\x00b"}},
 		"NUL in a name":       {Topic: "t", Headers: map[string]string{"a\x00": "v"}},
+		// An unset uuid.UUID{} formats to the nil UUID: every event would
+		// share it, and consumers would keep only the first.
+		"nil id": {Topic: "t", ID: "00000000-0000-0000-0000-000000000000"},
 	}
 	for name, m := range cases {
 		err := w.Write(context.Background(), db, outbox.Message{Topic: "ok"}, m)
