@@ -123,9 +123,24 @@ func (w *Writer) Write(ctx context.Context, db DB, msgs ...Message) error {
 		w.inject.InjectHeaders(ctx, injected)
 		delete(injected, MessageIDHeader)
 	}
+	// Consumers deduplicate on the id, so an id written twice to one topic
+	// would lose the second event; one id on two topics is one event fanned
+	// out. firstOf maps each chosen (id, topic) to its message's index.
+	var firstOf map[idTopic]int
 	for i, m := range msgs {
 		if err := validate(m); err != nil {
 			return fmt.Errorf("outbox: message %d: %w", i, err)
+		}
+		if m.ID != "" && len(msgs) > 1 {
+			if firstOf == nil {
+				firstOf = make(map[idTopic]int, len(msgs))
+			}
+			// The column is uuid: an upper-case id is the same id.
+			k := idTopic{strings.ToLower(m.ID), m.Topic}
+			if j, ok := firstOf[k]; ok {
+				return fmt.Errorf("outbox: message %d: %w: ID %s on topic %q repeats message %d's (consumers would drop one as a duplicate)", i, ErrInvalidMessage, k.id, m.Topic, j)
+			}
+			firstOf[k] = i
 		}
 		m.Headers = withInjected(m.Headers, injected)
 		if m.ID != "" {
@@ -149,6 +164,8 @@ func (w *Writer) Write(ctx context.Context, db DB, msgs ...Message) error {
 	}
 	return nil
 }
+
+type idTopic struct{ id, topic string }
 
 // withInjected returns h with the injected headers it does not set itself,
 // leaving h as it was.

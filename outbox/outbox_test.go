@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync/atomic"
 	"testing"
 
@@ -297,5 +298,54 @@ func TestInjectorAddsContextHeadersWithoutOverridingTheMessages(t *testing.T) {
 				t.Errorf("row %d header %q = %q, want %q", i, k, r.headers[k], v)
 			}
 		}
+	}
+}
+
+// Consumers deduplicate on the message id, so a call writing one id twice
+// to one topic ("charge" then "refund") would lose the second event.
+func TestWriteRefusesAnIDRepeatedOnATopic(t *testing.T) {
+	t.Parallel()
+	schema := pgtest.Schema(t)
+	db := pgtest.Pool(t)
+	w, _ := outbox.NewWriter(&outbox.Config{Schema: schema})
+	id := outbox.NewID()
+	cases := map[string][]outbox.Message{
+		"same topic": {
+			{Topic: "payments", ID: id, Value: []byte("charge")},
+			{Topic: "other", Value: []byte("x")},
+			{Topic: "payments", ID: id, Value: []byte("refund")},
+		},
+		// The column is uuid: both spellings are one id.
+		"other case": {
+			{Topic: "payments", ID: id, Value: []byte("charge")},
+			{Topic: "other", Value: []byte("x")},
+			{Topic: "payments", ID: strings.ToUpper(id), Value: []byte("refund")},
+		},
+	}
+	for name, msgs := range cases {
+		err := w.Write(context.Background(), db, msgs...)
+		if !errors.Is(err, outbox.ErrInvalidMessage) {
+			t.Errorf("%s: err = %v, want ErrInvalidMessage", name, err)
+			continue
+		}
+		for _, want := range []string{"message 2:", "message 0", strings.ToLower(msgs[2].ID)} {
+			if !strings.Contains(strings.ToLower(err.Error()), want) {
+				t.Errorf("%s: err = %q, want it to name %q", name, err, want)
+			}
+		}
+	}
+	if got := readOutbox(t, db, schema); len(got) != 0 {
+		t.Fatalf("a rejected call wrote rows: %+v", got)
+	}
+
+	// One event fanned out to two topics keeps its id on both.
+	if err := w.Write(context.Background(), db,
+		outbox.Message{Topic: "payments", ID: id, Value: []byte("charge")},
+		outbox.Message{Topic: "audit", ID: id, Value: []byte("charge")},
+	); err != nil {
+		t.Fatalf("one id on two topics: %v", err)
+	}
+	if got := readOutbox(t, db, schema); len(got) != 2 || got[0].eventID != id || got[1].eventID != id {
+		t.Fatalf("got %+v", got)
 	}
 }
