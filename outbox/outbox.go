@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"unicode/utf8"
 
@@ -53,13 +54,16 @@ type Config struct {
 	// as the W3C trace context (traceparent, tracestate, baggage) that
 	// otelonceflow.NewInjector's Injector records, so the consumer's span joins the
 	// producer's trace. A header the message sets itself wins over an
-	// injected one, and an injected "message-id" is ignored. Defaults to
+	// injected one, and an injected "message-id" is ignored. Injected
+	// headers must be text like the message's own: Write refuses a message
+	// that would carry one that is not with ErrInvalidMessage. Defaults to
 	// nil: no header is added.
 	Inject Injector
 }
 
 // Injector adds headers derived from ctx (a trace context, say) to h, which
-// it may only add to. It is called once per Write call that has messages,
+// it may only add to. Names and values must be UTF-8 text without NUL, as
+// in Message.Headers. It is called once per Write call that has messages,
 // so it must be safe for concurrent use.
 type Injector interface {
 	InjectHeaders(ctx context.Context, h map[string]string)
@@ -118,10 +122,20 @@ func (w *Writer) Write(ctx context.Context, db DB, msgs ...Message) error {
 	values := make([][]byte, len(msgs))
 	headers := make([]*string, len(msgs))
 	var injected map[string]string
+	// notText lists the injected headers that are not text, checked once:
+	// the injector's headers are the same for every message, and a message
+	// that sets such a header itself does not use the injected one.
+	var notText []string
 	if w.inject != nil {
 		injected = make(map[string]string, 3)
 		w.inject.InjectHeaders(ctx, injected)
 		delete(injected, MessageIDHeader)
+		for k, v := range injected {
+			if !isText(k) || !isText(v) {
+				notText = append(notText, k)
+			}
+		}
+		slices.Sort(notText)
 	}
 	// Consumers deduplicate on the id, so an id written twice to one topic
 	// would lose the second event; one id on two topics is one event fanned
@@ -130,6 +144,11 @@ func (w *Writer) Write(ctx context.Context, db DB, msgs ...Message) error {
 	for i, m := range msgs {
 		if err := validate(m); err != nil {
 			return fmt.Errorf("outbox: message %d: %w", i, err)
+		}
+		for _, k := range notText {
+			if _, own := m.Headers[k]; !own {
+				return fmt.Errorf("outbox: message %d: %w: injected header %q (Config.Inject): %s", i, ErrInvalidMessage, k, notTextReason)
+			}
 		}
 		if m.ID != "" && len(msgs) > 1 {
 			if firstOf == nil {
@@ -214,13 +233,18 @@ func validate(m Message) error {
 	// other bytes would be replaced (a binary value lost silently) or
 	// refused by PostgreSQL.
 	for k, v := range m.Headers {
-		for _, s := range [2]string{k, v} {
-			if !utf8.ValidString(s) || strings.IndexByte(s, 0) >= 0 {
-				return fmt.Errorf("%w: header %q: names and values must be UTF-8 text without NUL (encode binary values, e.g. in base64)", ErrInvalidMessage, k)
-			}
+		if !isText(k) || !isText(v) {
+			return fmt.Errorf("%w: header %q: %s", ErrInvalidMessage, k, notTextReason)
 		}
 	}
 	return nil
+}
+
+const notTextReason = "names and values must be UTF-8 text without NUL (encode binary values, e.g. in base64)"
+
+// isText reports whether jsonb stores s unchanged: UTF-8 without NUL.
+func isText(s string) bool {
+	return utf8.ValidString(s) && strings.IndexByte(s, 0) < 0
 }
 
 // ValidateTopic checks a name against Kafka's topic rules.

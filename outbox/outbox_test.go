@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -346,6 +347,60 @@ func TestWriteRefusesAnIDRepeatedOnATopic(t *testing.T) {
 		t.Fatalf("one id on two topics: %v", err)
 	}
 	if got := readOutbox(t, db, schema); len(got) != 2 || got[0].eventID != id || got[1].eventID != id {
+		t.Fatalf("got %+v", got)
+	}
+}
+
+// fixedInjector injects the same headers whatever the context.
+type fixedInjector map[string]string
+
+func (f fixedInjector) InjectHeaders(_ context.Context, h map[string]string) {
+	for k, v := range f {
+		h[k] = v
+	}
+}
+
+// Injected headers are stored as jsonb like the message's own: a value that
+// is not UTF-8 was stored as U+FFFD (a signature altered silently), and a NUL
+// failed every Write in PostgreSQL with SQLSTATE 22P05.
+func TestWriteRefusesInjectedHeadersThatAreNotText(t *testing.T) {
+	t.Parallel()
+	schema := pgtest.Schema(t)
+	db := pgtest.Pool(t)
+	cases := map[string]fixedInjector{
+		"binary value":   {"sig": "\xca\xfe\xba\xbe"},
+		"NUL in a value": {"baggage": "a\x00b"},
+		"binary name":    {"k\xff": "v"},
+		"NUL in a name":  {"a\x00": "v"},
+	}
+	for name, inject := range cases {
+		w, err := outbox.NewWriter(&outbox.Config{Schema: schema, Inject: inject})
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = w.Write(context.Background(), db, outbox.Message{Topic: "t", Value: []byte("v")})
+		if !errors.Is(err, outbox.ErrInvalidMessage) {
+			t.Errorf("%s: err = %v, want ErrInvalidMessage", name, err)
+			continue
+		}
+		for k := range inject {
+			if want := fmt.Sprintf("message 0: invalid message: injected header %q", k); !strings.Contains(err.Error(), want) {
+				t.Errorf("%s: err = %q, want it to contain %q", name, err, want)
+			}
+		}
+	}
+	if got := readOutbox(t, db, schema); len(got) != 0 {
+		t.Fatalf("a rejected call wrote rows: %+v", got)
+	}
+
+	// A header the message sets itself wins over the injected one, so the
+	// injected value is never stored and the message is written.
+	w, _ := outbox.NewWriter(&outbox.Config{Schema: schema, Inject: fixedInjector{"sig": "\xca\xfe\xba\xbe"}})
+	err := w.Write(context.Background(), db, outbox.Message{Topic: "t", Headers: map[string]string{"sig": "yv66vg=="}})
+	if err != nil {
+		t.Fatalf("a message overriding the injected header: %v", err)
+	}
+	if got := readOutbox(t, db, schema); len(got) != 1 || got[0].headers["sig"] != "yv66vg==" {
 		t.Fatalf("got %+v", got)
 	}
 }
