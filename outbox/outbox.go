@@ -23,8 +23,13 @@ const MessageIDHeader = "message-id"
 // Message is one event to publish.
 type Message struct {
 	// ID is the event's id, published as the message-id header: a UUID in
-	// its text form. Empty lets the database choose a random one. Choose it
-	// yourself when the consumer should deduplicate on a business identity.
+	// its text form, stored as a uuid and so published in its canonical
+	// lower-case form whatever case it is written in. Empty lets the
+	// database choose a random one. Choose it yourself when the consumer
+	// should deduplicate on a business identity; Write refuses the nil UUID
+	// (what an unset uuid.UUID formats to) and one id twice on one topic in
+	// a call, since consumers would drop all but the first. One id on
+	// several topics is one event fanned out.
 	ID string
 	// Topic is the Kafka topic. Required.
 	Topic string

@@ -404,3 +404,19 @@ func TestWriteRefusesInjectedHeadersThatAreNotText(t *testing.T) {
 		t.Fatalf("got %+v", got)
 	}
 }
+
+// The id is stored as a uuid, so it is published in canonical lower case
+// whatever case it was written in (Message.ID's doc says so).
+func TestWriteStoresAnUpperCaseIDInLowerCase(t *testing.T) {
+	t.Parallel()
+	schema := pgtest.Schema(t)
+	db := pgtest.Pool(t)
+	w, _ := outbox.NewWriter(&outbox.Config{Schema: schema})
+	id := outbox.NewID()
+	if err := w.Write(context.Background(), db, outbox.Message{Topic: "t", ID: strings.ToUpper(id)}); err != nil {
+		t.Fatal(err)
+	}
+	if got := readOutbox(t, db, schema); len(got) != 1 || got[0].eventID != id {
+		t.Fatalf("got %+v, want event_id %s", got, id)
+	}
+}
