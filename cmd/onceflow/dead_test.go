@@ -5,6 +5,7 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 
@@ -75,5 +76,52 @@ func TestDeadReplayKeepsAKeysOrderUnlessToldNot(t *testing.T) {
 	}
 	if out, err := runCLI(t, append([]string{"dead", "replay", "--ids", "2", "--out-of-order"}, flags...)...); err != nil || !strings.Contains(out, "replayed 1 dead events") {
 		t.Fatalf("--out-of-order: %v\n%s", err, out)
+	}
+}
+
+// dead discard that loses a race for one of its ids (another transaction
+// deleted it and commits while the discard waits for its row) discards
+// nothing: the CLI's transaction rolls back. The error said "(discarded
+// 1)", counting the other id's delete that the rollback undid.
+func TestDeadDiscardThatLosesARaceSaysNothingWasDiscarded(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	schema, flags := deadSetup(t, 2)
+	other, err := pgtest.Conn(t).Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = other.Rollback(ctx) }()
+	if _, err := other.Exec(ctx, `DELETE FROM `+pgx.Identifier{schema, "outbox_dead"}.Sanitize()+` WHERE id = 1`); err != nil {
+		t.Fatal(err)
+	}
+	type result struct {
+		out string
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		out, err := runCLI(t, append([]string{"dead", "discard", "--ids", "1,2"}, flags...)...)
+		done <- result{out, err}
+	}()
+	waitUntil(t, "the discard to wait for the other's row", 10*time.Second, func() bool {
+		var waiting bool
+		_ = pgtest.Pool(t).QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND strpos(query, $1) > 0)`,
+			pgx.Identifier{schema, "outbox_dead"}.Sanitize()).Scan(&waiting)
+		return waiting
+	})
+	if err := other.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	got := <-done
+	if got.err == nil || !strings.Contains(got.err.Error(), "ids 1 ") || strings.Contains(got.err.Error(), "discarded 1") ||
+		!strings.Contains(got.err.Error(), "nothing was discarded") {
+		t.Fatalf("discard --ids 1,2 losing id 1: err %v, want one naming id 1 and saying nothing was discarded\n%s", got.err, got.out)
+	}
+	if strings.Contains(got.out, "discarded 1") {
+		t.Fatalf("the output says an event was discarded:\n%s", got.out)
+	}
+	if n := count(t, schema, "outbox_dead"); n != 1 {
+		t.Fatalf("%d dead events left, want 1 (event 2 still dead)", n)
 	}
 }
