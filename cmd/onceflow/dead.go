@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/relay"
 )
@@ -113,51 +115,85 @@ func runDead(ctx context.Context, args []string, stdout, stderr io.Writer) error
 			return err
 		}
 		defer pool.Close()
-		// The printed events are the only copy left: the delete commits
-		// only once they are written, and a failed write rolls it back.
-		return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-			// A stdout that blocks (a pipe nobody reads) must not keep the
-			// transaction, its row locks and the vacuum horizon, for long:
-			// past this the server ends it and nothing is discarded.
-			if _, err := tx.Exec(ctx, `SELECT set_config('idle_in_transaction_session_timeout', $1, true)`,
-				strconv.FormatInt(discardWriteTimeout.Milliseconds(), 10)); err != nil {
-				return err
-			}
-			gone, err := relay.DiscardDead(ctx, tx, c.schema, idList)
-			if err != nil {
-				// This transaction rolls back: what DiscardDead deleted
-				// before it found an id gone (another process took it at
-				// the same moment) is not deleted after all.
-				var nf *relay.DeadNotFoundError
-				if errors.As(err, &nf) {
-					nf.Done = 0
-				}
-				return fmt.Errorf("discard dead events (nothing was discarded): %w", err)
-			}
-			var copy bytes.Buffer
-			if *asJSON {
-				if err := printDeadJSON(&copy, gone); err != nil {
-					return err
-				}
-			} else {
-				for _, d := range gone {
-					printDead(&copy, d, true)
-				}
-				fmt.Fprintf(&copy, "discarded %d dead events\n", len(gone))
-			}
-			if _, err := stdout.Write(copy.Bytes()); err != nil {
-				return fmt.Errorf("print the discarded events (nothing was discarded): %w", err)
-			}
-			if f, ok := stdout.(*os.File); ok {
-				// Written to a file, the copy must be on disk before the
-				// events are gone; a pipe or terminal cannot sync (EINVAL).
-				if err := f.Sync(); err != nil && !errors.Is(err, syscall.EINVAL) && !errors.Is(err, syscall.ENOTSUP) {
-					return fmt.Errorf("print the discarded events (nothing was discarded): %w", err)
-				}
-			}
-			return nil
-		})
+		return discard(ctx, pool, c.schema, idList, *asJSON, stdout, stderr)
 	}
+}
+
+// discard deletes the dead events ids in one transaction that commits only
+// once their copy is written to stdout: the printed events are the only
+// copy left, and a failed write rolls the delete back. The copy is written
+// before the commit, so it says so; "discarded N dead events" follows only
+// once the commit has succeeded (on stderr with asJSON, which keeps stdout
+// one JSON array).
+func discard(ctx context.Context, pool *pgxpool.Pool, schema string, ids []int64, asJSON bool, stdout, stderr io.Writer) error {
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = tx.Rollback(ctx) }() // after a commit, a no-op
+	// A stdout that blocks (a pipe nobody reads) must not keep the
+	// transaction, its row locks and the vacuum horizon, for long: past
+	// this the server ends it and nothing is discarded.
+	if _, err := tx.Exec(ctx, `SELECT set_config('idle_in_transaction_session_timeout', $1, true)`,
+		strconv.FormatInt(discardWriteTimeout.Milliseconds(), 10)); err != nil {
+		return err
+	}
+	gone, err := relay.DiscardDead(ctx, tx, schema, ids)
+	if err != nil {
+		// This transaction rolls back: what DiscardDead deleted before it
+		// found an id gone (another process took it at the same moment)
+		// is not deleted after all.
+		var nf *relay.DeadNotFoundError
+		if errors.As(err, &nf) {
+			nf.Done = 0
+		}
+		return fmt.Errorf("discard dead events (nothing was discarded): %w", err)
+	}
+	var copy bytes.Buffer
+	if asJSON {
+		if err := printDeadJSON(&copy, gone); err != nil {
+			return err
+		}
+	} else {
+		fmt.Fprintf(&copy, "copy of %d dead events to discard, taken before the commit:\n", len(gone))
+		for _, d := range gone {
+			printDead(&copy, d, true)
+		}
+	}
+	if _, err := stdout.Write(copy.Bytes()); err != nil {
+		return fmt.Errorf("print the discarded events (nothing was discarded): %w", err)
+	}
+	if f, ok := stdout.(*os.File); ok {
+		// Written to a file, the copy must be on disk before the events
+		// are gone; a pipe or terminal cannot sync (EINVAL).
+		if err := f.Sync(); err != nil && !errors.Is(err, syscall.EINVAL) && !errors.Is(err, syscall.ENOTSUP) {
+			return fmt.Errorf("print the discarded events (nothing was discarded): %w", err)
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return discardCommitError(err)
+	}
+	summary := stdout
+	if asJSON {
+		summary = stderr
+	}
+	fmt.Fprintf(summary, "discarded %d dead events\n", len(gone))
+	return nil
+}
+
+// discardCommitError says what a failed commit of dead discard left. An
+// answer from the server (the idle-in-transaction timeout's FATAL, sent
+// before COMMIT arrived; COMMIT's own error; a transaction already
+// failed) or a COMMIT never sent means nothing was discarded. A connection
+// lost after COMMIT was sent leaves the outcome unknown: the server may
+// have committed before it went.
+func discardCommitError(err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) || errors.Is(err, pgx.ErrTxCommitRollback) || pgconn.SafeToRetry(err) {
+		return fmt.Errorf("commit the discard (nothing was discarded; the copy printed is of events still dead): %w", err)
+	}
+	return fmt.Errorf("commit the discard (outcome unknown: the connection failed after COMMIT was sent; "+
+		"'onceflow dead list' shows whether the events are still there): %w", err)
 }
 
 // discardWriteTimeout is how long dead discard's transaction may wait for

@@ -6,11 +6,13 @@ import (
 	"encoding/json"
 	"errors"
 	"flag"
+	"io"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/onceflow/onceflow/internal/pgtest"
 )
@@ -200,5 +202,53 @@ func TestDeadDiscardDoesNotWaitOnABlockedStdoutForever(t *testing.T) {
 	}
 	if n := count(t, schema, "outbox_dead"); n != 1 {
 		t.Fatalf("%d dead events left, want 1: nothing discarded", n)
+	}
+}
+
+// slowBuffer keeps what is written, taking its time over each write.
+type slowBuffer struct {
+	d time.Duration
+	bytes.Buffer
+}
+
+func (w *slowBuffer) Write(p []byte) (int, error) { time.Sleep(w.d); return w.Buffer.Write(p) }
+
+// dead discard says it discarded only once its delete has committed: when
+// the commit fails (its transaction sat idle past discardWriteTimeout
+// while stdout was slow), stdout said "discarded 1 dead events" and the
+// error did not say the events were still there.
+func TestDeadDiscardSaysDiscardedOnlyAfterTheCommit(t *testing.T) {
+	schema, flags := deadSetup(t, 1)
+	defer func(d time.Duration) { discardWriteTimeout = d }(discardWriteTimeout)
+	discardWriteTimeout = 200 * time.Millisecond
+	stdout := &slowBuffer{d: time.Second}
+	var errOut bytes.Buffer
+	err := run(context.Background(), append([]string{"dead", "discard", "--ids", "1"}, flags...), stdout, &errOut)
+	if err == nil || !strings.Contains(err.Error(), "nothing was discarded") {
+		t.Fatalf("discard whose commit failed: err %v, want one saying nothing was discarded\n%s", err, stdout.String())
+	}
+	if strings.Contains(stdout.String(), "discarded 1") {
+		t.Fatalf("stdout says the event was discarded though it is still there:\n%s", stdout.String())
+	}
+	if !strings.Contains(stdout.String(), "before the commit") || !strings.Contains(stdout.String(), `value: "v"`) {
+		t.Fatalf("stdout lacks the copy, labelled as taken before the commit:\n%s", stdout.String())
+	}
+	if n := count(t, schema, "outbox_dead"); n != 1 {
+		t.Fatalf("%d dead events left, want 1: nothing discarded", n)
+	}
+}
+
+// A commit the server answered with an error, or never sent, discarded
+// nothing; a connection lost after COMMIT was sent leaves it unknown.
+func TestDeadDiscardCommitErrorSaysWhatIsKnown(t *testing.T) {
+	t.Parallel()
+	for err, want := range map[error]string{
+		&pgconn.PgError{Severity: "FATAL", Code: "25P03"}: "nothing was discarded",
+		pgx.ErrTxCommitRollback:                           "nothing was discarded",
+		io.ErrUnexpectedEOF:                               "outcome unknown",
+	} {
+		if got := discardCommitError(err); !strings.Contains(got.Error(), want) || !errors.Is(got, err) {
+			t.Errorf("commit error %v: %v, want %q and the error wrapped", err, got, want)
+		}
 	}
 }
