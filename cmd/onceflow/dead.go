@@ -44,7 +44,7 @@ func runDead(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	case "list":
 		fs := newFlagSet("dead list", "List events Kafka refused for good, oldest first.", stderr)
 		c.register(fs, false)
-		limit := fs.Int("limit", 100, "how many to show")
+		limit := fs.Int("limit", 100, "how many to show; a list cut short says how many there are")
 		asJSON := fs.Bool("json", false, "print a JSON array (key and value base64-encoded)")
 		if err := c.parse(fs, rest, false); err != nil {
 			return err
@@ -52,22 +52,48 @@ func runDead(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		if *limit < 1 {
 			return fmt.Errorf("%w: --limit must be at least 1", errUsage)
 		}
-		return withPool(ctx, &c, func(q relay.Querier) error {
-			dead, err := relay.ListDead(ctx, q, c.schema, *limit)
-			if err != nil {
+		pool, err := c.connectMigrated(ctx)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		// One snapshot for the events and their count, so that the count
+		// says how many there were of the ones shown.
+		var dead []relay.DeadEvent
+		total := -1
+		err = pgx.BeginTxFunc(ctx, pool, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
+			var err error
+			if dead, err = relay.ListDead(ctx, tx, c.schema, *limit); err != nil || len(dead) < *limit {
 				return err
 			}
-			if *asJSON {
-				return printDeadJSON(stdout, dead)
+			// Maybe cut: count them all (a scan, as onceflow status does).
+			if err := tx.QueryRow(ctx, `SELECT count(*) FROM `+pgx.Identifier{c.schema, "outbox_dead"}.Sanitize()).Scan(&total); err != nil {
+				return fmt.Errorf("count dead events: %w", err)
 			}
+			return nil
+		})
+		if err != nil {
+			return err
+		}
+		// Said on stderr with --json, which keeps stdout one JSON array.
+		note := stdout
+		if *asJSON {
+			if err := printDeadJSON(stdout, dead); err != nil {
+				return err
+			}
+			note = stderr
+		} else {
 			if len(dead) == 0 {
 				fmt.Fprintln(stdout, "no dead events")
 			}
 			for _, d := range dead {
 				printDead(stdout, d, false)
 			}
-			return nil
-		})
+		}
+		if total > len(dead) {
+			fmt.Fprintf(note, "showing %d of %d dead events (oldest first; raise --limit for more)\n", len(dead), total)
+		}
+		return nil
 	case "replay":
 		fs := newFlagSet("dead replay", "Move dead events back into the outbox (keeping their event id) for the relay to publish again,\n"+
 			"in their keys' write order. If an id is not a dead event, nothing is replayed and the command fails\n"+

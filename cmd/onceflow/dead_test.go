@@ -1,7 +1,9 @@
 package main
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"strings"
 	"testing"
@@ -123,5 +125,31 @@ func TestDeadDiscardThatLosesARaceSaysNothingWasDiscarded(t *testing.T) {
 	}
 	if n := count(t, schema, "outbox_dead"); n != 1 {
 		t.Fatalf("%d dead events left, want 1 (event 2 still dead)", n)
+	}
+}
+
+// dead list --limit says when it cuts the list: the first N of more looked
+// like all of them.
+func TestDeadListSaysWhenTheLimitCutsIt(t *testing.T) {
+	t.Parallel()
+	_, flags := deadSetup(t, 3)
+	out, err := runCLI(t, append([]string{"dead", "list", "--limit", "2"}, flags...)...)
+	if err != nil || strings.Count(out, "  event ") != 2 || !strings.Contains(out, "showing 2 of 3 dead events") {
+		t.Fatalf("dead list --limit 2 of 3: %v\n%s", err, out)
+	}
+	for _, limit := range []string{"3", "4"} {
+		out, err := runCLI(t, append([]string{"dead", "list", "--limit", limit}, flags...)...)
+		if err != nil || strings.Count(out, "  event ") != 3 || strings.Contains(out, "showing") {
+			t.Fatalf("dead list --limit %s of 3: %v\n%s", limit, err, out)
+		}
+	}
+	// --json keeps stdout one JSON array: the note goes to stderr.
+	var stdout, stderr bytes.Buffer
+	if err := run(context.Background(), append([]string{"dead", "list", "--json", "--limit", "2"}, flags...), &stdout, &stderr); err != nil {
+		t.Fatal(err)
+	}
+	var dead []deadJSON
+	if err := json.Unmarshal(stdout.Bytes(), &dead); err != nil || len(dead) != 2 || !strings.Contains(stderr.String(), "showing 2 of 3 dead events") {
+		t.Fatalf("dead list --json --limit 2 of 3: %v, %d events\nstdout: %s\nstderr: %s", err, len(dead), stdout.String(), stderr.String())
 	}
 }
