@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 //go:embed *.sql
@@ -130,16 +131,52 @@ func Up(ctx context.Context, db Beginner, schema string) ([]int, error) {
 // the versions it reverted, newest first. It refuses, reverting nothing, with
 // a *DataLossError when a table it would drop holds rows (pending events,
 // dead letters, dedup records, idempotency keys); DownForce drops them.
-// It locks those tables before it counts their rows, so it waits for the
-// transactions writing to them, and counts what they commit.
+// It counts those rows first without a lock, so that a revert it refuses
+// holds off no producer; finding none, it locks the tables and counts
+// again, so it waits for the transactions writing to them and counts what
+// they commit. No wait for a lock lasts longer than DefaultLockTimeout
+// (producers' inserts queue behind a lock request): past it, Down fails,
+// reverting nothing, naming the sessions that hold the table. DownWith
+// sets another bound.
 // A schema that was never migrated is left alone: Down creates nothing.
 func Down(ctx context.Context, db Beginner, schema string, steps int) ([]int, error) {
-	return down(ctx, db, schema, steps, false)
+	return DownWith(ctx, db, schema, steps, nil)
 }
 
 // DownForce is Down that drops tables whatever rows they hold.
 func DownForce(ctx context.Context, db Beginner, schema string, steps int) ([]int, error) {
-	return down(ctx, db, schema, steps, true)
+	return DownWith(ctx, db, schema, steps, &DownConfig{Force: true})
+}
+
+// DefaultLockTimeout bounds Down's wait for each lock it takes.
+const DefaultLockTimeout = 5 * time.Second
+
+// DownConfig tunes DownWith.
+type DownConfig struct {
+	// Force drops tables whatever rows they hold (DownForce). Defaults to
+	// false: refuse with a *DataLossError.
+	Force bool
+	// LockTimeout bounds each wait for a lock during the revert
+	// (PostgreSQL's lock_timeout): while Down waits for a table, the
+	// transactions writing to it queue behind its request. Past it, the
+	// revert fails whole, naming the sessions that hold the table.
+	// Defaults to DefaultLockTimeout (5 s).
+	LockTimeout time.Duration
+}
+
+// DownWith is Down with a configuration; cfg may be nil.
+func DownWith(ctx context.Context, db Beginner, schema string, steps int, cfg *DownConfig) ([]int, error) {
+	var c DownConfig
+	if cfg != nil {
+		c = *cfg
+	}
+	if c.LockTimeout == 0 {
+		c.LockTimeout = DefaultLockTimeout
+	}
+	if c.LockTimeout < time.Millisecond {
+		return nil, fmt.Errorf("migrations: DownConfig.LockTimeout must be at least 1ms, got %s", c.LockTimeout)
+	}
+	return down(ctx, db, schema, steps, c)
 }
 
 // dataTables hold what users would lose: Down refuses to drop them while
@@ -174,7 +211,7 @@ func (e *DataLossError) Error() string {
 		strings.Join(parts, ", "), pgx.Identifier{e.Schema}.Sanitize())
 }
 
-func down(ctx context.Context, db Beginner, schema string, stepCount int, force bool) ([]int, error) {
+func down(ctx context.Context, db Beginner, schema string, stepCount int, cfg DownConfig) ([]int, error) {
 	if stepCount < 1 {
 		return nil, fmt.Errorf("migrations: steps must be at least 1, got %d", stepCount)
 	}
@@ -197,29 +234,69 @@ func down(ctx context.Context, db Beginner, schema string, stepCount int, force 
 				steps = append(steps, all[i])
 			}
 		}
-		// Rows held by each data table those steps drop, before anything
-		// is dropped. Each is locked first, so that a producer's
-		// transaction that commits while Down waits is counted, not
-		// dropped with its table; the others are left alone (a step that
-		// drops none waits for no writer and holds none off).
-		dropped := droppedTables(steps)
+		// Every lock the revert waits for holds off, while it waits, the
+		// transactions that would take the table after it: producers.
+		if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`,
+			fmt.Sprintf("%dms", cfg.LockTimeout.Milliseconds())); err != nil {
+			return fmt.Errorf("migrations: set lock_timeout: %w", err)
+		}
+		if !cfg.Force {
+			if err := refuseDataLoss(ctx, tx, schema, steps, cfg.LockTimeout); err != nil {
+				return err
+			}
+		}
+		for _, m := range steps {
+			// In a savepoint, to name who holds a table the step waited
+			// for in vain.
+			sp, err := tx.Begin(ctx)
+			if err != nil {
+				return fmt.Errorf("migrations: revert %04d_%s: %w", m.Version, m.Name, err)
+			}
+			if _, err := sp.Exec(ctx, m.Down); err != nil {
+				return fmt.Errorf("migrations: revert %04d_%s: %w", m.Version, m.Name, lockWaitError(ctx, tx, sp, schema, "", cfg.LockTimeout, err))
+			}
+			if err := sp.Commit(ctx); err != nil {
+				return fmt.Errorf("migrations: revert %04d_%s: %w", m.Version, m.Name, err)
+			}
+			if _, err := tx.Exec(ctx, `DELETE FROM schema_migrations WHERE version = $1`, m.Version); err != nil {
+				return fmt.Errorf("migrations: unrecord %04d: %w", m.Version, err)
+			}
+			reverted = append(reverted, m.Version)
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return reverted, nil
+}
+
+// refuseDataLoss returns a *DataLossError when a data table the steps drop
+// holds rows. It counts first without a lock: a revert it refuses must not
+// queue for the table's ACCESS EXCLUSIVE lock behind an open transaction
+// that read it (a psql session), holding off every producer meanwhile.
+// Finding none, it locks the tables (waiting at most lockTimeout) and
+// counts again, so that an event whose transaction commits meanwhile is
+// counted, not dropped with its table. Only the tables the steps drop are
+// locked: a step that drops none waits for no writer and holds none off.
+func refuseDataLoss(ctx context.Context, tx pgx.Tx, schema string, steps []Migration, lockTimeout time.Duration) error {
+	dropped := droppedTables(steps)
+	var tables []string
+	for _, table := range dataTables {
+		if !dropped[table] {
+			continue
+		}
+		var exists bool
+		if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, pgx.Identifier{schema, table}.Sanitize()).Scan(&exists); err != nil {
+			return fmt.Errorf("migrations: look up %s: %w", table, err)
+		}
+		if exists {
+			tables = append(tables, table)
+		}
+	}
+	count := func() error {
 		held := map[string]int64{}
-		for _, table := range dataTables {
-			if !dropped[table] {
-				continue
-			}
-			var exists bool
-			if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, pgx.Identifier{schema, table}.Sanitize()).Scan(&exists); err != nil {
-				return fmt.Errorf("migrations: look up %s: %w", table, err)
-			}
-			if !exists {
-				continue
-			}
-			if !force {
-				if _, err := tx.Exec(ctx, `LOCK TABLE `+pgx.Identifier{schema, table}.Sanitize()+` IN ACCESS EXCLUSIVE MODE`); err != nil {
-					return fmt.Errorf("migrations: lock %s: %w", table, err)
-				}
-			}
+		for _, table := range tables {
 			var n int64
 			if err := tx.QueryRow(ctx, `SELECT count(*) FROM (SELECT 1 FROM `+pgx.Identifier{schema, table}.Sanitize()+` LIMIT 1001) r`).Scan(&n); err != nil {
 				return fmt.Errorf("migrations: count rows of %s: %w", table, err)
@@ -228,35 +305,73 @@ func down(ctx context.Context, db Beginner, schema string, stepCount int, force 
 				held[table] = n
 			}
 		}
-		for _, m := range steps {
-			if _, err := tx.Exec(ctx, m.Down); err != nil {
-				return fmt.Errorf("migrations: revert %04d_%s: %w", m.Version, m.Name, err)
-			}
-			if _, err := tx.Exec(ctx, `DELETE FROM schema_migrations WHERE version = $1`, m.Version); err != nil {
-				return fmt.Errorf("migrations: unrecord %04d: %w", m.Version, err)
-			}
-			reverted = append(reverted, m.Version)
-		}
-		if force {
-			return nil
-		}
-		lost := map[string]int64{}
-		for table, n := range held {
-			var exists bool
-			if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, pgx.Identifier{schema, table}.Sanitize()).Scan(&exists); err != nil {
-				return fmt.Errorf("migrations: look up %s: %w", table, err)
-			}
-			if !exists {
-				lost[table] = n
-			}
-		}
-		if len(lost) > 0 {
-			reverted = nil
-			return &DataLossError{Schema: schema, Tables: lost}
+		if len(held) > 0 {
+			return &DataLossError{Schema: schema, Tables: held}
 		}
 		return nil
+	}
+	if err := count(); err != nil {
+		return err
+	}
+	for _, table := range tables {
+		sp, err := tx.Begin(ctx)
+		if err != nil {
+			return fmt.Errorf("migrations: lock %s: %w", table, err)
+		}
+		if _, err := sp.Exec(ctx, `LOCK TABLE `+pgx.Identifier{schema, table}.Sanitize()+` IN ACCESS EXCLUSIVE MODE`); err != nil {
+			return fmt.Errorf("migrations: lock %s: %w", table, lockWaitError(ctx, tx, sp, schema, table, lockTimeout, err))
+		}
+		if err := sp.Commit(ctx); err != nil {
+			return fmt.Errorf("migrations: lock %s: %w", table, err)
+		}
+	}
+	return count()
+}
+
+// lockWaitError turns err, a statement's failure in the savepoint sp of
+// tx, into one that names the sessions holding locks on table (every
+// table of schema when table is empty) when the statement gave up waiting
+// for a lock. sp is rolled back.
+func lockWaitError(ctx context.Context, tx, sp pgx.Tx, schema, table string, lockTimeout time.Duration, err error) error {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "55P03" { // lock_not_available
+		return err
+	}
+	if sp.Rollback(ctx) != nil {
+		return err
+	}
+	rows, qerr := tx.Query(ctx, `SELECT a.pid, coalesce(a.usename, ''), coalesce(a.application_name, ''), coalesce(a.state, ''),
+    coalesce(extract(epoch FROM now() - a.xact_start)::bigint, 0), coalesce(left(a.query, 120), ''),
+    array_agg(DISTINCT c.relname::text ORDER BY c.relname::text)
+FROM pg_locks l
+JOIN pg_class c ON c.oid = l.relation AND c.relkind IN ('r', 'p')
+JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.granted AND l.pid <> pg_backend_pid() AND c.relnamespace = to_regnamespace($1)
+    AND ($2 = '' OR c.relname = $2)
+GROUP BY 1, 2, 3, 4, 5, 6
+ORDER BY a.pid`, pgx.Identifier{schema}.Sanitize(), table)
+	if qerr != nil {
+		return err
+	}
+	var holders []string
+	var pid, age int64
+	var user, app, state, query string
+	var rels []string
+	_, qerr = pgx.ForEachRow(rows, []any{&pid, &user, &app, &state, &age, &query, &rels}, func() error {
+		holders = append(holders, fmt.Sprintf("pid %d (user %s, application %q, %s, transaction open %ds, last query %q) holds %s",
+			pid, user, app, state, age, query, strings.Join(rels, ", ")))
+		return nil
 	})
-	return reverted, err
+	what := "the tables"
+	if table != "" {
+		what = table
+	}
+	if qerr != nil || len(holders) == 0 {
+		holders = []string{"sessions no longer there"}
+	}
+	return fmt.Errorf("gave up after %s waiting for a lock on %s (the sessions that would use it queue behind the wait), held by %s: "+
+		"let those transactions end, or end them, and retry (wait longer: onceflow migrate down --lock-timeout, DownConfig.LockTimeout): %w",
+		lockTimeout, what, strings.Join(holders, "; "), err)
 }
 
 // dropTable finds the tables a migration's revert drops.

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/onceflow/onceflow/internal/pgtest"
 	"github.com/onceflow/onceflow/migrations"
@@ -283,5 +284,44 @@ func TestDownLocksOnlyTheTablesItWouldDrop(t *testing.T) {
 	defer cancel()
 	if reverted, err := migrations.Down(quick, pool, schema, 1); err != nil || len(reverted) != 1 || reverted[0] != checksMatchWriteVersion {
 		t.Fatalf("Down of the newest step beside an open writer: reverted %v, err %v", reverted, err)
+	}
+}
+
+// Down waits a bounded time for a table lock it needs: behind an open
+// transaction that read the outbox (a psql session) it waited with no
+// timeout while every producer's insert queued behind its lock request.
+// It gives up after DownConfig.LockTimeout (5 s by default), names the
+// session that holds the lock and reverts nothing.
+func TestDownGivesUpOnALockItCannotGet(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t)
+	schema := pgtest.Schema(t)
+	outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
+	readerConn := pgtest.Conn(t)
+	if _, err := readerConn.Exec(ctx, `SET application_name = 'oftest-open-reader'`); err != nil {
+		t.Fatal(err)
+	}
+	reader, err := readerConn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = reader.Rollback(ctx) }()
+	if _, err := reader.Exec(ctx, `SELECT count(*) FROM `+outbox); err != nil {
+		t.Fatal(err)
+	}
+	quick, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	start := time.Now()
+	reverted, err := migrations.Down(quick, pool, schema, migrations.Latest())
+	if err == nil || len(reverted) != 0 || quick.Err() != nil || !strings.Contains(err.Error(), "oftest-open-reader") || !strings.Contains(err.Error(), "outbox") {
+		t.Fatalf("Down behind an open reader: reverted %v, err %v after %s; want a failure naming the reader", reverted, err, time.Since(start))
+	}
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "55P03" {
+		t.Errorf("Down's error %v does not wrap lock_not_available", err)
+	}
+	if err := migrations.Check(ctx, pool, schema); err != nil {
+		t.Fatalf("the failed Down changed the schema: %v", err)
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"time"
 
 	"github.com/onceflow/onceflow/migrations"
 )
@@ -34,6 +35,7 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	var c common
 	var steps *int
 	var force *bool
+	var lockTimeout *time.Duration
 	switch sub {
 	case "up":
 		fs := newFlagSet("migrate up", "Apply every pending migration (idempotent; safe when several processes run it at once).", stderr)
@@ -47,11 +49,16 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		c.register(fs, false)
 		steps = fs.Int("steps", 1, "how many migrations to revert")
 		force = fs.Bool("force", false, "drop tables even when they hold pending events, dead letters, dedup records or idempotency keys")
+		lockTimeout = fs.Duration("lock-timeout", envDuration("ONCEFLOW_MIGRATE_LOCK_TIMEOUT", migrations.DefaultLockTimeout),
+			"longest wait for a table's lock (producers queue behind the wait); past it, revert nothing and name the sessions holding it (env ONCEFLOW_MIGRATE_LOCK_TIMEOUT)")
 		if err := c.parse(fs, rest, false); err != nil {
 			return err
 		}
 		if *steps < 1 {
 			return fmt.Errorf("%w: --steps must be at least 1", errUsage)
+		}
+		if *lockTimeout < time.Millisecond {
+			return fmt.Errorf("%w: --lock-timeout must be at least 1ms", errUsage)
 		}
 	case "status":
 		fs := newFlagSet("migrate status", "List migrations and when each was applied.", stderr)
@@ -78,11 +85,7 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 			fmt.Fprintf(stdout, "applied %04d to schema %s\n", v, c.schema)
 		}
 	case "down":
-		down := migrations.Down
-		if *force {
-			down = migrations.DownForce
-		}
-		reverted, err := down(ctx, pool, c.schema, *steps)
+		reverted, err := migrations.DownWith(ctx, pool, c.schema, *steps, &migrations.DownConfig{Force: *force, LockTimeout: *lockTimeout})
 		if err != nil {
 			return err
 		}

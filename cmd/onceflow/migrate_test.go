@@ -98,3 +98,100 @@ func TestMigratePrintAppliedByAnotherTool(t *testing.T) {
 		t.Fatalf("print --version 99: err %v, want a usage error", err)
 	}
 }
+
+// migrate down that will refuse anyway (the outbox holds an event) does
+// not first queue for the outbox's ACCESS EXCLUSIVE lock: behind an open
+// transaction that read the outbox (a psql session), it waited with no
+// timeout, and every producer's INSERT queued behind it, so business
+// transactions stopped. An empty outbox it must lock to be sure of waits
+// at most --lock-timeout, then fails naming the session that holds it.
+func TestMigrateDownDoesNotStopProducersBehindAnOpenReader(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t)
+	schema := pgtest.Schema(t)
+	outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
+	flags := []string{"--database-url", pgtest.URL(t), "--schema", schema}
+	if _, err := pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, value) VALUES ('t', 'pending')`); err != nil {
+		t.Fatal(err)
+	}
+	readerConn := pgtest.Conn(t)
+	if _, err := readerConn.Exec(ctx, `SET application_name = 'oftest-open-reader'`); err != nil {
+		t.Fatal(err)
+	}
+	reader, err := readerConn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = reader.Rollback(ctx) }()
+	var n int
+	if err := reader.QueryRow(ctx, `SELECT count(*) FROM `+outbox).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	all := strconv.Itoa(migrations.Latest())
+	type result struct {
+		out string
+		err error
+	}
+	down := func(extra ...string) <-chan result {
+		done := make(chan result, 1)
+		go func() {
+			out, err := runCLI(t, append(append([]string{"migrate", "down", "--steps", all}, extra...), flags...)...)
+			done <- result{out, err}
+		}()
+		return done
+	}
+	done := down()
+	var got *result
+	waitUntil(t, "migrate down to finish or wait for the outbox's lock", 10*time.Second, func() bool {
+		select {
+		case r := <-done:
+			got = &r
+			return true
+		default:
+		}
+		var waiting bool
+		_ = pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_locks WHERE NOT granted AND relation = to_regclass($1))`, outbox).Scan(&waiting)
+		return waiting
+	})
+	time.Sleep(time.Second) // as long as a producer's transaction may take
+	quick, cancel := context.WithTimeout(ctx, 3*time.Second)
+	_, insertErr := pool.Exec(quick, `INSERT INTO `+outbox+` (topic, value) VALUES ('t', 'business as usual')`)
+	cancel()
+	if insertErr != nil {
+		t.Errorf("a producer's insert while migrate down ran: %v", insertErr)
+	}
+	if got == nil {
+		_ = reader.Rollback(ctx)
+		r := <-done
+		got = &r
+	}
+	if got.err == nil || !strings.Contains(got.err.Error(), "outbox") || !strings.Contains(got.err.Error(), "--force") {
+		t.Fatalf("down --steps %s of an outbox holding an event: %v\n%s", all, got.err, got.out)
+	}
+	if t.Failed() {
+		return
+	}
+
+	// Empty, the outbox is locked to be sure no event commits into it
+	// while it is dropped: the open reader makes that wait, for at most
+	// --lock-timeout.
+	if _, err := pool.Exec(ctx, `DELETE FROM `+outbox); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	r := <-down("--lock-timeout", "300ms")
+	if r.err == nil || !strings.Contains(r.err.Error(), "oftest-open-reader") || !strings.Contains(r.err.Error(), "outbox") ||
+		!strings.Contains(r.err.Error(), "--lock-timeout") {
+		t.Fatalf("down --lock-timeout 300ms behind an open reader: %v, want a failure naming the reader's session\n%s", r.err, r.out)
+	}
+	if waited := time.Since(start); waited > 5*time.Second {
+		t.Errorf("down took %s to give up with --lock-timeout 300ms", waited)
+	}
+	if err := migrations.Check(ctx, pool, schema); err != nil {
+		t.Fatalf("the failed down changed the schema: %v", err)
+	}
+	if _, err := runCLI(t, append([]string{"migrate", "down", "--lock-timeout", "0"}, flags...)...); !errors.Is(err, errUsage) {
+		t.Errorf("--lock-timeout 0: err %v, want a usage error", err)
+	}
+}
