@@ -34,8 +34,23 @@ func Latest() int {
 // down needs a version, and its script is one transaction that first
 // checks the schema holds that step as its newest, with the schema alone on
 // its search_path: applied to the wrong schema, twice, or beneath a newer
-// step, it fails whole and drops nothing.
+// step, it fails whole and drops nothing. Like Down, it also refuses,
+// dropping nothing, when a table it drops holds rows (pending events, dead
+// letters, dedup records, idempotency keys): it counts them, then locks
+// the tables (waiting at most 5 s unless the session sets lock_timeout)
+// and counts again. ScriptForce drops them.
 func Script(schema string, version int, down bool) (string, error) {
+	return script(schema, version, down, false)
+}
+
+// ScriptForce is the down script of version (Script(schema, version, true))
+// without the guard that refuses to drop a table holding rows: it drops
+// them, as DownForce does.
+func ScriptForce(schema string, version int) (string, error) {
+	return script(schema, version, true, true)
+}
+
+func script(schema string, version int, down, force bool) (string, error) {
 	if err := ValidateSchema(schema); err != nil {
 		return "", fmt.Errorf("migrations: %w", err)
 	}
@@ -62,6 +77,9 @@ func Script(schema string, version int, down bool) (string, error) {
 		direction = "down"
 	}
 	fmt.Fprintf(&b, "-- onceflow schema migrations (%s) for schema %s, printed by `onceflow migrate print`.\n", direction, ident)
+	if force {
+		b.WriteString("-- Forced (--force): drops its tables whatever rows they hold.\n")
+	}
 	b.WriteString("-- Each step records itself in schema_migrations, which `onceflow migrate up` and the relay read.\n")
 	if down {
 		// One transaction, and the schema alone on the path: a revert must
@@ -85,6 +103,9 @@ func Script(schema string, version int, down bool) (string, error) {
     END IF;
 END $onceflow$;
 `, version, version, version, version)
+		if tables := dataTablesDropped(steps); len(tables) > 0 && !force {
+			b.WriteString(dataGuard(version, tables))
+		}
 	} else {
 		// No BEGIN/COMMIT: migration tools run each file in a transaction
 		// of their own (an inner COMMIT would end theirs early), and psql
@@ -188,4 +209,69 @@ func Check(ctx context.Context, db Querier, schema string) error {
 		return missing
 	}
 	return nil
+}
+
+// dataTablesDropped returns the data tables the reverts of steps drop, in
+// dataTables' order.
+func dataTablesDropped(steps []Migration) []string {
+	dropped := droppedTables(steps)
+	var out []string
+	for _, t := range dataTables {
+		if dropped[t] {
+			out = append(out, t)
+		}
+	}
+	return out
+}
+
+// dataGuard is the printed revert's refusal, as Down's, to drop tables
+// holding rows. It counts without a lock first, so that a revert it
+// refuses queues behind no open transaction that read a table (holding
+// off producers meanwhile); finding none, it locks each table, waiting at
+// most 5 s unless the session bounds lock waits itself, and counts again,
+// so that an event whose transaction commits meanwhile is counted, not
+// dropped with its table. The lock_timeout holds for the rest of the
+// transaction: the drops wait no longer.
+func dataGuard(version int, tables []string) string {
+	quoted := make([]string, len(tables))
+	for i, t := range tables {
+		quoted[i] = "'" + t + "'"
+	}
+	refuse := fmt.Sprintf(`RAISE EXCEPTION 'onceflow: refusing to revert migration %d: table %%.%% holds rows (pending events, dead letters, dedup records or idempotency keys): drain or export them first, or force it (onceflow migrate print --version %d --down --force)', current_schema(), t`, version, version)
+	return fmt.Sprintf(`-- Refuses, as onceflow migrate down does, to drop a table that holds rows.
+DO $onceflow$
+DECLARE
+    t text;
+    held boolean;
+BEGIN
+    FOREACH t IN ARRAY ARRAY[%[1]s] LOOP
+        IF to_regclass(t) IS NOT NULL THEN
+            EXECUTE format('SELECT EXISTS (SELECT FROM %%I)', t) INTO held;
+            IF held THEN
+                %[2]s;
+            END IF;
+        END IF;
+    END LOOP;
+    IF current_setting('lock_timeout') = '0' THEN
+        PERFORM set_config('lock_timeout', '5s', true);
+    END IF;
+    FOREACH t IN ARRAY ARRAY[%[1]s] LOOP
+        IF to_regclass(t) IS NOT NULL THEN
+            BEGIN
+                EXECUTE format('LOCK TABLE %%I IN ACCESS EXCLUSIVE MODE', t);
+            EXCEPTION WHEN lock_not_available THEN
+                RAISE EXCEPTION 'onceflow: gave up after %% waiting for a lock on %%.%% (the sessions that would use it queue behind the wait), held by %%: let those transactions end, or end them, and retry',
+                    current_setting('lock_timeout'), current_schema(), t,
+                    coalesce((SELECT string_agg(format('pid %%s (user %%s, application %%L, %%s)', a.pid, a.usename, a.application_name, a.state), '; ')
+                        FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+                        WHERE l.granted AND l.relation = to_regclass(t) AND l.pid <> pg_backend_pid()), 'sessions no longer there');
+            END;
+            EXECUTE format('SELECT EXISTS (SELECT FROM %%I)', t) INTO held;
+            IF held THEN
+                %[2]s;
+            END IF;
+        END IF;
+    END LOOP;
+END $onceflow$;
+`, strings.Join(quoted, ", "), refuse)
 }

@@ -123,13 +123,15 @@ transaction do; with psql, psql -1 -v ON_ERROR_STOP=1 -f FILE. Needs no database
 
   onceflow migrate print > onceflow.sql                  every migration, one script
   onceflow migrate print --version 2 > 0002.up.sql       one step, for one file per version
-  onceflow migrate print --version 2 --down              that step's revert`
+  onceflow migrate print --version 2 --down              that step's revert (refusing to drop
+                                                         tables that hold rows, unless --force)`
 
 func runMigratePrint(args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("migrate print", migratePrintSummary, stderr)
 	schema := fs.String("schema", env("ONCEFLOW_SCHEMA", migrations.DefaultSchema), "schema the SQL targets (env ONCEFLOW_SCHEMA)")
 	version := fs.Int("version", 0, fmt.Sprintf("print only this migration (1 to %d); default all", migrations.Latest()))
-	down := fs.Bool("down", false, "print the revert of --version instead")
+	down := fs.Bool("down", false, "print the revert of --version instead; it refuses, dropping nothing, when a table it drops holds rows, as migrate down does")
+	force := fs.Bool("force", false, "with --down: drop tables even when they hold pending events, dead letters, dedup records or idempotency keys")
 	if err := fs.Parse(args); err != nil {
 		if err == flag.ErrHelp {
 			return err
@@ -145,10 +147,16 @@ func runMigratePrint(args []string, stdout, stderr io.Writer) error {
 	if *down && *version == 0 {
 		return fmt.Errorf("%w: --down needs --version", errUsage)
 	}
+	if *force && !*down {
+		return fmt.Errorf("%w: --force needs --down", errUsage)
+	}
 	if err := migrations.ValidateSchema(*schema); err != nil {
 		return fmt.Errorf("%w: --schema: %v", errUsage, err)
 	}
 	sql, err := migrations.Script(*schema, *version, *down)
+	if *force {
+		sql, err = migrations.ScriptForce(*schema, *version)
+	}
 	if err != nil {
 		return err
 	}

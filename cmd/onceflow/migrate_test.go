@@ -195,3 +195,20 @@ func TestMigrateDownDoesNotStopProducersBehindAnOpenReader(t *testing.T) {
 		t.Errorf("--lock-timeout 0: err %v, want a usage error", err)
 	}
 }
+
+// migrate print --down prints a revert that refuses to drop tables holding
+// rows, as migrate down does; --force prints one that drops them.
+func TestMigratePrintDownRefusesUnlessForced(t *testing.T) {
+	t.Parallel()
+	down, err := runCLI(t, "migrate", "print", "--version", "1", "--down")
+	if err != nil || !strings.Contains(down, "refusing to revert migration 1") || !strings.Contains(down, "LOCK TABLE") {
+		t.Fatalf("print --version 1 --down: %v\n%s", err, down)
+	}
+	forced, err := runCLI(t, "migrate", "print", "--version", "1", "--down", "--force")
+	if err != nil || strings.Contains(forced, "refusing") || !strings.Contains(forced, "DROP TABLE IF EXISTS outbox;") || !strings.Contains(forced, "--force") {
+		t.Fatalf("print --version 1 --down --force: %v\n%s", err, forced)
+	}
+	if _, err := runCLI(t, "migrate", "print", "--version", "1", "--force"); !errors.Is(err, errUsage) {
+		t.Fatalf("print --force without --down: err %v, want a usage error", err)
+	}
+}
