@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // Header names.
@@ -362,7 +363,12 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 		rw.flush(false)
 		return
 	}
-	if tx.Conn().PgConn().TxStatus() == 'E' {
+	if err := m.storeResponse(ctx, tx, c, rw); err != nil {
+		var pgErr *pgconn.PgError
+		if !errors.As(err, &pgErr) || pgErr.Code != "25P02" { // in_failed_sql_transaction
+			m.fail(w, r, fmt.Errorf("idempotency: store response: %w", err))
+			return
+		}
 		// A statement of the handler's failed and left the transaction
 		// aborted: its writes and the claim are lost, and no response can be
 		// stored in it.
@@ -372,10 +378,6 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 			return
 		}
 		m.storeErrorAlone(w, r, c, rw)
-		return
-	}
-	if err := m.storeResponse(ctx, tx, c, rw); err != nil {
-		m.fail(w, r, fmt.Errorf("idempotency: store response: %w", err))
 		return
 	}
 	if err := tx.Commit(ctx); err != nil {
