@@ -1,2 +1,1 @@
-ALTER TABLE outbox_dead DROP COLUMN first_outbox_id;
-ALTER TABLE outbox DROP COLUMN first_id;
+DROP TABLE dead_replays;

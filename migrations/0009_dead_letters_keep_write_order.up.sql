@@ -5,12 +5,15 @@
 -- order. But a replayed event gets a new outbox id, at the back of the
 -- queue; if Kafka refused it again, its new dead letter sorted after its
 -- key's later events that had stayed dead, and a replay of them all
--- published the key's events out of order (G3). The first id travels with
--- the event now: outbox.first_id is set by a replay (NULL for an event as
--- first written) and outbox_dead.first_outbox_id by the relay when it
--- dead-letters (NULL in rows written before this version: their outbox_id).
+-- published the key's events out of order (G3). A replay now records the
+-- outbox id each event was first written with, by event_id, which the
+-- event keeps through the outbox and back. Keyed by event_id, it needs
+-- nothing from the relay: a relay of an earlier release that dead-letters
+-- a replayed event keeps its place too.
 --
--- Nullable columns without a default: no row is rewritten, and the brief
--- ACCESS EXCLUSIVE lock on each table is held only to change the catalog.
-ALTER TABLE outbox ADD COLUMN first_id bigint;
-ALTER TABLE outbox_dead ADD COLUMN first_outbox_id bigint;
+-- One small row per replayed event; nothing else writes here.
+CREATE TABLE dead_replays (
+    event_id        uuid        PRIMARY KEY,
+    first_outbox_id bigint      NOT NULL,
+    replayed_at     timestamptz NOT NULL DEFAULT now()
+);

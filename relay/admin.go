@@ -40,7 +40,7 @@ func ListDead(ctx context.Context, db Querier, schema string, limit int) ([]Dead
 		return nil, fmt.Errorf("relay: %w", err)
 	}
 	rows, err := db.Query(ctx, `SELECT `+deadColumns+`
-FROM `+pgx.Identifier{schema, "outbox_dead"}.Sanitize()+` ORDER BY `+deadOrder+` LIMIT $1`, limit)
+FROM `+pgx.Identifier{schema, "outbox_dead"}.Sanitize()+` d ORDER BY `+writePosition(schema, "d")+`, d.id LIMIT $1`, limit)
 	if err != nil {
 		return nil, fmt.Errorf("relay: list dead events: %w", err)
 	}
@@ -56,15 +56,21 @@ FROM `+pgx.Identifier{schema, "outbox_dead"}.Sanitize()+` ORDER BY `+deadOrder+`
 	return out, rows.Err()
 }
 
-// deadOrder is the order of dead events: their write order, the outbox id
-// each was first written with (kept across replays since migration 9; rows
-// dead-lettered before it have their outbox id), then the dead letter's.
-const deadOrder = `coalesce(first_outbox_id, outbox_id), id`
-
-// deadPosition is deadOrder for the outbox_dead row aliased d.
-func deadPosition(d string) string {
-	return `(coalesce(` + d + `.first_outbox_id, ` + d + `.outbox_id), ` + d + `.id)`
+// writePosition is where the outbox_dead row aliased d stands in its key's
+// write order: the outbox id its event was first written with. A replayed
+// event gets a new outbox id, so a replay records the first one in
+// dead_replays (migration 9) by event_id, which the event keeps through the
+// outbox and back, whichever relay dead-letters it again. Dead events are
+// listed and replayed by it, then by their own id.
+func writePosition(schema, d string) string {
+	return `coalesce((SELECT rp.first_outbox_id FROM ` + pgx.Identifier{schema, "dead_replays"}.Sanitize() +
+		` rp WHERE rp.event_id = ` + d + `.event_id), ` + d + `.outbox_id)`
 }
+
+// replayableTopic is true for a topic name Kafka accepts, as migration 8's
+// outbox_topic domain says; a dead event on another name (one migration 8
+// dead-lettered) cannot go back into the outbox.
+const replayableTopic = `(topic ~ '^[A-Za-z0-9._-]{1,249}$' AND topic NOT IN ('.', '..'))`
 
 const deadColumns = `id, outbox_id, event_id::text, topic, key, value, headers, created_at, error, attempts, dead_at`
 
@@ -99,41 +105,62 @@ func ReplayDead(ctx context.Context, db Querier, schema string, ids []int64, opt
 	}
 	outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
 	dead := pgx.Identifier{schema, "outbox_dead"}.Sanitize()
+	replays := pgx.Identifier{schema, "dead_replays"}.Sanitize()
 	// held: the earlier dead events, left out of ids, of the keys being
-	// replayed. Keyless events have no order to keep.
-	held := `SELECT d.id FROM ` + dead + ` d WHERE $1::bigint[] IS NOT NULL AND NOT $2::boolean
-        AND d.key IS NOT NULL AND d.id <> ALL($1::bigint[])
-        AND EXISTS (SELECT 1 FROM ` + dead + ` r WHERE r.id = ANY($1::bigint[]) AND r.key = d.key
-            AND ` + deadPosition("r") + ` > ` + deadPosition("d") + `)`
+	// replayed. Keyless events have no order to keep. unfit: the events
+	// asked for whose topic name Kafka refuses.
+	held := `SELECT h.id FROM ` + dead + ` h WHERE $1::bigint[] IS NOT NULL AND NOT $2::boolean
+        AND h.key IS NOT NULL AND h.id <> ALL($1::bigint[])
+        AND EXISTS (SELECT 1 FROM ` + dead + ` r WHERE r.id = ANY($1::bigint[]) AND r.key = h.key
+            AND (` + writePosition(schema, "r") + `, r.id) > (` + writePosition(schema, "h") + `, h.id))`
+	unfit := `SELECT u.id FROM ` + dead + ` u WHERE ($1::bigint[] IS NULL OR u.id = ANY($1::bigint[])) AND NOT ` + replayableTopic
 	rows, err := db.Query(ctx, `WITH held AS (`+held+`),
-`+strings.TrimPrefix(deadTake(schema, "id, outbox_id, first_outbox_id, event_id, topic, key, value, headers, created_at", "NOT EXISTS (SELECT 1 FROM held)"), "WITH ")+`,
+unfit AS (`+unfit+`),
+`+strings.TrimPrefix(deadTake(schema, "id, outbox_id, event_id, topic, key, value, headers, created_at, "+writePosition(schema, "d")+" AS position",
+		"NOT EXISTS (SELECT 1 FROM held) AND NOT EXISTS (SELECT 1 FROM unfit)"), "WITH ")+`,
 ins AS (
-    INSERT INTO `+outbox+` (event_id, topic, key, value, headers, created_at, first_id)
-    SELECT event_id, topic, key, value, headers, created_at, coalesce(first_outbox_id, outbox_id) FROM taken ORDER BY `+deadOrder+`
+    INSERT INTO `+outbox+` (event_id, topic, key, value, headers, created_at)
+    SELECT event_id, topic, key, value, headers, created_at FROM taken ORDER BY position, id
+    RETURNING 1),
+first AS (
+    INSERT INTO `+replays+` (event_id, first_outbox_id)
+    SELECT DISTINCT ON (event_id) event_id, position FROM taken ORDER BY event_id, position
+    ON CONFLICT (event_id) DO NOTHING
     RETURNING 1)
-SELECT taken.id, false FROM taken
-UNION ALL SELECT held.id, true FROM held`, ids, cfg.outOfOrder)
+SELECT 'taken', id FROM taken
+UNION ALL SELECT 'held', id FROM held
+UNION ALL SELECT 'unfit', id FROM unfit`, ids, cfg.outOfOrder)
 	if err != nil {
 		return 0, fmt.Errorf("relay: replay dead events: %w", err)
 	}
-	var moved, earlier []int64
+	var moved, earlier, refused []int64
+	var kind string
 	var id int64
-	var isHeld bool
-	if _, err := pgx.ForEachRow(rows, []any{&id, &isHeld}, func() error {
-		if isHeld {
-			earlier = append(earlier, id)
-		} else {
+	if _, err := pgx.ForEachRow(rows, []any{&kind, &id}, func() error {
+		switch kind {
+		case "taken":
 			moved = append(moved, id)
+		case "held":
+			earlier = append(earlier, id)
+		default:
+			refused = append(refused, id)
 		}
 		return nil
 	}); err != nil {
 		return 0, fmt.Errorf("relay: replay dead events: %w", err)
 	}
+	if err := notFound(ctx, db, schema, "replayed", ids, moved); err != nil {
+		return len(moved), err
+	}
+	if len(refused) > 0 {
+		slices.Sort(refused)
+		return 0, &DeadUnreplayableError{IDs: refused}
+	}
 	if len(earlier) > 0 {
 		slices.Sort(earlier)
 		return 0, &DeadOutOfOrderError{IDs: earlier}
 	}
-	return len(moved), notFound(ctx, db, schema, "replayed", ids, moved)
+	return len(moved), nil
 }
 
 // ReplayOption changes how ReplayDead replays.
@@ -154,6 +181,26 @@ type DeadOutOfOrderError struct {
 	IDs []int64
 }
 
+// DeadUnreplayableError names the dead events a replay asked for whose
+// topic name Kafka refuses (events migration 8 dead-lettered): they cannot
+// go back into the outbox. Nothing was replayed: discard them, or leave
+// them out.
+type DeadUnreplayableError struct {
+	IDs []int64
+}
+
+func (e *DeadUnreplayableError) Error() string {
+	return fmt.Sprintf("relay: nothing replayed: dead events %s have topic names Kafka refuses and cannot be replayed; discard them or leave them out", joinIDs(e.IDs))
+}
+
+func joinIDs(ids []int64) string {
+	s := make([]string, len(ids))
+	for i, id := range ids {
+		s[i] = strconv.FormatInt(id, 10)
+	}
+	return strings.Join(s, ", ")
+}
+
 func (e *DeadOutOfOrderError) Error() string {
 	s := make([]string, len(e.IDs))
 	for i, id := range e.IDs {
@@ -172,8 +219,9 @@ func DiscardDead(ctx context.Context, db Querier, schema string, ids []int64) ([
 	if len(ids) == 0 {
 		return nil, fmt.Errorf("relay: discard dead events: no ids given")
 	}
-	rows, err := db.Query(ctx, deadTake(schema, deadColumns+", first_outbox_id", "true")+`
-SELECT `+deadColumns+` FROM taken ORDER BY `+deadOrder, ids)
+	rows, err := db.Query(ctx, deadTake(schema, deadColumns+", "+writePosition(schema, "d")+" AS position", "true")+`,
+forget AS (DELETE FROM `+pgx.Identifier{schema, "dead_replays"}.Sanitize()+` WHERE event_id IN (SELECT event_id::uuid FROM taken))
+SELECT `+deadColumns+` FROM taken ORDER BY position, id`, ids)
 	if err != nil {
 		return nil, fmt.Errorf("relay: discard dead events: %w", err)
 	}
@@ -204,7 +252,7 @@ func deadTake(schema, cols, when string) string {
     SELECT count(*) AS n FROM unnest($1::bigint[]) AS w(id)
     WHERE NOT EXISTS (SELECT 1 FROM ` + dead + ` d WHERE d.id = w.id)),
 taken AS (
-    DELETE FROM ` + dead + ` WHERE ($1::bigint[] IS NULL OR id = ANY($1::bigint[])) AND (SELECT n FROM missing) = 0 AND ` + when + `
+    DELETE FROM ` + dead + ` d WHERE ($1::bigint[] IS NULL OR id = ANY($1::bigint[])) AND (SELECT n FROM missing) = 0 AND ` + when + `
     RETURNING ` + cols + `)`
 }
 

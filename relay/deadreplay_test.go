@@ -127,3 +127,75 @@ func TestAReplayedEventThatDiesAgainKeepsItsPlaceInItsKeysOrder(t *testing.T) {
 		t.Fatalf("acct-1 queued as %q, want its write order %q", got, want)
 	}
 }
+
+// During a rolling upgrade a relay of the previous release dead-letters
+// with its own statement, which knows nothing of migration 9. A replayed
+// event it dead-letters again must still keep its place in its key's
+// order: the first outbox id is recorded by event_id at the replay, not
+// carried by the relay.
+func TestAnEventDeadLetteredByThePreviousReleasesRelayKeepsItsPlace(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	outboxT := pgx.Identifier{b.schema, "outbox"}.Sanitize()
+	deadT := pgx.Identifier{b.schema, "outbox_dead"}.Sanitize()
+	ids := b.insertDead(t, deadRow{"acct-1", "debit 100", 10}, deadRow{"acct-1", "refund 100", 11})
+	if _, err := b.pool.Exec(ctx, `ALTER TABLE `+outboxT+` ALTER COLUMN id RESTART WITH 100`); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := relay.ReplayDead(ctx, b.pool, b.schema, []int64{ids["debit 100"]}); err != nil || n != 1 {
+		t.Fatalf("replay of debit 100: %d, %v", n, err)
+	}
+	// The previous release's dead-letter statement (01d3295's relay/store.go,
+	// without its ownership condition).
+	if _, err := b.pool.Exec(ctx, `WITH moved AS (
+    DELETE FROM `+outboxT+` o USING unnest((SELECT array_agg(id) FROM `+outboxT+`), ARRAY['too large']) AS x(id, error)
+    WHERE o.id = x.id
+    RETURNING o.id, o.event_id, o.topic, o.key, o.value, o.headers, o.created_at, o.attempts, x.error)
+INSERT INTO `+deadT+` (outbox_id, event_id, topic, key, value, headers, created_at, attempts, error)
+SELECT id, event_id, topic, key, value, headers, created_at, attempts + 1, error FROM moved ORDER BY id`); err != nil {
+		t.Fatal(err)
+	}
+	list, err := relay.ListDead(ctx, b.pool, b.schema, 10)
+	if err != nil || len(list) != 2 || string(list[0].Value) != "debit 100" {
+		t.Fatalf("dead letters %+v, %v; want debit 100 listed first (write order)", list, err)
+	}
+	_, err = relay.ReplayDead(ctx, b.pool, b.schema, []int64{ids["refund 100"]})
+	var order *relay.DeadOutOfOrderError
+	if !errors.As(err, &order) {
+		t.Fatalf("replay of refund 100 alone while debit 100 stays dead: %v; want a DeadOutOfOrderError", err)
+	}
+	if n, err := relay.ReplayDead(ctx, b.pool, b.schema, nil); err != nil || n != 2 {
+		t.Fatalf("replay of all: %d, %v", n, err)
+	}
+	if got, want := b.pendingValues(t), []string{"debit 100", "refund 100"}; !slices.Equal(got, want) {
+		t.Fatalf("acct-1 queued as %q, want its write order %q", got, want)
+	}
+}
+
+// Migration 8 dead-letters pending events on topic names Kafka refuses, and
+// they cannot go back into the outbox. A replay that takes one in fails
+// naming it, replays nothing and is no bare check violation; one that
+// leaves it out goes on.
+func TestADeadEventOnARefusedTopicNameIsNamedNotABareCheckViolation(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	var bad int64
+	if err := b.pool.QueryRow(ctx, `INSERT INTO `+pgx.Identifier{b.schema, "outbox_dead"}.Sanitize()+` (outbox_id, event_id, topic, key, value, created_at, error, attempts)
+		VALUES (9, gen_random_uuid(), 'bad topic', 'acct-1', 'x', now(), 'topic name Kafka refuses', 0) RETURNING id`).Scan(&bad); err != nil {
+		t.Fatal(err)
+	}
+	ids := b.insertDead(t, deadRow{"acct-2", "other key", 10})
+	n, err := relay.ReplayDead(ctx, b.pool, b.schema, nil)
+	var unfit *relay.DeadUnreplayableError
+	if !errors.As(err, &unfit) || n != 0 || !slices.Equal(unfit.IDs, []int64{bad}) {
+		t.Fatalf("replay of all beside dead letter %d on a refused topic name: %d, %v; want nothing replayed and %d named", bad, n, err, bad)
+	}
+	if n, err := relay.ReplayDead(ctx, b.pool, b.schema, []int64{ids["other key"]}); err != nil || n != 1 {
+		t.Fatalf("replay of the other key's event: %d, %v", n, err)
+	}
+	if dead, err := relay.DiscardDead(ctx, b.pool, b.schema, []int64{bad}); err != nil || len(dead) != 1 {
+		t.Fatalf("discard of %d: %v, %v", bad, dead, err)
+	}
+}

@@ -162,18 +162,18 @@ ON CONFLICT (instance, lo) DO UPDATE SET hi = excluded.hi, shards = excluded.sha
 		// held.
 		deleteOwnedSQL: `DELETE FROM ` + outbox + ` o WHERE o.id = ANY($1::bigint[])
     AND o.shard NOT IN (SELECT shard FROM ` + shards + ` WHERE (owner = $2 AND lease_until > now()) IS NOT TRUE)`,
-		// Dead letters keep their first outbox id (a replayed event's
-		// first_id), which lists and replays go by, so a key's replayed
-		// events keep their order (G3) however often they died; and they
-		// take their ids in outbox id order (the DELETE returns rows in
-		// table order, where a retried row lies after its key's later
-		// ones).
+		// Dead letters take their ids in outbox id order (the DELETE
+		// returns rows in table order, where a retried row lies after
+		// its key's later ones): lists and replays go by the outbox id
+		// (or, for a replayed event, the one it was first written with,
+		// in dead_replays), so a key's replayed events keep their order
+		// (G3).
 		deadSQL: `WITH moved AS (
     DELETE FROM ` + outbox + ` o USING unnest($1::bigint[], $2::text[]) AS x(id, error)
     WHERE o.id = x.id AND ` + owned("$3") + `
-    RETURNING o.id, o.first_id, o.event_id, o.topic, o.key, o.value, o.headers, o.created_at, o.attempts, x.error)
-INSERT INTO ` + dead + ` (outbox_id, first_outbox_id, event_id, topic, key, value, headers, created_at, attempts, error)
-SELECT id, coalesce(first_id, id), event_id, topic, key, value, headers, created_at, attempts + 1, error FROM moved ORDER BY id`,
+    RETURNING o.id, o.event_id, o.topic, o.key, o.value, o.headers, o.created_at, o.attempts, x.error)
+INSERT INTO ` + dead + ` (outbox_id, event_id, topic, key, value, headers, created_at, attempts, error)
+SELECT id, event_id, topic, key, value, headers, created_at, attempts + 1, error FROM moved ORDER BY id`,
 		// A run of one refusal (x.run > 0) goes on while the same answer
 		// comes back and starts again on another; any other outcome
 		// (x.run = 0) ends it; x.run = -1 (not sent: an earlier event of

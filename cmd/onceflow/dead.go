@@ -117,7 +117,14 @@ func runDead(ctx context.Context, args []string, stdout, stderr io.Writer) error
 				opts = append(opts, relay.ReplayOutOfOrder())
 			}
 			n, err := relay.ReplayDead(ctx, q, c.schema, idList, opts...)
-			if err != nil {
+			var order *relay.DeadOutOfOrderError
+			var unfit *relay.DeadUnreplayableError
+			switch {
+			case errors.As(err, &order):
+				return fmt.Errorf("%w (add them to --ids, or pass --out-of-order)", err)
+			case errors.As(err, &unfit):
+				return fmt.Errorf("%w (onceflow dead discard --ids %s)", err, joinIDs(unfit.IDs))
+			case err != nil:
 				return err
 			}
 			fmt.Fprintf(stdout, "replayed %d dead events into the outbox\n", n)
@@ -307,4 +314,12 @@ func withPool(ctx context.Context, c *common, fn func(relay.Querier) error) erro
 	}
 	defer pool.Close()
 	return fn(pool)
+}
+
+func joinIDs(ids []int64) string {
+	s := make([]string, len(ids))
+	for i, id := range ids {
+		s[i] = strconv.FormatInt(id, 10)
+	}
+	return strings.Join(s, ",")
 }
