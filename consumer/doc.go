@@ -111,8 +111,8 @@
 // earliest re-reads all of it), producer re-sends, how long an offset can
 // stay behind messages already processed, and consumer downtime (see
 // JanitorConfig.Window). A message delivered again after its record expired
-// is processed again. A janitor sweeps every consumer of its schema unless
-// JanitorConfig.Consumers names some.
+// is processed again. A janitor sweeps every consumer of its schema, and the
+// janitors on a schema keep records for the longest window among them.
 //
 // # Side effects outside the database
 //

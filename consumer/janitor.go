@@ -41,13 +41,14 @@ type JanitorConfig struct {
 	// again. At least one hour (shorter is refused as a unit slip).
 	// Defaults to 15 days: Kafka's default retention and segment roll, plus
 	// a day.
+	//
+	// Every consumer's records of the schema are swept, and janitors on one
+	// schema keep them for the longest window among them: each records its
+	// window in janitor_windows as it sweeps, and deletes only what is
+	// older than the longest window of a janitor seen within that window.
+	// So a service that shares the schema with a shorter window expires
+	// nothing early.
 	Window time.Duration
-	// Consumers limits the sweep to these consumers' records (the names
-	// given to consumer.New). Empty sweeps every consumer of the schema, so
-	// the shortest window of any janitor on the schema wins: give each
-	// service's janitor its own consumers when services with different
-	// windows share a schema.
-	Consumers []string
 	// BatchSize is how many records one DELETE removes, keeping each
 	// transaction and its locks short. Defaults to 1000.
 	BatchSize int
@@ -58,13 +59,14 @@ type JanitorConfig struct {
 	Logger *slog.Logger
 }
 
-// Janitor deletes dedup records older than the window, for the consumers
-// it is given, else for every consumer of a schema. It is safe for concurrent use, and several Janitors (one per
+// Janitor deletes dedup records older than the window (the longest of the
+// janitors on the schema: see JanitorConfig.Window), for every consumer of
+// a schema. It is safe for concurrent use, and several Janitors (one per
 // service instance) may run at once.
 type Janitor struct {
-	db        Execer
-	cfg       JanitorConfig
-	deleteSQL string
+	db                     Execer
+	cfg                    JanitorConfig
+	registerSQL, deleteSQL string
 }
 
 // NewJanitor returns a Janitor; cfg may be nil.
@@ -102,20 +104,20 @@ func NewJanitor(db Execer, cfg *JanitorConfig) (*Janitor, error) {
 	case c.Interval < time.Second:
 		return nil, fmt.Errorf("consumer: JanitorConfig.Interval %s is under a second", c.Interval)
 	}
-	for _, name := range c.Consumers {
-		if name == "" {
-			return nil, errors.New("consumer: JanitorConfig.Consumers holds an empty name")
-		}
-	}
 	table := pgx.Identifier{c.Schema, "processed_messages"}.Sanitize()
-	only := ""
-	if len(c.Consumers) > 0 {
-		only = ` AND consumer = ANY($3)`
-	}
-	// The inner SELECT walks processed_messages_processed_at_idx; SKIP
-	// LOCKED lets concurrent janitors take different rows.
-	return &Janitor{db: db, cfg: c, deleteSQL: `DELETE FROM ` + table + ` WHERE ctid = ANY(ARRAY(
-	SELECT ctid FROM ` + table + ` WHERE processed_at < now() - $1::interval` + only + `
+	windows := pgx.Identifier{c.Schema, "janitor_windows"}.Sanitize()
+	// The longest window of a janitor seen within it ($1, this one's, is
+	// always among them).
+	longest := `(SELECT greatest($1::bigint, max(window_seconds)) FROM ` + windows + `
+	WHERE seen_at > now() - make_interval(secs => window_seconds))`
+	return &Janitor{db: db, cfg: c,
+		// Lapsed windows are forgotten as this one is recorded.
+		registerSQL: `WITH lapsed AS (DELETE FROM ` + windows + ` WHERE seen_at < now() - make_interval(secs => window_seconds) AND window_seconds <> $1)
+INSERT INTO ` + windows + ` (window_seconds) VALUES ($1) ON CONFLICT (window_seconds) DO UPDATE SET seen_at = now()`,
+		// The inner SELECT walks processed_messages_processed_at_idx; SKIP
+		// LOCKED lets concurrent janitors take different rows.
+		deleteSQL: `DELETE FROM ` + table + ` WHERE ctid = ANY(ARRAY(
+	SELECT ctid FROM ` + table + ` WHERE processed_at < now() - make_interval(secs => ` + longest + `)
 	ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED))`}, nil
 }
 
@@ -128,13 +130,13 @@ const DefaultDedupWindow = 15 * 24 * time.Hour
 // statement, and returns how many it deleted. It stops early with ctx's
 // error.
 func (j *Janitor) Sweep(ctx context.Context) (int64, error) {
+	window := int64(j.cfg.Window / time.Second)
+	if _, err := j.db.Exec(ctx, j.registerSQL, window); err != nil {
+		return 0, fmt.Errorf("consumer: janitor: record the window: %w", err)
+	}
 	var total int64
 	for {
-		args := []any{j.cfg.Window, j.cfg.BatchSize}
-		if len(j.cfg.Consumers) > 0 {
-			args = append(args, j.cfg.Consumers)
-		}
-		tag, err := j.db.Exec(ctx, j.deleteSQL, args...)
+		tag, err := j.db.Exec(ctx, j.deleteSQL, window, j.cfg.BatchSize)
 		if err != nil {
 			return total, fmt.Errorf("consumer: janitor: delete expired records: %w", err)
 		}

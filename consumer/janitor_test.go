@@ -36,8 +36,8 @@ func TestJanitorDeletesOnlyExpiredRecordsInBatches(t *testing.T) {
 	}
 
 	// Run sweeps at once and returns nil when canceled.
-	_, _ = b.pool.Exec(ctx, `UPDATE `+table+` SET processed_at = now() - interval '2 hours'`)
-	j, _ = consumer.NewJanitor(b.pool, &consumer.JanitorConfig{Schema: b.schema, Window: time.Hour, Interval: time.Hour})
+	_, _ = b.pool.Exec(ctx, `UPDATE `+table+` SET processed_at = now() - interval '16 days'`)
+	j, _ = consumer.NewJanitor(b.pool, &consumer.JanitorConfig{Schema: b.schema, Interval: time.Hour})
 	runCtx, cancel := context.WithCancel(ctx)
 	done := make(chan error)
 	go func() { done <- j.Run(runCtx) }()
@@ -61,8 +61,11 @@ func TestJanitorUsesProcessedAtIndex(t *testing.T) {
 	if _, err := b.pool.Exec(ctx, `ANALYZE `+table); err != nil {
 		t.Fatal(err)
 	}
+	// The janitor's batch query, its cutoff the longest window on record.
 	rows, _ := b.pool.Query(ctx, `EXPLAIN SELECT ctid FROM `+table+
-		` WHERE processed_at < now() - interval '7 days' ORDER BY processed_at LIMIT 1000 FOR UPDATE SKIP LOCKED`)
+		` WHERE processed_at < now() - make_interval(secs => (SELECT greatest(1296000::bigint, max(window_seconds)) FROM `+
+		pgx.Identifier{b.schema, "janitor_windows"}.Sanitize()+` WHERE seen_at > now() - make_interval(secs => window_seconds)))
+		ORDER BY processed_at LIMIT 1000 FOR UPDATE SKIP LOCKED`)
 	lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	if err != nil {
 		t.Fatal(err)
@@ -104,28 +107,41 @@ func TestJanitorsDefaultWindowOutlastsKafkasDefaultRetention(t *testing.T) {
 	}
 }
 
-// Services sharing a schema share processed_messages. A janitor told its
-// consumers sweeps only theirs, so one service's short window does not
-// expire another's records.
-func TestAJanitorSweepsOnlyTheConsumersItIsGiven(t *testing.T) {
+// Services sharing a schema share processed_messages, and a janitor sweeps
+// every consumer's records. Janitors on one schema keep records for the
+// longest window among them, so one service's short window expires no
+// other service's records early; a window whose janitor has not swept
+// within it lapses.
+func TestJanitorsOnASchemaKeepRecordsForTheLongestWindowAmongThem(t *testing.T) {
 	b := setup(t)
 	ctx := context.Background()
 	table := pgx.Identifier{b.schema, "processed_messages"}.Sanitize()
 	if _, err := b.pool.Exec(ctx, `INSERT INTO `+table+` (consumer, message_id, processed_at)
-		SELECT c, 'm-'||i, now() - interval '2 days' FROM generate_series(1, 5) i, unnest(ARRAY['payments', 'notifications', 'emails']) c`); err != nil {
+		SELECT c, 'recent-'||i, now() - interval '2 days' FROM generate_series(1, 5) i, unnest(ARRAY['payments', 'notifications']) c
+		UNION ALL SELECT c, 'old-'||i, now() - interval '61 days' FROM generate_series(1, 3) i, unnest(ARRAY['payments', 'notifications']) c`); err != nil {
 		t.Fatal(err)
 	}
-	j, err := consumer.NewJanitor(b.pool, &consumer.JanitorConfig{Schema: b.schema, Window: 24 * time.Hour, Consumers: []string{"notifications", "emails"}})
+	payments, err := consumer.NewJanitor(b.pool, &consumer.JanitorConfig{Schema: b.schema, Window: 60 * 24 * time.Hour})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if n, err := j.Sweep(ctx); err != nil || n != 10 {
-		t.Fatalf("Sweep = %d, %v; want 10 records deleted", n, err)
+	notifications, err := consumer.NewJanitor(b.pool, &consumer.JanitorConfig{Schema: b.schema, Window: 24 * time.Hour})
+	if err != nil {
+		t.Fatal(err)
 	}
-	for name, want := range map[string]int{"payments": 5, "notifications": 0, "emails": 0} {
-		if got := b.processedRows(t, name); got != want {
-			t.Errorf("%s: %d records left, want %d", name, got, want)
-		}
+	if n, err := payments.Sweep(ctx); err != nil || n != 6 {
+		t.Fatalf("the 60-day janitor: Sweep = %d, %v; want the 6 records past 60 days", n, err)
+	}
+	if n, err := notifications.Sweep(ctx); err != nil || n != 0 {
+		t.Fatalf("the 1-day janitor beside a 60-day one: Sweep = %d, %v; want nothing deleted", n, err)
+	}
+	// The 60-day janitor has not swept for 61 days: its window lapses.
+	if _, err := b.pool.Exec(ctx, `UPDATE `+pgx.Identifier{b.schema, "janitor_windows"}.Sanitize()+
+		` SET seen_at = now() - interval '61 days' WHERE window_seconds = 60 * 86400`); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := notifications.Sweep(ctx); err != nil || n != 10 {
+		t.Fatalf("the 1-day janitor once the 60-day window lapsed: Sweep = %d, %v; want the 10 records past a day", n, err)
 	}
 }
 
@@ -140,7 +156,6 @@ func TestNewJanitorRefusesAWindowOrIntervalTooShort(t *testing.T) {
 		{Window: 168 * time.Millisecond},
 		{Window: 59 * time.Minute},
 		{Interval: time.Millisecond},
-		{Consumers: []string{"ledger", ""}},
 	} {
 		cfg.Schema = b.schema
 		if _, err := consumer.NewJanitor(b.pool, &cfg); err == nil {

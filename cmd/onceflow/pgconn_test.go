@@ -134,7 +134,7 @@ SELECT g, gen_random_uuid(), 'gone', 'k', 'v', now(), 'unknown topic', 3 FROM ge
 			args []string
 			want string
 		}{
-			{[]string{"migrate", "status"}, "0009 dead_letters_keep_write_order"},
+			{[]string{"migrate", "status"}, "0010 janitor_windows"},
 			{[]string{"migrate", "up"}, "is up to date"},
 			{[]string{"status"}, "dead letters:    " + fmt.Sprint(4-run)},
 			{[]string{"dead", "list"}, "unknown topic"},

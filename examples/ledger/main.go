@@ -108,7 +108,7 @@ func run(ctx context.Context, args []string, log *slog.Logger) error {
 	}
 	// The janitor deletes dedup records older than the window, so
 	// processed_messages does not grow forever. Every worker may run one.
-	janitor, err := consumer.NewJanitor(pool, &consumer.JanitorConfig{Schema: *schema, Window: *window, Consumers: []string{*group}, Logger: log})
+	janitor, err := consumer.NewJanitor(pool, &consumer.JanitorConfig{Schema: *schema, Window: *window, Logger: log})
 	if err != nil {
 		return err
 	}
