@@ -202,11 +202,7 @@ func joinIDs(ids []int64) string {
 }
 
 func (e *DeadOutOfOrderError) Error() string {
-	s := make([]string, len(e.IDs))
-	for i, id := range e.IDs {
-		s[i] = strconv.FormatInt(id, 10)
-	}
-	return fmt.Sprintf("relay: nothing replayed: dead events %s come first in their keys' order and would be published after the ones given; replay them too, or replay out of order on purpose", strings.Join(s, ", "))
+	return fmt.Sprintf("relay: nothing replayed: dead events %s come first in their keys' order and would be published after the ones given; replay them too, or replay out of order on purpose", joinIDs(e.IDs))
 }
 
 // DiscardDead deletes the given dead events for good and returns them, so
@@ -305,11 +301,7 @@ type DeadNotFoundError struct {
 }
 
 func (e *DeadNotFoundError) Error() string {
-	s := make([]string, len(e.IDs))
-	for i, id := range e.IDs {
-		s[i] = strconv.FormatInt(id, 10)
-	}
-	return fmt.Sprintf("relay: no dead events with ids %s (%s %d)", strings.Join(s, ", "), e.did, e.Done)
+	return fmt.Sprintf("relay: no dead events with ids %s (%s %d)", joinIDs(e.IDs), e.did, e.Done)
 }
 
 // Status is what operators check: backlog, age, dead letters, relays.
