@@ -5,12 +5,14 @@ import (
 	"context"
 	"errors"
 	"flag"
+	"strconv"
 	"strings"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/internal/pgtest"
+	"github.com/onceflow/onceflow/migrations"
 )
 
 func runCLI(t *testing.T, args ...string) (string, error) {
@@ -102,10 +104,10 @@ func TestMigrateStatusDeadReplay(t *testing.T) {
 	if out, err = runCLI(t, append([]string{"status"}, common...)...); err != nil || !strings.Contains(out, "backlog:         1 events") || !strings.Contains(out, "dead letters:    0") {
 		t.Fatalf("status: %v\n%s", err, out)
 	}
-	if out, err = runCLI(t, append([]string{"migrate", "down", "--steps", "9"}, common...)...); err == nil || !strings.Contains(err.Error(), "outbox (1 rows)") {
+	if out, err = runCLI(t, append([]string{"migrate", "down", "--steps", strconv.Itoa(migrations.Latest())}, common...)...); err == nil || !strings.Contains(err.Error(), "outbox (1 rows)") {
 		t.Fatalf("down with a pending event: %v\n%s", err, out)
 	}
-	if out, err = runCLI(t, append([]string{"migrate", "down", "--steps", "9", "--force"}, common...)...); err != nil || !strings.Contains(out, "reverted 0001") {
+	if out, err = runCLI(t, append([]string{"migrate", "down", "--steps", strconv.Itoa(migrations.Latest()), "--force"}, common...)...); err != nil || !strings.Contains(out, "reverted 0001") {
 		t.Fatalf("down: %v\n%s", err, out)
 	}
 }
