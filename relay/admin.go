@@ -59,12 +59,13 @@ FROM `+pgx.Identifier{schema, "outbox_dead"}.Sanitize()+` d ORDER BY `+writePosi
 // writePosition is where the outbox_dead row aliased d stands in its key's
 // write order: the outbox id its event was first written with. A replayed
 // event gets a new outbox id, so a replay records the first one in
-// dead_replays (migration 9) by event_id, which the event keeps through the
-// outbox and back, whichever relay dead-letters it again. Dead events are
-// listed and replayed by it, then by their own id.
+// dead_replays (migration 9) by event_id and topic, which the event keeps
+// through the outbox and back, whichever relay dead-letters it again (the
+// copies of an event fanned out to several topics each keep their own).
+// Dead events are listed and replayed by it, then by their own id.
 func writePosition(schema, d string) string {
 	return `coalesce((SELECT rp.first_outbox_id FROM ` + pgx.Identifier{schema, "dead_replays"}.Sanitize() +
-		` rp WHERE rp.event_id = ` + d + `.event_id), ` + d + `.outbox_id)`
+		` rp WHERE rp.event_id = ` + d + `.event_id AND rp.topic = ` + d + `.topic), ` + d + `.outbox_id)`
 }
 
 // replayableTopic is true for a topic name Kafka accepts, as migration 8's
@@ -123,9 +124,9 @@ ins AS (
     SELECT event_id, topic, key, value, headers, created_at FROM taken ORDER BY position, id
     RETURNING 1),
 first AS (
-    INSERT INTO `+replays+` (event_id, first_outbox_id)
-    SELECT DISTINCT ON (event_id) event_id, position FROM taken ORDER BY event_id, position
-    ON CONFLICT (event_id) DO NOTHING
+    INSERT INTO `+replays+` (event_id, topic, first_outbox_id)
+    SELECT DISTINCT ON (event_id, topic) event_id, topic, position FROM taken ORDER BY event_id, topic, position
+    ON CONFLICT (event_id, topic) DO NOTHING
     RETURNING 1)
 SELECT 'taken', id FROM taken
 UNION ALL SELECT 'held', id FROM held
@@ -216,7 +217,7 @@ func DiscardDead(ctx context.Context, db Querier, schema string, ids []int64) ([
 		return nil, fmt.Errorf("relay: discard dead events: no ids given")
 	}
 	rows, err := db.Query(ctx, deadTake(schema, deadColumns+", "+writePosition(schema, "d")+" AS position", "true")+`,
-forget AS (DELETE FROM `+pgx.Identifier{schema, "dead_replays"}.Sanitize()+` WHERE event_id IN (SELECT event_id::uuid FROM taken))
+forget AS (DELETE FROM `+pgx.Identifier{schema, "dead_replays"}.Sanitize()+` WHERE (event_id, topic) IN (SELECT event_id::uuid, topic FROM taken))
 SELECT `+deadColumns+` FROM taken ORDER BY position, id`, ids)
 	if err != nil {
 		return nil, fmt.Errorf("relay: discard dead events: %w", err)

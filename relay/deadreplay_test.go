@@ -199,3 +199,83 @@ func TestADeadEventOnARefusedTopicNameIsNamedNotABareCheckViolation(t *testing.T
 		t.Fatalf("discard of %d: %v, %v", bad, dead, err)
 	}
 }
+
+// deadValues lists the dead events' values as ListDead orders them, and
+// their ids by value.
+func (b *bundle) deadValues(t *testing.T) ([]string, map[string]int64) {
+	t.Helper()
+	dead, err := relay.ListDead(context.Background(), b.pool, b.schema, 100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var v []string
+	ids := map[string]int64{}
+	for _, d := range dead {
+		v = append(v, string(d.Value))
+		ids[string(d.Value)] = d.ID
+	}
+	return v, ids
+}
+
+// One event id on two topics is one event fanned out (outbox.Message.ID),
+// each copy in its own key order on its topic. Replaying one copy must not
+// move the other ahead of its key's earlier events, and discarding one
+// must not make the other, replayed and dead again, lose its place (a
+// cold review's two cases).
+func TestTheCopiesOfAFannedOutEventKeepTheirOwnPlaces(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	fake := b.kafka.RequireFake(t)
+	topicA, topicB := b.kafka.Topic(t, 1), b.kafka.Topic(t, 1)
+	fa := fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topicA, Err: kerr.InvalidTopicException, Count: -1})
+	fb := fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topicB, Err: kerr.InvalidTopicException, Count: -1})
+	const id = "7d3a1c52-3f0e-4a57-9f6e-2b1f8c9d0e11"
+	k := []byte("acct-1")
+	b.write(t,
+		outbox.Message{ID: id, Topic: topicA, Key: k, Value: []byte("debit 100")},
+		outbox.Message{Topic: topicB, Key: k, Value: []byte("audit first")},
+		outbox.Message{ID: id, Topic: topicB, Key: k, Value: []byte("audit of debit 100")},
+		outbox.Message{Topic: topicA, Key: k, Value: []byte("refund 100")},
+	)
+	_, stop := b.startRelay(t, relay.Config{})
+	waitFor(t, "all dead", 30*time.Second, func() bool { return b.count(t, "outbox_dead") == 4 })
+	stop()
+	_, ids := b.deadValues(t)
+	if n, err := relay.ReplayDead(ctx, b.pool, b.schema, []int64{ids["debit 100"]}); err != nil || n != 1 {
+		t.Fatalf("replay of debit 100: %d, %v", n, err)
+	}
+	if got, want := b.deadValuesOnly(t), []string{"audit first", "audit of debit 100", "refund 100"}; !slices.Equal(got, want) {
+		t.Fatalf("dead letters %q after replaying the other copy, want write order %q", got, want)
+	}
+	_, err := relay.ReplayDead(ctx, b.pool, b.schema, []int64{ids["audit of debit 100"]})
+	var order *relay.DeadOutOfOrderError
+	if !errors.As(err, &order) || !slices.Equal(order.IDs, []int64{ids["audit first"]}) {
+		t.Fatalf("replay of topic B's later copy alone: %v; want a DeadOutOfOrderError naming audit first", err)
+	}
+	if _, err := relay.DiscardDead(ctx, b.pool, b.schema, []int64{ids["audit of debit 100"]}); err != nil {
+		t.Fatal(err)
+	}
+	// Kafka refuses debit 100 again.
+	_, stop = b.startRelay(t, relay.Config{})
+	waitFor(t, "debit 100 dead again", 30*time.Second, func() bool { return b.count(t, "outbox") == 0 && b.count(t, "outbox_dead") == 3 })
+	stop()
+	fa.Remove()
+	fb.Remove()
+	got, ids := b.deadValues(t)
+	if want := []string{"debit 100", "audit first", "refund 100"}; !slices.Equal(got, want) {
+		t.Fatalf("dead letters %q, want write order %q", got, want)
+	}
+	// The key's order spans its topics: audit first is held too.
+	held := []int64{ids["audit first"], ids["debit 100"]}
+	slices.Sort(held)
+	if _, err := relay.ReplayDead(ctx, b.pool, b.schema, []int64{ids["refund 100"]}); !errors.As(err, &order) || !slices.Equal(order.IDs, held) {
+		t.Fatalf("replay of refund 100 alone while debit 100 stays dead: %v; want a DeadOutOfOrderError naming %v", err, held)
+	}
+}
+
+func (b *bundle) deadValuesOnly(t *testing.T) []string {
+	t.Helper()
+	v, _ := b.deadValues(t)
+	return v
+}
