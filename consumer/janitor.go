@@ -45,9 +45,9 @@ type JanitorConfig struct {
 	// Every consumer's records of the schema are swept, and janitors on one
 	// schema keep them for the longest window among them: each records its
 	// window in janitor_windows as it sweeps, and deletes only what is
-	// older than the longest window of a janitor seen within that window.
-	// So a service that shares the schema with a shorter window expires
-	// nothing early.
+	// older than the longest window of a janitor seen within twice that
+	// window. So a service that shares the schema with a shorter window
+	// expires nothing early.
 	Window time.Duration
 	// BatchSize is how many records one DELETE removes, keeping each
 	// transaction and its locks short. Defaults to 1000.
@@ -103,16 +103,21 @@ func NewJanitor(db Execer, cfg *JanitorConfig) (*Janitor, error) {
 		return nil, errors.New("consumer: JanitorConfig.BatchSize must be at least 1")
 	case c.Interval < time.Second:
 		return nil, fmt.Errorf("consumer: JanitorConfig.Interval %s is under a second", c.Interval)
+	case c.Interval >= c.Window:
+		// A janitor is seen on record only when it sweeps: one that sweeps
+		// less often than its window would let it lapse between sweeps.
+		return nil, fmt.Errorf("consumer: JanitorConfig.Interval %s must be shorter than Window %s", c.Interval, c.Window)
 	}
 	table := pgx.Identifier{c.Schema, "processed_messages"}.Sanitize()
 	windows := pgx.Identifier{c.Schema, "janitor_windows"}.Sanitize()
-	// The longest window of a janitor seen within it ($1, this one's, is
-	// always among them).
+	// The longest window of a janitor seen within twice that window ($1,
+	// this one's, is always among them): twice, so that a janitor that
+	// sweeps late is not taken for gone.
 	longest := `(SELECT greatest($1::bigint, max(window_seconds)) FROM ` + windows + `
-	WHERE seen_at > now() - make_interval(secs => window_seconds))`
+	WHERE seen_at > now() - make_interval(secs => 2 * window_seconds))`
 	return &Janitor{db: db, cfg: c,
 		// Lapsed windows are forgotten as this one is recorded.
-		registerSQL: `WITH lapsed AS (DELETE FROM ` + windows + ` WHERE seen_at < now() - make_interval(secs => window_seconds) AND window_seconds <> $1)
+		registerSQL: `WITH lapsed AS (DELETE FROM ` + windows + ` WHERE seen_at < now() - make_interval(secs => 2 * window_seconds) AND window_seconds <> $1)
 INSERT INTO ` + windows + ` (window_seconds) VALUES ($1) ON CONFLICT (window_seconds) DO UPDATE SET seen_at = now()`,
 		// The inner SELECT walks processed_messages_processed_at_idx; SKIP
 		// LOCKED lets concurrent janitors take different rows.
@@ -130,7 +135,7 @@ const DefaultDedupWindow = 15 * 24 * time.Hour
 // statement, and returns how many it deleted. It stops early with ctx's
 // error.
 func (j *Janitor) Sweep(ctx context.Context) (int64, error) {
-	window := int64(j.cfg.Window / time.Second)
+	window := int64((j.cfg.Window + time.Second - 1) / time.Second) // rounded up: never shorter
 	if _, err := j.db.Exec(ctx, j.registerSQL, window); err != nil {
 		return 0, fmt.Errorf("consumer: janitor: record the window: %w", err)
 	}

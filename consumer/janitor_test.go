@@ -111,7 +111,7 @@ func TestJanitorsDefaultWindowOutlastsKafkasDefaultRetention(t *testing.T) {
 // every consumer's records. Janitors on one schema keep records for the
 // longest window among them, so one service's short window expires no
 // other service's records early; a window whose janitor has not swept
-// within it lapses.
+// within twice its length lapses.
 func TestJanitorsOnASchemaKeepRecordsForTheLongestWindowAmongThem(t *testing.T) {
 	b := setup(t)
 	ctx := context.Background()
@@ -135,9 +135,9 @@ func TestJanitorsOnASchemaKeepRecordsForTheLongestWindowAmongThem(t *testing.T) 
 	if n, err := notifications.Sweep(ctx); err != nil || n != 0 {
 		t.Fatalf("the 1-day janitor beside a 60-day one: Sweep = %d, %v; want nothing deleted", n, err)
 	}
-	// The 60-day janitor has not swept for 61 days: its window lapses.
+	// The 60-day janitor has not swept for over twice its window: it lapses.
 	if _, err := b.pool.Exec(ctx, `UPDATE `+pgx.Identifier{b.schema, "janitor_windows"}.Sanitize()+
-		` SET seen_at = now() - interval '61 days' WHERE window_seconds = 60 * 86400`); err != nil {
+		` SET seen_at = now() - interval '121 days' WHERE window_seconds = 60 * 86400`); err != nil {
 		t.Fatal(err)
 	}
 	if n, err := notifications.Sweep(ctx); err != nil || n != 10 {
@@ -164,5 +164,59 @@ func TestNewJanitorRefusesAWindowOrIntervalTooShort(t *testing.T) {
 	}
 	if _, err := consumer.NewJanitor(b.pool, &consumer.JanitorConfig{Schema: b.schema, Window: time.Hour, Interval: time.Second}); err != nil {
 		t.Errorf("NewJanitor at the floors: %v", err)
+	}
+}
+
+// A janitor is seen only when it sweeps. One that sweeps less often than
+// its window (a daily cron with a 2-hour window) lost its window between
+// sweeps, and a shorter-window janitor deleted records the longer one
+// keeps. An interval not under the window is refused, and a window lapses
+// only after twice its length without a sweep (a cold review's case).
+func TestALongerWindowHoldsBetweenItsJanitorsSweeps(t *testing.T) {
+	b := setup(t)
+	ctx := context.Background()
+	table := pgx.Identifier{b.schema, "processed_messages"}.Sanitize()
+	windows := pgx.Identifier{b.schema, "janitor_windows"}.Sanitize()
+	if _, err := consumer.NewJanitor(b.pool, &consumer.JanitorConfig{Schema: b.schema, Window: 2 * time.Hour, Interval: 3 * time.Hour}); err == nil {
+		t.Error("a janitor sweeping less often than its window was accepted")
+	}
+	long, err := consumer.NewJanitor(b.pool, &consumer.JanitorConfig{Schema: b.schema, Window: 2 * time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	short, err := consumer.NewJanitor(b.pool, &consumer.JanitorConfig{Schema: b.schema, Window: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := long.Sweep(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// The 2-hour janitor last swept 2h01m ago: late, not gone.
+	if _, err := b.pool.Exec(ctx, `UPDATE `+windows+` SET seen_at = now() - interval '2 hours 1 minute' WHERE window_seconds = 7200`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.pool.Exec(ctx, `INSERT INTO `+table+` (consumer, message_id, processed_at) VALUES ('payments', 'm1', now() - interval '90 minutes')`); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := short.Sweep(ctx); err != nil || n != 0 {
+		t.Fatalf("a 1-hour janitor beside a late 2-hour one: Sweep = %d, %v; want nothing deleted", n, err)
+	}
+}
+
+// A window that is not a whole number of seconds is kept whole: rounded
+// up, never down.
+func TestAWindowIsNeverCutToWholeSeconds(t *testing.T) {
+	b := setup(t)
+	ctx := context.Background()
+	j, err := consumer.NewJanitor(b.pool, &consumer.JanitorConfig{Schema: b.schema, Window: time.Hour + 900*time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.pool.Exec(ctx, `INSERT INTO `+pgx.Identifier{b.schema, "processed_messages"}.Sanitize()+
+		` (consumer, message_id, processed_at) VALUES ('payments', 'm1', now() - interval '3600.3 seconds')`); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := j.Sweep(ctx); err != nil || n != 0 {
+		t.Fatalf("Sweep = %d, %v; want the 3600.3 s old record kept by a 3600.9 s window", n, err)
 	}
 }
