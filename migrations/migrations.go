@@ -151,6 +151,10 @@ func DownForce(ctx context.Context, db Beginner, schema string, steps int) ([]in
 // DefaultLockTimeout bounds Down's wait for each lock it takes.
 const DefaultLockTimeout = 5 * time.Second
 
+// MaxLockTimeout is the longest lock_timeout PostgreSQL takes (INT_MAX
+// milliseconds, about 24.8 days).
+const MaxLockTimeout = (1<<31 - 1) * time.Millisecond
+
 // DownConfig tunes DownWith.
 type DownConfig struct {
 	// Force drops tables whatever rows they hold (DownForce). Defaults to
@@ -173,8 +177,8 @@ func DownWith(ctx context.Context, db Beginner, schema string, steps int, cfg *D
 	if c.LockTimeout == 0 {
 		c.LockTimeout = DefaultLockTimeout
 	}
-	if c.LockTimeout < time.Millisecond {
-		return nil, fmt.Errorf("migrations: DownConfig.LockTimeout must be at least 1ms, got %s", c.LockTimeout)
+	if c.LockTimeout < time.Millisecond || c.LockTimeout > MaxLockTimeout {
+		return nil, fmt.Errorf("migrations: DownConfig.LockTimeout must be from 1ms to %s (PostgreSQL's limit), got %s", MaxLockTimeout, c.LockTimeout)
 	}
 	return down(ctx, db, schema, steps, c)
 }
@@ -333,8 +337,10 @@ func refuseDataLoss(ctx context.Context, tx pgx.Tx, schema string, steps []Migra
 // table of schema when table is empty) when the statement gave up waiting
 // for a lock. sp is rolled back.
 func lockWaitError(ctx context.Context, tx, sp pgx.Tx, schema, table string, lockTimeout time.Duration, err error) error {
+	// lock_not_available, or query_canceled by a statement_timeout shorter
+	// than the lock timeout (a role's, say).
 	var pgErr *pgconn.PgError
-	if !errors.As(err, &pgErr) || pgErr.Code != "55P03" { // lock_not_available
+	if !errors.As(err, &pgErr) || (pgErr.Code != "55P03" && pgErr.Code != "57014") {
 		return err
 	}
 	if sp.Rollback(ctx) != nil {
@@ -487,6 +493,14 @@ func inLockedTx(ctx context.Context, db Beginner, schema string, create bool, fn
 		return fmt.Errorf("migrations: %w", err)
 	}
 	return pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+		// READ COMMITTED whatever the session's default: what is read after
+		// a wait (the versions another process applied meanwhile, the rows
+		// committed while Down waited for a table's lock) must be what
+		// committed during it, where REPEATABLE READ would read the world
+		// as it was before the wait.
+		if _, err := tx.Exec(ctx, `SET TRANSACTION ISOLATION LEVEL READ COMMITTED`); err != nil {
+			return fmt.Errorf("migrations: set isolation: %w", err)
+		}
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended('onceflow.migrate.' || $1, 0))`, schema); err != nil {
 			return fmt.Errorf("migrations: take lock: %w", err)
 		}

@@ -237,13 +237,19 @@ func dataGuard(version int, tables []string) string {
 	for i, t := range tables {
 		quoted[i] = "'" + t + "'"
 	}
-	refuse := fmt.Sprintf(`RAISE EXCEPTION 'onceflow: refusing to revert migration %d: table %%.%% holds rows (pending events, dead letters, dedup records or idempotency keys): drain or export them first, or force it (onceflow migrate print --version %d --down --force)', current_schema(), t`, version, version)
+	refuse := fmt.Sprintf(`RAISE EXCEPTION 'onceflow: refusing to revert migration %d: table %%.%% holds rows (pending events, dead letters, dedup records or idempotency keys): drain or export them first, or force it (onceflow migrate print --schema %% --version %d --down --force)', current_schema(), t, current_schema()`, version, version)
 	return fmt.Sprintf(`-- Refuses, as onceflow migrate down does, to drop a table that holds rows.
 DO $onceflow$
 DECLARE
     t text;
     held boolean;
 BEGIN
+    -- The count after the lock must see what committed during the wait,
+    -- which only READ COMMITTED does: under REPEATABLE READ an event
+    -- committed meanwhile would be dropped with its table.
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'onceflow: refusing to revert migration %[3]d under %% isolation: run it under READ COMMITTED (PGOPTIONS=''-c default_transaction_isolation=read\ committed''), so that its count sees the rows committed while it waits for the lock', current_setting('transaction_isolation');
+    END IF;
     FOREACH t IN ARRAY ARRAY[%[1]s] LOOP
         IF to_regclass(t) IS NOT NULL THEN
             EXECUTE format('SELECT EXISTS (SELECT FROM %%I)', t) INTO held;
@@ -273,5 +279,5 @@ BEGIN
         END IF;
     END LOOP;
 END $onceflow$;
-`, strings.Join(quoted, ", "), refuse)
+`, strings.Join(quoted, ", "), refuse, version)
 }

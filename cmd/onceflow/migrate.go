@@ -57,8 +57,8 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		if *steps < 1 {
 			return fmt.Errorf("%w: --steps must be at least 1", errUsage)
 		}
-		if *lockTimeout < time.Millisecond {
-			return fmt.Errorf("%w: --lock-timeout must be at least 1ms", errUsage)
+		if *lockTimeout < time.Millisecond || *lockTimeout > migrations.MaxLockTimeout {
+			return fmt.Errorf("%w: --lock-timeout must be from 1ms to %s (PostgreSQL's limit)", errUsage, migrations.MaxLockTimeout)
 		}
 	case "status":
 		fs := newFlagSet("migrate status", "List migrations and when each was applied.", stderr)

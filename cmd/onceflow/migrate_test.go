@@ -191,8 +191,10 @@ func TestMigrateDownDoesNotStopProducersBehindAnOpenReader(t *testing.T) {
 	if err := migrations.Check(ctx, pool, schema); err != nil {
 		t.Fatalf("the failed down changed the schema: %v", err)
 	}
-	if _, err := runCLI(t, append([]string{"migrate", "down", "--lock-timeout", "0"}, flags...)...); !errors.Is(err, errUsage) {
-		t.Errorf("--lock-timeout 0: err %v, want a usage error", err)
+	for _, bad := range []string{"0", "720h"} { // 720h: past PostgreSQL's lock_timeout limit
+		if _, err := runCLI(t, append([]string{"migrate", "down", "--lock-timeout", bad}, flags...)...); !errors.Is(err, errUsage) {
+			t.Errorf("--lock-timeout %s: err %v, want a usage error", bad, err)
+		}
 	}
 }
 
