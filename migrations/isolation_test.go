@@ -104,24 +104,13 @@ func TestDownCutShortByAStatementTimeoutNamesTheSessionsHoldingTheTable(t *testi
 	t.Parallel()
 	ctx := context.Background()
 	schema := pgtest.Schema(t)
-	readerConn := pgtest.Conn(t)
-	if _, err := readerConn.Exec(ctx, `SET application_name = 'oftest-open-reader'`); err != nil {
-		t.Fatal(err)
-	}
-	reader, err := readerConn.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = reader.Rollback(ctx) }()
-	if _, err := reader.Exec(ctx, `SELECT count(*) FROM `+pgx.Identifier{schema, "outbox"}.Sanitize()); err != nil {
-		t.Fatal(err)
-	}
+	openReader(t, schema)
 	conn := pgtest.Conn(t)
 	if _, err := conn.Exec(ctx, `SET statement_timeout = '1s'`); err != nil {
 		t.Fatal(err)
 	}
-	_, err = migrations.DownWith(ctx, conn, schema, migrations.Latest(), &migrations.DownConfig{LockTimeout: 5 * time.Second})
-	if err == nil || !strings.Contains(err.Error(), "oftest-open-reader") {
+	_, err := migrations.DownWith(ctx, conn, schema, migrations.Latest(), &migrations.DownConfig{LockTimeout: 5 * time.Second})
+	if err == nil || !strings.Contains(err.Error(), openReaderApp) {
 		t.Fatalf("Down behind an open reader, statement_timeout 1s: %v; want a failure naming the reader", err)
 	}
 }
@@ -143,5 +132,29 @@ func TestPrintedRevertsRefusalNamesItsSchema(t *testing.T) {
 	_, err = pgtest.Conn(t).PgConn().Exec(ctx, down).ReadAll()
 	if err == nil || !strings.Contains(err.Error(), "--schema "+schema+" ") {
 		t.Fatalf("the printed revert's refusal: %v; want it to name --schema %s", err, schema)
+	}
+}
+
+// openReaderApp is the application_name of the session openReader opens,
+// which a lock wait's failure must name.
+const openReaderApp = "oftest-open-reader"
+
+// openReader opens a transaction that has read schema's outbox and stays
+// open until the test ends (a psql session left open, say): it holds the
+// outbox's ACCESS SHARE lock.
+func openReader(t *testing.T, schema string) {
+	t.Helper()
+	ctx := context.Background()
+	conn := pgtest.Conn(t)
+	if _, err := conn.Exec(ctx, `SET application_name = '`+openReaderApp+`'`); err != nil {
+		t.Fatal(err)
+	}
+	reader, err := conn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = reader.Rollback(context.Background()) })
+	if _, err := reader.Exec(ctx, `SELECT count(*) FROM `+pgx.Identifier{schema, "outbox"}.Sanitize()); err != nil {
+		t.Fatal(err)
 	}
 }

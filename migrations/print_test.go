@@ -249,18 +249,7 @@ func TestPrintedRevertGivesUpOnALockItCannotGet(t *testing.T) {
 	ctx := context.Background()
 	schema := pgtest.Schema(t)
 	revertTo(t, schema, 1)
-	readerConn := pgtest.Conn(t)
-	if _, err := readerConn.Exec(ctx, `SET application_name = 'oftest-open-reader'`); err != nil {
-		t.Fatal(err)
-	}
-	reader, err := readerConn.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = reader.Rollback(ctx) }()
-	if _, err := reader.Exec(ctx, `SELECT count(*) FROM `+pgx.Identifier{schema, "outbox"}.Sanitize()); err != nil {
-		t.Fatal(err)
-	}
+	openReader(t, schema)
 	down, err := migrations.Script(schema, 1, true)
 	if err != nil {
 		t.Fatal(err)
@@ -270,7 +259,7 @@ func TestPrintedRevertGivesUpOnALockItCannotGet(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, err = conn.PgConn().Exec(ctx, down).ReadAll()
-	if err == nil || !strings.Contains(err.Error(), "oftest-open-reader") || !strings.Contains(err.Error(), "300ms") {
+	if err == nil || !strings.Contains(err.Error(), openReaderApp) || !strings.Contains(err.Error(), "300ms") {
 		t.Fatalf("the revert of step 1 behind an open reader: err %v, want a failure naming the reader", err)
 	}
 	if !tableExists(t, schema, "outbox") {

@@ -297,24 +297,12 @@ func TestDownGivesUpOnALockItCannotGet(t *testing.T) {
 	ctx := context.Background()
 	pool := pgtest.Pool(t)
 	schema := pgtest.Schema(t)
-	outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
-	readerConn := pgtest.Conn(t)
-	if _, err := readerConn.Exec(ctx, `SET application_name = 'oftest-open-reader'`); err != nil {
-		t.Fatal(err)
-	}
-	reader, err := readerConn.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = reader.Rollback(ctx) }()
-	if _, err := reader.Exec(ctx, `SELECT count(*) FROM `+outbox); err != nil {
-		t.Fatal(err)
-	}
+	openReader(t, schema)
 	quick, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
 	start := time.Now()
 	reverted, err := migrations.Down(quick, pool, schema, migrations.Latest())
-	if err == nil || len(reverted) != 0 || quick.Err() != nil || !strings.Contains(err.Error(), "oftest-open-reader") || !strings.Contains(err.Error(), "outbox") {
+	if err == nil || len(reverted) != 0 || quick.Err() != nil || !strings.Contains(err.Error(), openReaderApp) || !strings.Contains(err.Error(), "outbox") {
 		t.Fatalf("Down behind an open reader: reverted %v, err %v after %s; want a failure naming the reader", reverted, err, time.Since(start))
 	}
 	var pgErr *pgconn.PgError
