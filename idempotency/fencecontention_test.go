@@ -66,7 +66,10 @@ func TestFenceDoUnderContentionNeverOverlapsAndSucceedsOncePerKey(t *testing.T) 
 
 func fenceUnderContention(t *testing.T, seed uint64) {
 	b := setup(t)
-	const nKeys, callers, lease = 10, 30, 300 * time.Millisecond
+	// The lease leaves renewals (every lease/3) room for a loaded machine
+	// under -race: at 300 ms a CI run lost the long run's lease, and with
+	// it the renewal this test must exercise.
+	const nKeys, callers, lease = 10, 30, time.Second
 	f := newFence(t, b, idempotency.FenceConfig{Lease: lease})
 	rng := rand.New(rand.NewPCG(seed, 0xfe9ce))
 	keys := make([]*contendedKey, nKeys)
@@ -80,7 +83,7 @@ func fenceUnderContention(t *testing.T, seed uint64) {
 	}
 	// Whatever the seed, one key's first run outlives its lease and
 	// succeeds: it holds the key on renewals alone.
-	keys[0].plan[0] = fenceRun{work: 450 * time.Millisecond}
+	keys[0].plan[0] = fenceRun{work: 1500 * time.Millisecond}
 	var longSucceeded, leaseLost atomic.Int32
 	results := make([][]string, nKeys)
 	var wg sync.WaitGroup
