@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net/http"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -36,7 +37,12 @@ type brokerWatch struct {
 
 	up      atomic.Bool
 	checked atomic.Bool
-	since   atomic.Int64 // unix ns a Publish began, 0 when none is in flight
+
+	// The start of each Publish in flight: a side retry runs beside the
+	// rounds, and the one that ends first must not hide the other.
+	inFlightMu sync.Mutex
+	inFlight   map[uint64]time.Time
+	nextCall   uint64
 
 	upGauge  prometheus.Gauge
 	failures prometheus.Counter
@@ -45,7 +51,7 @@ type brokerWatch struct {
 // newBrokerWatch wraps pub (Publish calls are timed) and registers the
 // metrics in reg.
 func newBrokerWatch(pub relay.Publisher, log *slog.Logger, reg prometheus.Registerer, interval time.Duration) *brokerWatch {
-	w := &brokerWatch{Publisher: pub, log: log, interval: interval, warnEvery: 30 * time.Second}
+	w := &brokerWatch{Publisher: pub, log: log, interval: interval, warnEvery: 30 * time.Second, inFlight: map[uint64]time.Time{}}
 	if p, ok := pub.(interface{ Ping(context.Context) error }); ok {
 		w.ping = p.Ping
 	} else {
@@ -56,7 +62,7 @@ func newBrokerWatch(pub relay.Publisher, log *slog.Logger, reg prometheus.Regist
 	w.failures = prometheus.NewCounter(prometheus.CounterOpts{Name: "onceflow_relay_kafka_check_failures_total",
 		Help: "Checks in which no Kafka broker answered."})
 	waiting := prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "onceflow_relay_publish_waiting_seconds",
-		Help: "How long the publish round in flight has waited for Kafka's acknowledgements; 0 when none is in flight."},
+		Help: "How long the oldest publish in flight (a round or a side retry) has waited for Kafka's acknowledgements; 0 when none is in flight."},
 		func() float64 { return w.waiting().Seconds() })
 	reg.MustRegister(w.upGauge, w.failures, waiting)
 	return w
@@ -64,8 +70,16 @@ func newBrokerWatch(pub relay.Publisher, log *slog.Logger, reg prometheus.Regist
 
 // Publish times the call, for the stuck-round warning and /livez.
 func (w *brokerWatch) Publish(ctx context.Context, records []relay.Record) []error {
-	w.since.Store(time.Now().UnixNano())
-	defer w.since.Store(0)
+	w.inFlightMu.Lock()
+	call := w.nextCall
+	w.nextCall++
+	w.inFlight[call] = time.Now()
+	w.inFlightMu.Unlock()
+	defer func() {
+		w.inFlightMu.Lock()
+		delete(w.inFlight, call)
+		w.inFlightMu.Unlock()
+	}()
 	return w.Publisher.Publish(ctx, records)
 }
 
@@ -82,11 +96,20 @@ func (w *brokerWatch) Partition(topic string, key []byte) (int32, bool) {
 
 var _ relay.PartitionReporter = (*brokerWatch)(nil)
 
+// waiting is how long the oldest Publish in flight has waited; 0 when none is.
 func (w *brokerWatch) waiting() time.Duration {
-	if s := w.since.Load(); s != 0 {
-		return time.Since(time.Unix(0, s))
+	w.inFlightMu.Lock()
+	defer w.inFlightMu.Unlock()
+	var oldest time.Time
+	for _, start := range w.inFlight {
+		if oldest.IsZero() || start.Before(oldest) {
+			oldest = start
+		}
 	}
-	return 0
+	if oldest.IsZero() {
+		return 0
+	}
+	return time.Since(oldest)
 }
 
 // reachable reports the last check's outcome; true before the first.
