@@ -43,6 +43,17 @@ type BatchStats struct {
 	OldestCreatedAt time.Time
 }
 
+// SickPartitionObserver is an optional interface of an Observer: when
+// Config.Observer implements it, ObserveSickPartitions is called with the
+// new count whenever the relay drops a sick mark at a round's start (no key
+// waits on the partition any more). Such a round may read nothing, and
+// only rounds that read events reach ObserveBatch, so without it a gauge
+// fed by BatchStats.SickPartitions stays up on an idle relay. Cheap, safe
+// for concurrent use, must not block.
+type SickPartitionObserver interface {
+	ObserveSickPartitions(n int)
+}
+
 type nopObserver struct{}
 
 func (nopObserver) ObserveBatch(BatchStats) {}

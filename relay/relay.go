@@ -36,16 +36,17 @@ const hotProbes = 20
 // Relay publishes committed outbox events to Kafka. Create it with New and
 // call Run; a Relay runs once.
 type Relay struct {
-	events EventObserver // Config.Observer's, or nil
-	cfg    Config
-	pool   *pgxpool.Pool
-	pub    Publisher
-	parts  PartitionReporter // pub's, or nil
-	st     *store
-	leases *leases
-	log    *slog.Logger
-	ran    atomic.Bool
-	beat   atomic.Int64 // unix nanoseconds of the publish loop's last pass
+	events  EventObserver         // Config.Observer's, or nil
+	sickObs SickPartitionObserver // Config.Observer's, or nil
+	cfg     Config
+	pool    *pgxpool.Pool
+	pub     Publisher
+	parts   PartitionReporter // pub's, or nil
+	st      *store
+	leases  *leases
+	log     *slog.Logger
+	ran     atomic.Bool
+	beat    atomic.Int64 // unix nanoseconds of the publish loop's last pass
 
 	// The wake-up (publish loop only): the last value the probe read from
 	// the outbox's id sequence and whether that id was visible (committed
@@ -138,10 +139,12 @@ func New(pool *pgxpool.Pool, pub Publisher, cfg *Config) (*Relay, error) {
 	}
 	st := newStore(pool, c.Schema)
 	events, _ := c.Observer.(EventObserver)
+	sickObs, _ := c.Observer.(SickPartitionObserver)
 	parts, _ := pub.(PartitionReporter)
 	st.maxBytes = int64(c.BatchBytes)
 	return &Relay{
 		events:       events,
+		sickObs:      sickObs,
 		cfg:          c,
 		pool:         pool,
 		pub:          pub,

@@ -156,6 +156,14 @@ func (o *sickObserver) ObserveBatch(s relay.BatchStats) {
 	o.lastSk = s.SickPartitions
 }
 
+// ObserveSickPartitions: a sick mark dropped at a round's start
+// (relay.SickPartitionObserver).
+func (o *sickObserver) ObserveSickPartitions(n int) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.lastSk = n
+}
+
 func (o *sickObserver) ObserveShards(int) {}
 
 func (o *sickObserver) heldBack() int { o.mu.Lock(); defer o.mu.Unlock(); return o.held }

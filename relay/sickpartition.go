@@ -180,6 +180,12 @@ func (r *Relay) sideGated(bk string, k *keyState) bool {
 // keyless events would be held back for good. The next round sends to the
 // partition again: if it is still sick, it is marked again.
 func (r *Relay) forgetUnprobedSick() {
+	before := r.sickCount
+	defer func() {
+		if r.sickCount != before && r.sickObs != nil {
+			r.sickObs.ObserveSickPartitions(r.sickCount)
+		}
+	}()
 	for topic, byPart := range r.sick {
 		for part, sp := range byPart {
 			tp := topicPartition{topic, part}

@@ -92,3 +92,31 @@ func (o *countingObserver) timedOut() int {
 	defer o.mu.Unlock()
 	return o.stats.TimedOut
 }
+
+// A sick mark dropped at a round's start (its probe's event was
+// dead-lettered, so no key waits on the partition any more) must reach the
+// Observer even when that round reads nothing: onceflow_relay_sick_partitions
+// stayed at 1 on an idle relay, since only rounds that read events were
+// observed.
+func TestADroppedSickMarkIsObservedOnAnIdleRelay(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	fake := b.kafka.RequireFake(t)
+	sick := b.kafka.Topic(t, 1)
+	h := fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: sick, Err: kerr.NotEnoughReplicas, Count: -1})
+	b.write(t, outbox.Message{Topic: sick, Key: []byte("sick"), Value: []byte("refused later")})
+
+	obs := &sickObserver{}
+	b.startRelay(t, relay.Config{PublishTimeout: 500 * time.Millisecond, Observer: obs})
+	waitFor(t, "the partition to be reported sick", 30*time.Second, func() bool { return obs.sickNow() == 1 })
+
+	// The partition now refuses the record for good: the probe's event is
+	// dead-lettered, the outbox is empty, and nothing waits on the mark.
+	fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: sick, Err: kerr.InvalidRecord, Count: -1})
+	h.Remove()
+	waitFor(t, "the probe's event to be dead-lettered", 30*time.Second, func() bool { return b.count(t, "outbox_dead") == 1 })
+	waitFor(t, "the Observer to learn the mark was dropped", 10*time.Second, func() bool { return obs.sickNow() == 0 })
+	if n := b.count(t, "outbox"); n != 0 {
+		t.Fatalf("%d events still pending", n)
+	}
+}

@@ -75,6 +75,10 @@ func (o *Observer) ObservePublished(e relay.PublishedEvent) {
 	o.dwellSeconds.Observe(max(e.Acked.Sub(e.CreatedAt), 0).Seconds())
 }
 
+// ObserveSickPartitions implements relay.SickPartitionObserver: a sick mark
+// dropped on an idle relay brings the gauge down.
+func (o *Observer) ObserveSickPartitions(n int) { o.sick.Set(float64(n)) }
+
 // ObserveShards implements relay.Observer.
 func (o *Observer) ObserveShards(owned int) { o.ownedShards.Set(float64(owned)) }
 
@@ -207,3 +211,9 @@ func (c *BacklogCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.attempts, prometheus.GaugeValue, float64(attempts))
 	ch <- prometheus.MustNewConstMetric(c.unowned, prometheus.GaugeValue, float64(b.UnownedShards))
 }
+
+var (
+	_ relay.Observer              = (*Observer)(nil)
+	_ relay.EventObserver         = (*Observer)(nil)
+	_ relay.SickPartitionObserver = (*Observer)(nil)
+)
