@@ -31,6 +31,8 @@ type BatchStats struct {
 	HeldBack int
 	// SickPartitions is how many partitions the relay has marked sick
 	// (not acknowledging within Config.PublishTimeout) after the round.
+	// It is reported with the round's outcome, which may come after a
+	// later change: SickPartitionObserver has every change, in order.
 	SickPartitions int
 	DeadLettered   int // moved to outbox_dead
 	// NotDeleted counts acknowledged events whose delete was refused
@@ -45,11 +47,12 @@ type BatchStats struct {
 
 // SickPartitionObserver is an optional interface of an Observer: when
 // Config.Observer implements it, ObserveSickPartitions is called with the
-// new count whenever the relay drops a sick mark at a round's start (no key
-// waits on the partition any more). Such a round may read nothing, and
-// only rounds that read events reach ObserveBatch, so without it a gauge
-// fed by BatchStats.SickPartitions stays up on an idle relay. Cheap, safe
-// for concurrent use, must not block.
+// count of sick partitions each time it changes, from the publish loop, in
+// order. A gauge needs it: BatchStats.SickPartitions comes only with rounds
+// that read events, so a mark dropped at the start of a round that reads
+// nothing (no key waits on the partition any more) never reached it, and a
+// round's outcome is recorded beside the next round, so its count can be
+// older than a change that round made. Cheap, must not block.
 type SickPartitionObserver interface {
 	ObserveSickPartitions(n int)
 }

@@ -125,6 +125,7 @@ func (r *Relay) markSick(e *pendingEvent, bk string, err error) bool {
 	}
 	byPart[tp.partition] = &sickPartition{since: time.Now(), probe: bk}
 	r.sickCount++
+	r.sickChanged()
 	r.log.Warn("relay: partition did not acknowledge a record; its keys are held back and one probe retries it",
 		"topic", tp.topic, "partition", tp.partition, "error", err)
 	return true
@@ -142,6 +143,7 @@ func (r *Relay) healthy(e *pendingEvent) {
 		delete(r.sick, tp.topic)
 	}
 	r.sickCount--
+	r.sickChanged()
 	now := time.Now()
 	waiting := 0
 	for _, k := range r.blocked {
@@ -182,8 +184,8 @@ func (r *Relay) sideGated(bk string, k *keyState) bool {
 func (r *Relay) forgetUnprobedSick() {
 	before := r.sickCount
 	defer func() {
-		if r.sickCount != before && r.sickObs != nil {
-			r.sickObs.ObserveSickPartitions(r.sickCount)
+		if r.sickCount != before {
+			r.sickChanged()
 		}
 	}()
 	for topic, byPart := range r.sick {
@@ -209,6 +211,17 @@ func (r *Relay) forgetUnprobedSick() {
 		if len(byPart) == 0 {
 			delete(r.sick, topic)
 		}
+	}
+}
+
+// sickChanged reports the count of sick partitions to a
+// SickPartitionObserver. It is called from the publish loop, where every
+// mark is set and dropped, so the counts arrive in order; BatchStats'
+// count, reported when a round's outcome is recorded, which may be after
+// the next round dropped a mark, can be older.
+func (r *Relay) sickChanged() {
+	if r.sickObs != nil {
+		r.sickObs.ObserveSickPartitions(r.sickCount)
 	}
 }
 

@@ -60,7 +60,6 @@ func (o *Observer) ObserveBatch(s relay.BatchStats) {
 	o.failed.Add(float64(s.Failed))
 	o.timedOut.Add(float64(s.TimedOut))
 	o.heldBack.Add(float64(s.HeldBack))
-	o.sick.Set(float64(s.SickPartitions))
 	o.deadLettered.Add(float64(s.DeadLettered))
 	o.notDeleted.Add(float64(s.NotDeleted))
 	o.roundSeconds.Observe(s.Duration.Seconds())
@@ -75,8 +74,8 @@ func (o *Observer) ObservePublished(e relay.PublishedEvent) {
 	o.dwellSeconds.Observe(max(e.Acked.Sub(e.CreatedAt), 0).Seconds())
 }
 
-// ObserveSickPartitions implements relay.SickPartitionObserver: a sick mark
-// dropped on an idle relay brings the gauge down.
+// ObserveSickPartitions implements relay.SickPartitionObserver, the gauge's
+// only source: BatchStats.SickPartitions can come after a newer count.
 func (o *Observer) ObserveSickPartitions(n int) { o.sick.Set(float64(n)) }
 
 // ObserveShards implements relay.Observer.

@@ -34,7 +34,13 @@ func TestMetricsReadTheOutboxAndPassPromlint(t *testing.T) {
 	reg.MustRegister(relayprom.NewBacklogCollector(pool, schema, nil))
 	obs.ObserveShards(3)
 	obs.ObserveBatch(relay.BatchStats{Published: 2, Duration: time.Millisecond, OldestCreatedAt: time.Now()})
+	obs.ObserveSickPartitions(1)
 	obs.ObserveBatch(relay.BatchStats{Failed: 4, HeldBack: 4, SickPartitions: 1, Duration: time.Millisecond})
+	// A round's outcome recorded after the next round dropped the mark
+	// carries the older count: the gauge keeps the newer.
+	obs.ObserveSickPartitions(0)
+	obs.ObserveSickPartitions(1)
+	obs.ObserveBatch(relay.BatchStats{SickPartitions: 0, Duration: time.Millisecond})
 
 	want := `
 # HELP onceflow_outbox_backlog_estimated_shards Shards this relay owns whose onceflow_outbox_backlog is an estimate.
