@@ -28,13 +28,15 @@ const AttrOutboxDwell = attribute.Key("onceflow.outbox.dwell_seconds")
 type RelayObserver struct {
 	next       relay.Observer
 	nextEvents relay.EventObserver
+	nextSick   relay.SickPartitionObserver
 	tracer     trace.Tracer
 	propagator propagation.TextMapPropagator
 }
 
 var (
-	_ relay.Observer      = (*RelayObserver)(nil)
-	_ relay.EventObserver = (*RelayObserver)(nil)
+	_ relay.Observer              = (*RelayObserver)(nil)
+	_ relay.EventObserver         = (*RelayObserver)(nil)
+	_ relay.SickPartitionObserver = (*RelayObserver)(nil)
 )
 
 // NewRelayObserver wraps next, which may be nil.
@@ -42,6 +44,7 @@ func NewRelayObserver(next relay.Observer, opts ...Option) *RelayObserver {
 	c := newConfig(opts)
 	o := &RelayObserver{next: next, tracer: c.provider.Tracer(instrumentationName), propagator: c.propagator}
 	o.nextEvents, _ = next.(relay.EventObserver)
+	o.nextSick, _ = next.(relay.SickPartitionObserver)
 	return o
 }
 
@@ -56,6 +59,14 @@ func (o *RelayObserver) ObserveBatch(s relay.BatchStats) {
 func (o *RelayObserver) ObserveShards(owned int) {
 	if o.next != nil {
 		o.next.ObserveShards(owned)
+	}
+}
+
+// ObserveSickPartitions implements relay.SickPartitionObserver: relayprom's
+// onceflow_relay_sick_partitions follows these calls.
+func (o *RelayObserver) ObserveSickPartitions(n int) {
+	if o.nextSick != nil {
+		o.nextSick.ObserveSickPartitions(n)
 	}
 }
 

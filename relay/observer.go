@@ -52,7 +52,9 @@ type BatchStats struct {
 // that read events, so a mark dropped at the start of a round that reads
 // nothing (no key waits on the partition any more) never reached it, and a
 // round's outcome is recorded beside the next round, so its count can be
-// older than a change that round made. Cheap, must not block.
+// older than a change that round made. An Observer that wraps another must
+// pass these calls on (otelonceflow's does). Cheap, safe for concurrent use
+// (relays that share an Observer call it each), must not block.
 type SickPartitionObserver interface {
 	ObserveSickPartitions(n int)
 }

@@ -225,9 +225,14 @@ func (r *Relay) Run(ctx context.Context) error {
 	wg.Add(1)
 	go func() { defer wg.Done(); r.leaseLoop(bg) }()
 
+	r.sickChanged() // none yet: an Observer kept from a stopped relay may still show its count
 	r.publishLoop(ctx)
 	r.waitFinish()
 	r.finishSideRetry(ctx, true)
+	// A stopped relay holds no partition sick.
+	clear(r.sick)
+	r.sickCount = 0
+	r.sickChanged()
 
 	stopBackground()
 	wg.Wait()

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -22,6 +23,7 @@ type Observer struct {
 	timedOut     prometheus.Counter
 	heldBack     prometheus.Counter
 	sick         prometheus.Gauge
+	sickDirect   atomic.Bool // ObserveSickPartitions was called: the gauge follows it alone
 	deadLettered prometheus.Counter
 	notDeleted   prometheus.Counter
 	ownedShards  prometheus.Gauge
@@ -60,6 +62,9 @@ func (o *Observer) ObserveBatch(s relay.BatchStats) {
 	o.failed.Add(float64(s.Failed))
 	o.timedOut.Add(float64(s.TimedOut))
 	o.heldBack.Add(float64(s.HeldBack))
+	if !o.sickDirect.Load() {
+		o.sick.Set(float64(s.SickPartitions))
+	}
 	o.deadLettered.Add(float64(s.DeadLettered))
 	o.notDeleted.Add(float64(s.NotDeleted))
 	o.roundSeconds.Observe(s.Duration.Seconds())
@@ -74,9 +79,14 @@ func (o *Observer) ObservePublished(e relay.PublishedEvent) {
 	o.dwellSeconds.Observe(max(e.Acked.Sub(e.CreatedAt), 0).Seconds())
 }
 
-// ObserveSickPartitions implements relay.SickPartitionObserver, the gauge's
-// only source: BatchStats.SickPartitions can come after a newer count.
-func (o *Observer) ObserveSickPartitions(n int) { o.sick.Set(float64(n)) }
+// ObserveSickPartitions implements relay.SickPartitionObserver. Once it is
+// called, the gauge follows it alone: BatchStats.SickPartitions can come
+// after a newer count. (Behind a wrapper that does not pass it on, the
+// gauge follows BatchStats.)
+func (o *Observer) ObserveSickPartitions(n int) {
+	o.sickDirect.Store(true)
+	o.sick.Set(float64(n))
+}
 
 // ObserveShards implements relay.Observer.
 func (o *Observer) ObserveShards(owned int) { o.ownedShards.Set(float64(owned)) }
