@@ -68,10 +68,11 @@ func writePosition(schema, d string) string {
 		` rp WHERE rp.event_id = ` + d + `.event_id AND rp.topic = ` + d + `.topic), ` + d + `.outbox_id)`
 }
 
-// replayableTopic is true for a topic name Kafka accepts, as migration 8's
-// outbox_topic domain says; a dead event on another name (one migration 8
-// dead-lettered) cannot go back into the outbox.
-const replayableTopic = `(topic ~ '^[A-Za-z0-9._-]{1,249}$' AND topic NOT IN ('.', '..'))`
+// replayableTopic is true for a topic name Kafka accepts, as the
+// outbox_topic domain says (migration 11's form: a bounded repetition costs
+// PostgreSQL's regex engine tens of µs a row); a dead event on another name
+// (one migration 8 dead-lettered) cannot go back into the outbox.
+const replayableTopic = `(octet_length(topic) <= 249 AND topic ~ '^[A-Za-z0-9._-]+$' AND topic NOT IN ('.', '..'))`
 
 const deadColumns = `id, outbox_id, event_id::text, topic, key, value, headers, created_at, error, attempts, dead_at`
 

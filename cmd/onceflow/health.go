@@ -148,7 +148,7 @@ func (w *brokerWatch) run(ctx context.Context) {
 			}
 			if d := w.waiting(); d >= w.warnEvery && now.Sub(lastStuck) >= w.warnEvery {
 				lastStuck = now
-				w.log.Warn("relay: brokers answer but have not acknowledged the publish round in flight (check advertised listeners, ACLs, in-sync replicas)", "waiting", d.Round(time.Second))
+				w.log.Warn("relay: brokers answer but have not acknowledged a publish in flight, a round or a side retry (check advertised listeners, ACLs, in-sync replicas)", "waiting", d.Round(time.Second))
 			}
 		}
 		w.checked.Store(true)

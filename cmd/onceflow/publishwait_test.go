@@ -58,6 +58,21 @@ func TestPublishWaitingCountsTheOldestPublishInFlight(t *testing.T) {
 		return 0
 	}
 
+	inFlight := func() int {
+		w.inFlightMu.Lock()
+		defer w.inFlightMu.Unlock()
+		return len(w.inFlight)
+	}
+	waitFor := func(what string, ok func() bool) {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
+		for !ok() {
+			if time.Now().After(deadline) {
+				t.Fatalf("timed out waiting for %s", what)
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
 	var done sync.WaitGroup
 	publish := func(topic string) {
 		done.Add(1)
@@ -66,17 +81,20 @@ func TestPublishWaitingCountsTheOldestPublishInFlight(t *testing.T) {
 			w.Publish(context.Background(), []relay.Record{{Topic: topic}})
 		}()
 	}
+	roundSent := time.Now()
 	publish("round")
-	time.Sleep(50 * time.Millisecond)
+	waitFor("the round in flight", func() bool { return inFlight() == 1 })
 	publish("side-retry")
-	time.Sleep(50 * time.Millisecond)
+	waitFor("the side retry in flight beside it", func() bool { return inFlight() == 2 })
 	close(pub.gate("side-retry"))
-	time.Sleep(50 * time.Millisecond)
+	waitFor("the side retry to end", func() bool { return inFlight() == 1 })
 
-	if d := w.waiting(); d < 100*time.Millisecond {
-		t.Fatalf("waiting %s with the round still in flight for at least 150ms", d)
+	// The round began after roundSent and still waits: the gauge is its
+	// wait, not 0 (the side retry's end had reset it).
+	if d, most := w.waiting(), time.Since(roundSent); d <= 0 || d > most {
+		t.Fatalf("waiting %s with the round in flight for at most %s", d, most)
 	}
-	if g := gauge(); g < 0.1 {
+	if g := gauge(); g <= 0 {
 		t.Fatalf("onceflow_relay_publish_waiting_seconds %g with the round still in flight", g)
 	}
 	close(pub.gate("round"))
