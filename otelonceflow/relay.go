@@ -62,11 +62,11 @@ func (o *RelayObserver) ObserveShards(owned int) {
 	}
 }
 
-// ObserveSickPartitions implements relay.SickPartitionObserver: relayprom's
+// SickPartitionsChanged implements relay.SickPartitionObserver: relayprom's
 // onceflow_relay_sick_partitions follows these calls.
-func (o *RelayObserver) ObserveSickPartitions(n int) {
+func (o *RelayObserver) SickPartitionsChanged(delta int) {
 	if o.nextSick != nil {
-		o.nextSick.ObserveSickPartitions(n)
+		o.nextSick.SickPartitionsChanged(delta)
 	}
 }
 

@@ -34,7 +34,11 @@ type BatchStats struct {
 	// It is reported with the round's outcome, which may come after a
 	// later change: SickPartitionObserver has every change, in order.
 	SickPartitions int
-	DeadLettered   int // moved to outbox_dead
+	// SickPartitionsReported: the relay also reports the changes of
+	// SickPartitions to the Observer, as a SickPartitionObserver; an
+	// Observer that sums those must not count SickPartitions too.
+	SickPartitionsReported bool
+	DeadLettered           int // moved to outbox_dead
 	// NotDeleted counts acknowledged events whose delete was refused
 	// because this relay no longer owned their shard; the new owner
 	// publishes them again.
@@ -46,17 +50,22 @@ type BatchStats struct {
 }
 
 // SickPartitionObserver is an optional interface of an Observer: when
-// Config.Observer implements it, ObserveSickPartitions is called with the
-// count of sick partitions each time it changes, from the publish loop, in
-// order. A gauge needs it: BatchStats.SickPartitions comes only with rounds
-// that read events, so a mark dropped at the start of a round that reads
-// nothing (no key waits on the partition any more) never reached it, and a
-// round's outcome is recorded beside the next round, so its count can be
-// older than a change that round made. An Observer that wraps another must
-// pass these calls on (otelonceflow's does). Cheap, safe for concurrent use
-// (relays that share an Observer call it each), must not block.
+// Config.Observer implements it, SickPartitionsChanged is called from the
+// publish loop, in order, each time the number of partitions the relay
+// holds sick changes, with the change (+1 for a partition marked, -1 for
+// one cleared), and when Run ends with minus what the relay still holds.
+// The changes of all the relays that report to one Observer add up to the
+// partitions they hold sick. A gauge needs it: BatchStats.SickPartitions
+// comes only with rounds that read events, so a mark dropped at the start
+// of a round that reads nothing (no key waits on the partition any more)
+// never reached it; a round's outcome is recorded beside the next round,
+// so its count can be older than a change that round made; and a count
+// cannot be summed across relays. An Observer that wraps another should
+// pass these calls on (otelonceflow's does); BatchStats.SickPartitionsReported
+// says whether a relay made them. Cheap, safe for concurrent use, must not
+// block.
 type SickPartitionObserver interface {
-	ObserveSickPartitions(n int)
+	SickPartitionsChanged(delta int)
 }
 
 type nopObserver struct{}

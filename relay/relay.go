@@ -99,6 +99,8 @@ type Relay struct {
 	// owned by the publish loop.
 	sick      map[string]map[int32]*sickPartition
 	sickCount int
+	// sickReported is the count SickPartitionObserver has been told of.
+	sickReported int
 }
 
 // keyState is a key (or a keyless event) whose event failed and waits for
@@ -225,11 +227,11 @@ func (r *Relay) Run(ctx context.Context) error {
 	wg.Add(1)
 	go func() { defer wg.Done(); r.leaseLoop(bg) }()
 
-	r.sickChanged() // none yet: an Observer kept from a stopped relay may still show its count
 	r.publishLoop(ctx)
 	r.waitFinish()
 	r.finishSideRetry(ctx, true)
-	// A stopped relay holds no partition sick.
+	// A stopped relay holds no partition sick: what it reported is taken
+	// back from the Observer (which other relays may share).
 	clear(r.sick)
 	r.sickCount = 0
 	r.sickChanged()
@@ -800,15 +802,16 @@ func (r *Relay) record(ctx context.Context, start time.Time, o outcome, shards [
 	defer cancel()
 	deleted, err := r.st.finish(finishCtx, r.cfg.InstanceID, shards, acked, o.dead, failed, round)
 	stats := BatchStats{
-		Published:       int(deleted),
-		Failed:          len(failed),
-		TimedOut:        o.timedOut,
-		HeldBack:        o.held,
-		SickPartitions:  o.sickPartitions,
-		DeadLettered:    len(o.dead),
-		NotDeleted:      len(acked) - int(deleted),
-		Duration:        time.Since(start),
-		OldestCreatedAt: o.oldest,
+		Published:              int(deleted),
+		Failed:                 len(failed),
+		TimedOut:               o.timedOut,
+		HeldBack:               o.held,
+		SickPartitions:         o.sickPartitions,
+		SickPartitionsReported: r.sickObs != nil,
+		DeadLettered:           len(o.dead),
+		NotDeleted:             len(acked) - int(deleted),
+		Duration:               time.Since(start),
+		OldestCreatedAt:        o.oldest,
 	}
 	if err != nil {
 		stats.Published, stats.NotDeleted = 0, 0

@@ -146,6 +146,7 @@ func readKeyed(t *testing.T, b *bundle, topic string, want int, timeout time.Dur
 type sickObserver struct {
 	mu                  sync.Mutex
 	held, maxSk, lastSk int
+	changes             int // the sum of SickPartitionsChanged
 }
 
 func (o *sickObserver) ObserveBatch(s relay.BatchStats) {
@@ -154,14 +155,17 @@ func (o *sickObserver) ObserveBatch(s relay.BatchStats) {
 	o.held += s.HeldBack
 	o.maxSk = max(o.maxSk, s.SickPartitions)
 	o.lastSk = s.SickPartitions
+	if !s.SickPartitionsReported {
+		panic("the relay did not report the changes to a SickPartitionObserver")
+	}
 }
 
-// ObserveSickPartitions: a sick mark dropped at a round's start
-// (relay.SickPartitionObserver).
-func (o *sickObserver) ObserveSickPartitions(n int) {
+// SickPartitionsChanged: every change, a sick mark dropped at a round's
+// start too (relay.SickPartitionObserver).
+func (o *sickObserver) SickPartitionsChanged(delta int) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	o.lastSk = n
+	o.changes += delta
 }
 
 func (o *sickObserver) ObserveShards(int) {}
@@ -169,3 +173,6 @@ func (o *sickObserver) ObserveShards(int) {}
 func (o *sickObserver) heldBack() int { o.mu.Lock(); defer o.mu.Unlock(); return o.held }
 func (o *sickObserver) maxSick() int  { o.mu.Lock(); defer o.mu.Unlock(); return o.maxSk }
 func (o *sickObserver) sickNow() int  { o.mu.Lock(); defer o.mu.Unlock(); return o.lastSk }
+
+// sickReported is the sum of the changes the relay reported.
+func (o *sickObserver) sickReported() int { o.mu.Lock(); defer o.mu.Unlock(); return o.changes }

@@ -214,14 +214,18 @@ func (r *Relay) forgetUnprobedSick() {
 	}
 }
 
-// sickChanged reports the count of sick partitions to a
-// SickPartitionObserver. It is called from the publish loop, where every
-// mark is set and dropped, so the counts arrive in order; BatchStats'
-// count, reported when a round's outcome is recorded, which may be after
-// the next round dropped a mark, can be older.
+// sickChanged reports the change of the count of sick partitions since the
+// last report to a SickPartitionObserver. It is called from the publish
+// loop, where every mark is set and dropped, so the changes arrive in
+// order; BatchStats' count, reported when a round's outcome is recorded,
+// which may be after the next round dropped a mark, can be older.
 func (r *Relay) sickChanged() {
-	if r.sickObs != nil {
-		r.sickObs.ObserveSickPartitions(r.sickCount)
+	if r.sickObs == nil {
+		return
+	}
+	if delta := r.sickCount - r.sickReported; delta != 0 {
+		r.sickReported = r.sickCount
+		r.sickObs.SickPartitionsChanged(delta)
 	}
 }
 

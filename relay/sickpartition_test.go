@@ -108,14 +108,14 @@ func TestADroppedSickMarkIsObservedOnAnIdleRelay(t *testing.T) {
 
 	obs := &sickObserver{}
 	b.startRelay(t, relay.Config{PublishTimeout: 500 * time.Millisecond, Observer: obs})
-	waitFor(t, "the partition to be reported sick", 30*time.Second, func() bool { return obs.sickNow() == 1 })
+	waitFor(t, "the partition to be reported sick", 30*time.Second, func() bool { return obs.sickReported() == 1 })
 
 	// The partition now refuses the record for good: the probe's event is
 	// dead-lettered, the outbox is empty, and nothing waits on the mark.
 	fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: sick, Err: kerr.InvalidRecord, Count: -1})
 	h.Remove()
 	waitFor(t, "the probe's event to be dead-lettered", 30*time.Second, func() bool { return b.count(t, "outbox_dead") == 1 })
-	waitFor(t, "the Observer to learn the mark was dropped", 10*time.Second, func() bool { return obs.sickNow() == 0 })
+	waitFor(t, "the Observer to learn the mark was dropped", 10*time.Second, func() bool { return obs.sickReported() == 0 })
 	if n := b.count(t, "outbox"); n != 0 {
 		t.Fatalf("%d events still pending", n)
 	}

@@ -22,14 +22,19 @@ type Observer struct {
 	failed       prometheus.Counter
 	timedOut     prometheus.Counter
 	heldBack     prometheus.Counter
-	sick         prometheus.Gauge
-	sickDirect   atomic.Bool // ObserveSickPartitions was called: the gauge follows it alone
+	sick         prometheus.GaugeFunc
 	deadLettered prometheus.Counter
 	notDeleted   prometheus.Counter
 	ownedShards  prometheus.Gauge
 	roundSeconds prometheus.Histogram
 	lagSeconds   prometheus.Histogram
 	dwellSeconds prometheus.Histogram
+
+	// The sick partitions: the sum of the changes relays report
+	// (SickPartitionsChanged), plus the last BatchStats count of a relay
+	// that does not report them (behind a wrapper that does not pass them
+	// on; several such relays overwrite one another, as before).
+	sickSum, sickUnreported atomic.Int64
 }
 
 var (
@@ -44,7 +49,6 @@ func NewObserver(reg prometheus.Registerer) *Observer {
 		failed:       prometheus.NewCounter(prometheus.CounterOpts{Name: "onceflow_relay_failures_total", Help: "Event publish attempts that failed with a passing error and will be retried."}),
 		timedOut:     prometheus.NewCounter(prometheus.CounterOpts{Name: "onceflow_relay_publish_timeouts_total", Help: "Event publish attempts not acknowledged within the publish timeout (also counted in failures); the key is retried beside the others."}),
 		heldBack:     prometheus.NewCounter(prometheus.CounterOpts{Name: "onceflow_relay_sick_partition_held_back_total", Help: "Events not sent in a round because their key's partition is marked sick (also counted in failures); one probe retries the partition."}),
-		sick:         prometheus.NewGauge(prometheus.GaugeOpts{Name: "onceflow_relay_sick_partitions", Help: "Partitions marked sick: a record sent there was not acknowledged (in time, or with a passing error) and none since."}),
 		deadLettered: prometheus.NewCounter(prometheus.CounterOpts{Name: "onceflow_relay_dead_lettered_total", Help: "Events Kafka refused for good, moved to outbox_dead."}),
 		notDeleted:   prometheus.NewCounter(prometheus.CounterOpts{Name: "onceflow_relay_ownership_lost_total", Help: "Published events left for the new shard owner after this relay lost ownership mid-round."}),
 		ownedShards:  prometheus.NewGauge(prometheus.GaugeOpts{Name: "onceflow_relay_owned_shards", Help: "Shards this relay owns."}),
@@ -52,6 +56,8 @@ func NewObserver(reg prometheus.Registerer) *Observer {
 		lagSeconds:   prometheus.NewHistogram(prometheus.HistogramOpts{Name: "onceflow_relay_oldest_published_age_seconds", Help: "Age of the oldest event in each round at publish time.", Buckets: prometheus.ExponentialBuckets(0.001, 2, 18)}),
 		dwellSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "onceflow_outbox_dwell_seconds", Help: "Time each published event spent in the outbox, from its write to Kafka's acknowledgement.", Buckets: prometheus.ExponentialBuckets(0.001, 2, 18)}),
 	}
+	o.sick = prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "onceflow_relay_sick_partitions", Help: "Partitions marked sick: a record sent there was not acknowledged (in time, or with a passing error) and none since (summed over the relays reporting to this Observer)."},
+		func() float64 { return float64(o.sickSum.Load() + o.sickUnreported.Load()) })
 	reg.MustRegister(o.published, o.failed, o.timedOut, o.heldBack, o.sick, o.deadLettered, o.notDeleted, o.ownedShards, o.roundSeconds, o.lagSeconds, o.dwellSeconds)
 	return o
 }
@@ -62,8 +68,8 @@ func (o *Observer) ObserveBatch(s relay.BatchStats) {
 	o.failed.Add(float64(s.Failed))
 	o.timedOut.Add(float64(s.TimedOut))
 	o.heldBack.Add(float64(s.HeldBack))
-	if !o.sickDirect.Load() {
-		o.sick.Set(float64(s.SickPartitions))
+	if !s.SickPartitionsReported {
+		o.sickUnreported.Store(int64(s.SickPartitions))
 	}
 	o.deadLettered.Add(float64(s.DeadLettered))
 	o.notDeleted.Add(float64(s.NotDeleted))
@@ -79,14 +85,9 @@ func (o *Observer) ObservePublished(e relay.PublishedEvent) {
 	o.dwellSeconds.Observe(max(e.Acked.Sub(e.CreatedAt), 0).Seconds())
 }
 
-// ObserveSickPartitions implements relay.SickPartitionObserver. Once it is
-// called, the gauge follows it alone: BatchStats.SickPartitions can come
-// after a newer count. (Behind a wrapper that does not pass it on, the
-// gauge follows BatchStats.)
-func (o *Observer) ObserveSickPartitions(n int) {
-	o.sickDirect.Store(true)
-	o.sick.Set(float64(n))
-}
+// SickPartitionsChanged implements relay.SickPartitionObserver: the gauge
+// sums the changes of every relay that reports to this Observer.
+func (o *Observer) SickPartitionsChanged(delta int) { o.sickSum.Add(int64(delta)) }
 
 // ObserveShards implements relay.Observer.
 func (o *Observer) ObserveShards(owned int) { o.ownedShards.Set(float64(owned)) }

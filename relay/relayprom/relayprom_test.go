@@ -34,13 +34,13 @@ func TestMetricsReadTheOutboxAndPassPromlint(t *testing.T) {
 	reg.MustRegister(relayprom.NewBacklogCollector(pool, schema, nil))
 	obs.ObserveShards(3)
 	obs.ObserveBatch(relay.BatchStats{Published: 2, Duration: time.Millisecond, OldestCreatedAt: time.Now()})
-	obs.ObserveSickPartitions(1)
-	obs.ObserveBatch(relay.BatchStats{Failed: 4, HeldBack: 4, SickPartitions: 1, Duration: time.Millisecond})
-	// A round's outcome recorded after the next round dropped the mark
-	// carries the older count: the gauge keeps the newer.
-	obs.ObserveSickPartitions(0)
-	obs.ObserveSickPartitions(1)
-	obs.ObserveBatch(relay.BatchStats{SickPartitions: 0, Duration: time.Millisecond})
+	obs.SickPartitionsChanged(+1)
+	obs.ObserveBatch(relay.BatchStats{Failed: 4, HeldBack: 4, SickPartitions: 1, SickPartitionsReported: true, Duration: time.Millisecond})
+	// A round's outcome recorded after the next round changed the count
+	// carries an older one: the gauge keeps the reported changes.
+	obs.SickPartitionsChanged(-1)
+	obs.SickPartitionsChanged(+1)
+	obs.ObserveBatch(relay.BatchStats{SickPartitions: 0, SickPartitionsReported: true, Duration: time.Millisecond})
 
 	want := `
 # HELP onceflow_outbox_backlog_estimated_shards Shards this relay owns whose onceflow_outbox_backlog is an estimate.
@@ -70,7 +70,7 @@ onceflow_relay_published_total 2
 # HELP onceflow_relay_sick_partition_held_back_total Events not sent in a round because their key's partition is marked sick (also counted in failures); one probe retries the partition.
 # TYPE onceflow_relay_sick_partition_held_back_total counter
 onceflow_relay_sick_partition_held_back_total 4
-# HELP onceflow_relay_sick_partitions Partitions marked sick: a record sent there was not acknowledged (in time, or with a passing error) and none since.
+# HELP onceflow_relay_sick_partitions Partitions marked sick: a record sent there was not acknowledged (in time, or with a passing error) and none since (summed over the relays reporting to this Observer).
 # TYPE onceflow_relay_sick_partitions gauge
 onceflow_relay_sick_partitions 1
 `

@@ -1,0 +1,100 @@
+package relay_test
+
+import (
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kmsg"
+
+	"github.com/onceflow/onceflow/outbox"
+	"github.com/onceflow/onceflow/relay"
+	"github.com/onceflow/onceflow/relay/relayprom"
+)
+
+func sickGauge(t *testing.T, reg *prometheus.Registry) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == "onceflow_relay_sick_partitions" {
+			return mf.GetMetric()[0].GetGauge().GetValue()
+		}
+	}
+	t.Fatal("onceflow_relay_sick_partitions not registered")
+	return 0
+}
+
+// plainWrapper is a third-party Observer that wraps another and does not
+// pass SickPartitionsChanged on.
+type plainWrapper struct{ next relay.Observer }
+
+func (w plainWrapper) ObserveBatch(s relay.BatchStats) { w.next.ObserveBatch(s) }
+func (w plainWrapper) ObserveShards(n int)             { w.next.ObserveShards(n) }
+
+// Two relays (two schemas) in one process share one relayprom Observer (its
+// metrics register once per registry). Relay A holds a partition sick; relay
+// B, healthy, starts and publishes. Whatever the gauge means with a shared
+// Observer (a sum, or this process's sick partitions), A's sick partition
+// is still there: B's start must not wipe it to 0.
+func TestSickGaugeSharedObserverKeepsAnotherRelaysCount(t *testing.T) {
+	t.Parallel()
+	reg := prometheus.NewRegistry()
+	obs := relayprom.NewObserver(reg)
+
+	a := setup(t)
+	fake := a.kafka.RequireFake(t)
+	sickTopic := a.kafka.Topic(t, 1)
+	fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: sickTopic, Err: kerr.NotEnoughReplicas, Count: -1})
+	a.write(t, outbox.Message{Topic: sickTopic, Key: []byte("k"), Value: []byte("held")})
+	a.startRelay(t, relay.Config{PublishTimeout: 500 * time.Millisecond, Observer: obs})
+	waitFor(t, "relay A to report its partition sick", 30*time.Second, func() bool { return sickGauge(t, reg) == 1 })
+
+	b := setup(t)
+	okTopic := b.kafka.Topic(t, 1)
+	b.write(t, outbox.Message{Topic: okTopic, Key: []byte("k"), Value: []byte("v")})
+	b.startRelay(t, relay.Config{PublishTimeout: 500 * time.Millisecond, Observer: obs})
+	waitFor(t, "relay B to publish", 30*time.Second, func() bool { return b.count(t, "outbox") == 0 })
+
+	if a.count(t, "outbox") != 1 {
+		t.Fatal("relay A's event was published: its partition is not sick any more")
+	}
+	if g := sickGauge(t, reg); g != 1 {
+		t.Fatalf("onceflow_relay_sick_partitions = %g while relay A still holds its partition sick, want 1", g)
+	}
+}
+
+// Relay A reaches the shared relayprom Observer directly; relay B through a
+// wrapper that does not pass SickPartitionsChanged on, so its count can
+// only reach the gauge through BatchStats. A's start sets relayprom's
+// sickDirect flag for the whole Observer, and B's BatchStats are ignored
+// from then on: the gauge reads 0 with B's only partition sick.
+func TestSickGaugeBatchStatsFallbackNotStarvedByAnotherRelay(t *testing.T) {
+	t.Parallel()
+	reg := prometheus.NewRegistry()
+	obs := relayprom.NewObserver(reg)
+
+	a := setup(t)
+	a.write(t, outbox.Message{Topic: a.kafka.Topic(t, 1), Key: []byte("k"), Value: []byte("v")})
+	a.startRelay(t, relay.Config{PublishTimeout: 500 * time.Millisecond, Observer: obs})
+	waitFor(t, "relay A to publish", 30*time.Second, func() bool { return a.count(t, "outbox") == 0 })
+
+	b := setup(t)
+	fake := b.kafka.RequireFake(t)
+	sickTopic := b.kafka.Topic(t, 1)
+	fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: sickTopic, Err: kerr.NotEnoughReplicas, Count: -1})
+	b.write(t, outbox.Message{Topic: sickTopic, Key: []byte("k"), Value: []byte("held")})
+	b.startRelay(t, relay.Config{PublishTimeout: 500 * time.Millisecond, Observer: plainWrapper{obs}})
+	waitFor(t, "relay B's event to fail three times", 60*time.Second, func() bool {
+		var n int
+		_ = b.pool.QueryRow(t.Context(), `SELECT coalesce(max(attempts), 0) FROM "`+b.schema+`".outbox`).Scan(&n)
+		return n >= 3
+	})
+	if g := sickGauge(t, reg); g != 1 {
+		t.Fatalf("onceflow_relay_sick_partitions = %g with relay B's only partition sick (B behind a wrapper: BatchStats is its only path), want 1", g)
+	}
+}
