@@ -98,3 +98,31 @@ func TestSickGaugeBatchStatsFallbackNotStarvedByAnotherRelay(t *testing.T) {
 		t.Fatalf("onceflow_relay_sick_partitions = %g with relay B's only partition sick (B behind a wrapper: BatchStats is its only path), want 1", g)
 	}
 }
+
+// A Relay runs once: a supervisor that restarts it in-process builds a new
+// Relay on the same relayprom Observer (its metrics can be registered only
+// once). The stopped relay must take back the sick partition it reported:
+// the gauge kept its count while the new relay published to the healed
+// partition.
+func TestSickGaugeIsNotLeftOverFromAStoppedRelay(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	fake := b.kafka.RequireFake(t)
+	topic := b.kafka.Topic(t, 1)
+	h := fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topic, Err: kerr.NotEnoughReplicas, Count: -1})
+	b.write(t, outbox.Message{Topic: topic, Key: []byte("k"), Value: []byte("held")})
+
+	reg := prometheus.NewRegistry()
+	obs := relayprom.NewObserver(reg)
+	_, stop := b.startRelay(t, relay.Config{PublishTimeout: 500 * time.Millisecond, Observer: obs})
+	waitFor(t, "the partition to be reported sick", 30*time.Second, func() bool { return sickGauge(t, reg) == 1 })
+	stop()
+
+	h.Remove()
+	b.startRelay(t, relay.Config{PublishTimeout: 500 * time.Millisecond, Observer: obs})
+	b.write(t, outbox.Message{Topic: topic, Key: []byte("k2"), Value: []byte("healthy")})
+	waitFor(t, "the new relay to publish both events", 30*time.Second, func() bool { return b.count(t, "outbox") == 0 })
+	if g := sickGauge(t, reg); g != 0 {
+		t.Fatalf("onceflow_relay_sick_partitions = %g on a relay with no sick partition that just published to the topic", g)
+	}
+}
