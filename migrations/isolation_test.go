@@ -70,18 +70,9 @@ func TestDownUnderARepeatableReadDefaultCountsAnEventCommittedWhileItWaits(t *te
 // saying so, and drops nothing.
 func TestPrintedRevertRefusesToRunUnderRepeatableRead(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
 	schema := pgtest.Schema(t)
 	revertTo(t, schema, 1)
-	down, err := migrations.Script(schema, 1, true)
-	if err != nil {
-		t.Fatal(err)
-	}
-	conn := pgtest.Conn(t)
-	if _, err := conn.Exec(ctx, `SET default_transaction_isolation = 'repeatable read'`); err != nil {
-		t.Fatal(err)
-	}
-	_, err = conn.PgConn().Exec(ctx, down).ReadAll()
+	err := runPrintedRevertOfStep1(t, schema, `SET default_transaction_isolation = 'repeatable read'`)
 	if err == nil || !strings.Contains(err.Error(), "READ COMMITTED") || !tableExists(t, schema, "outbox") {
 		t.Fatalf("the printed revert under repeatable read: err %v, outbox there %v; want a refusal naming READ COMMITTED", err, tableExists(t, schema, "outbox"))
 	}
@@ -125,12 +116,7 @@ func TestPrintedRevertsRefusalNamesItsSchema(t *testing.T) {
 	if _, err := pgtest.Pool(t).Exec(ctx, `INSERT INTO `+pgx.Identifier{schema, "outbox"}.Sanitize()+` (topic) VALUES ('t')`); err != nil {
 		t.Fatal(err)
 	}
-	down, err := migrations.Script(schema, 1, true)
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, err = pgtest.Conn(t).PgConn().Exec(ctx, down).ReadAll()
-	if err == nil || !strings.Contains(err.Error(), "--schema "+schema+" ") {
+	if err := runPrintedRevertOfStep1(t, schema); err == nil || !strings.Contains(err.Error(), "--schema "+schema+" ") {
 		t.Fatalf("the printed revert's refusal: %v; want it to name --schema %s", err, schema)
 	}
 }
@@ -157,4 +143,23 @@ func openReader(t *testing.T, schema string) {
 	if _, err := reader.Exec(ctx, `SELECT count(*) FROM `+pgx.Identifier{schema, "outbox"}.Sanitize()); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// runPrintedRevertOfStep1 runs the printed revert of migration 1 on a
+// connection of its own, as psql would, after the given settings.
+func runPrintedRevertOfStep1(t *testing.T, schema string, settings ...string) error {
+	t.Helper()
+	ctx := context.Background()
+	down, err := migrations.Script(schema, 1, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn := pgtest.Conn(t)
+	for _, set := range settings {
+		if _, err := conn.Exec(ctx, set); err != nil {
+			t.Fatal(err)
+		}
+	}
+	_, err = conn.PgConn().Exec(ctx, down).ReadAll()
+	return err
 }

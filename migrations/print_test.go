@@ -246,19 +246,10 @@ func TestPrintedRevertCountsAnEventThatCommitsWhileItWaits(t *testing.T) {
 // lock_timeout, else 5 s), naming the session that holds it.
 func TestPrintedRevertGivesUpOnALockItCannotGet(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
 	schema := pgtest.Schema(t)
 	revertTo(t, schema, 1)
 	openReader(t, schema)
-	down, err := migrations.Script(schema, 1, true)
-	if err != nil {
-		t.Fatal(err)
-	}
-	conn := pgtest.Conn(t)
-	if _, err := conn.Exec(ctx, `SET lock_timeout = '300ms'`); err != nil {
-		t.Fatal(err)
-	}
-	_, err = conn.PgConn().Exec(ctx, down).ReadAll()
+	err := runPrintedRevertOfStep1(t, schema, `SET lock_timeout = '300ms'`)
 	if err == nil || !strings.Contains(err.Error(), openReaderApp) || !strings.Contains(err.Error(), "300ms") {
 		t.Fatalf("the revert of step 1 behind an open reader: err %v, want a failure naming the reader", err)
 	}

@@ -29,6 +29,18 @@ func sickGauge(t *testing.T, reg *prometheus.Registry) float64 {
 	return 0
 }
 
+// sickTopic makes a one-partition topic whose writes kfake refuses with
+// NOT_ENOUGH_REPLICAS (an ISR below min.insync.replicas) until heal is
+// called, and writes one event to it (key "k").
+func (b *bundle) sickTopic(t *testing.T) (topic string, heal func()) {
+	t.Helper()
+	fake := b.kafka.RequireFake(t)
+	topic = b.kafka.Topic(t, 1)
+	h := fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topic, Err: kerr.NotEnoughReplicas, Count: -1})
+	b.write(t, outbox.Message{Topic: topic, Key: []byte("k"), Value: []byte("held")})
+	return topic, h.Remove
+}
+
 // plainWrapper is a third-party Observer that wraps another and does not
 // pass SickPartitionsChanged on.
 type plainWrapper struct{ next relay.Observer }
@@ -47,10 +59,7 @@ func TestSickGaugeSharedObserverKeepsAnotherRelaysCount(t *testing.T) {
 	obs := relayprom.NewObserver(reg)
 
 	a := setup(t)
-	fake := a.kafka.RequireFake(t)
-	sickTopic := a.kafka.Topic(t, 1)
-	fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: sickTopic, Err: kerr.NotEnoughReplicas, Count: -1})
-	a.write(t, outbox.Message{Topic: sickTopic, Key: []byte("k"), Value: []byte("held")})
+	a.sickTopic(t)
 	a.startRelay(t, relay.Config{PublishTimeout: 500 * time.Millisecond, Observer: obs})
 	waitFor(t, "relay A to report its partition sick", 30*time.Second, func() bool { return sickGauge(t, reg) == 1 })
 
@@ -84,10 +93,7 @@ func TestSickGaugeBatchStatsFallbackNotStarvedByAnotherRelay(t *testing.T) {
 	waitFor(t, "relay A to publish", 30*time.Second, func() bool { return a.count(t, "outbox") == 0 })
 
 	b := setup(t)
-	fake := b.kafka.RequireFake(t)
-	sickTopic := b.kafka.Topic(t, 1)
-	fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: sickTopic, Err: kerr.NotEnoughReplicas, Count: -1})
-	b.write(t, outbox.Message{Topic: sickTopic, Key: []byte("k"), Value: []byte("held")})
+	b.sickTopic(t)
 	b.startRelay(t, relay.Config{PublishTimeout: 500 * time.Millisecond, Observer: plainWrapper{obs}})
 	waitFor(t, "relay B's event to fail three times", 60*time.Second, func() bool {
 		var n int
@@ -107,10 +113,7 @@ func TestSickGaugeBatchStatsFallbackNotStarvedByAnotherRelay(t *testing.T) {
 func TestSickGaugeIsNotLeftOverFromAStoppedRelay(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	fake := b.kafka.RequireFake(t)
-	topic := b.kafka.Topic(t, 1)
-	h := fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topic, Err: kerr.NotEnoughReplicas, Count: -1})
-	b.write(t, outbox.Message{Topic: topic, Key: []byte("k"), Value: []byte("held")})
+	topic, heal := b.sickTopic(t)
 
 	reg := prometheus.NewRegistry()
 	obs := relayprom.NewObserver(reg)
@@ -118,7 +121,7 @@ func TestSickGaugeIsNotLeftOverFromAStoppedRelay(t *testing.T) {
 	waitFor(t, "the partition to be reported sick", 30*time.Second, func() bool { return sickGauge(t, reg) == 1 })
 	stop()
 
-	h.Remove()
+	heal()
 	b.startRelay(t, relay.Config{PublishTimeout: 500 * time.Millisecond, Observer: obs})
 	b.write(t, outbox.Message{Topic: topic, Key: []byte("k2"), Value: []byte("healthy")})
 	waitFor(t, "the new relay to publish both events", 30*time.Second, func() bool { return b.count(t, "outbox") == 0 })

@@ -101,10 +101,7 @@ func (o *countingObserver) timedOut() int {
 func TestADroppedSickMarkIsObservedOnAnIdleRelay(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	fake := b.kafka.RequireFake(t)
-	sick := b.kafka.Topic(t, 1)
-	h := fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: sick, Err: kerr.NotEnoughReplicas, Count: -1})
-	b.write(t, outbox.Message{Topic: sick, Key: []byte("sick"), Value: []byte("refused later")})
+	sick, heal := b.sickTopic(t)
 
 	obs := &sickObserver{}
 	b.startRelay(t, relay.Config{PublishTimeout: 500 * time.Millisecond, Observer: obs})
@@ -112,8 +109,8 @@ func TestADroppedSickMarkIsObservedOnAnIdleRelay(t *testing.T) {
 
 	// The partition now refuses the record for good: the probe's event is
 	// dead-lettered, the outbox is empty, and nothing waits on the mark.
-	fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: sick, Err: kerr.InvalidRecord, Count: -1})
-	h.Remove()
+	b.kafka.RequireFake(t).Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: sick, Err: kerr.InvalidRecord, Count: -1})
+	heal()
 	waitFor(t, "the probe's event to be dead-lettered", 30*time.Second, func() bool { return b.count(t, "outbox_dead") == 1 })
 	waitFor(t, "the Observer to learn the mark was dropped", 10*time.Second, func() bool { return obs.sickReported() == 0 })
 	if n := b.count(t, "outbox"); n != 0 {
