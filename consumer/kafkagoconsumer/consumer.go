@@ -469,6 +469,9 @@ func (t *transport) PublishDeadLetter(ctx context.Context, d consumer.DeadLetter
 	switch {
 	case err == nil:
 		return nil
+	case unknownTopic(err) && t.c.hiddenByACL(ctx, d.Topic):
+		return fmt.Errorf("kafkagoconsumer: publish dead letter to %s: %w (absent from the topics this principal may list; asked by name)",
+			d.Topic, kafka.TopicAuthorizationFailed)
 	case unknownTopic(err):
 		err = fmt.Errorf("kafkagoconsumer: publish dead letter to %s: %w: %w", d.Topic, consumer.ErrDeadLetterTopicMissing, err)
 		if t.c.cfg.StopOnMissingDeadLetterTopic {
@@ -480,6 +483,22 @@ func (t *transport) PublishDeadLetter(ctx context.Context, d consumer.DeadLetter
 	default:
 		return fmt.Errorf("kafkagoconsumer: publish dead letter to %s: %w", d.Topic, err)
 	}
+}
+
+// hiddenByACL asks the dead-letter Writer's brokers about topic by name
+// and reports whether they say this principal may not describe it. The
+// Writer knows topics from its transport's list of every topic, from which
+// Kafka leaves out a topic an ACL hides, so such a topic reads as unknown
+// there: not missing, and StopOnMissingDeadLetterTopic must not stop Run
+// for it. False when the probe cannot tell, or the Writer's Transport is
+// not a *kafka.Transport (nothing to connect as).
+func (c *Consumer) hiddenByACL(ctx context.Context, topic string) bool {
+	like, ok := c.writer.Transport.(*kafka.Transport)
+	if !ok && c.writer.Transport != nil {
+		return false
+	}
+	answers, err := kafkagoconn.TopicErrors(ctx, c.writer.Addr, like, []string{topic})
+	return err == nil && errors.Is(answers[topic], kafka.TopicAuthorizationFailed)
 }
 
 // unknownTopic reports whether a Writer's error says the topic does not

@@ -6,6 +6,7 @@ import (
 	"context"
 	"crypto/tls"
 	"fmt"
+	"net"
 	"time"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
@@ -55,6 +56,44 @@ func Dialer(c kafkaconn.Config) (*kafka.Dialer, error) {
 		return nil, err
 	}
 	return &kafka.Dialer{Timeout: 10 * time.Second, DualStack: true, TLS: tc, SASLMechanism: m, ClientID: c.ClientID}, nil
+}
+
+// TopicErrors asks the brokers at addr about topics by name, never
+// creating one, connecting as like does (its dialer, TLS, SASL, client id,
+// resolver; kafka-go's defaults when like is nil). It returns each topic's
+// error as the broker answered it: nil for a topic that exists,
+// kafka.TopicAuthorizationFailed for one the principal may not describe,
+// kafka.UnknownTopicOrPartition for one that does not exist.
+//
+// kafka-go's Transport answers every metadata request that does not ask to
+// create topics from its own list of all topics, and Kafka leaves out of
+// that list the topics the principal may not describe: through it, a topic
+// an ACL hides reads as unknown. A Transport whose MetadataTopics names the
+// topics asks for them by name instead, without auto-creation. Each call
+// dials its own connection, so it is for error paths, not every publish.
+func TopicErrors(ctx context.Context, addr net.Addr, like *kafka.Transport, topics []string) (map[string]error, error) {
+	probe := &kafka.Transport{MetadataTopics: topics}
+	if like != nil {
+		probe.Dial, probe.DialTimeout, probe.IdleTimeout = like.Dial, like.DialTimeout, like.IdleTimeout
+		probe.ClientID, probe.TLS, probe.SASL = like.ClientID, like.TLS, like.SASL
+		probe.Resolver, probe.Context = like.Resolver, like.Context
+	}
+	defer probe.CloseIdleConnections()
+	cl := &kafka.Client{Addr: addr, Transport: probe}
+	resp, err := cl.Metadata(ctx, &kafka.MetadataRequest{Addr: addr, Topics: topics})
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[string]error, len(topics))
+	for _, t := range resp.Topics {
+		out[t.Name] = t.Error
+	}
+	for _, t := range topics {
+		if _, ok := out[t]; !ok {
+			return nil, fmt.Errorf("metadata by name: topic %q missing from the answer", t)
+		}
+	}
+	return out, nil
 }
 
 // Mechanism returns kafka-go's mechanism for s.

@@ -46,7 +46,11 @@ type Config struct {
 	// retries after that. Defaults to 5.
 	MaxAttempts int
 	// Transport is a kafka-go transport of your own, for settings Conn does
-	// not cover. Defaults to one built from Conn.
+	// not cover. Defaults to one built from Conn. A topic that fails as
+	// unknown is asked about by name through a short-lived transport that
+	// connects as this one does, so that a topic an ACL hides is reported
+	// forbidden, not unknown; with a RoundTripper that is not a
+	// *kafka.Transport there is no such probe and it stays unknown.
 	Transport kafka.RoundTripper
 }
 
@@ -65,7 +69,11 @@ type Publisher struct {
 	newWriter func() *kafka.Writer // a Writer configured as New says
 	// own is the transport New built from Config.Conn, closed by Close;
 	// nil when the caller supplied Config.Transport.
-	own        *kafka.Transport
+	own *kafka.Transport
+	// probeLike is the transport a by-name topic probe connects as (see
+	// explainUnknown): transport when it is a *kafka.Transport, else nil
+	// and there is no probe.
+	probeLike  *kafka.Transport
 	batchBytes int64
 
 	mu     sync.Mutex
@@ -254,7 +262,8 @@ func New(brokers []string, cfg *Config) (*Publisher, error) {
 		}
 	}
 	lookCtx, stopLooks := context.WithCancel(context.Background())
-	return &Publisher{own: own, batchBytes: c.BatchBytes, addr: addr, transport: c.Transport, newWriter: newWriter,
+	probeLike, _ := c.Transport.(*kafka.Transport)
+	return &Publisher{own: own, probeLike: probeLike, batchBytes: c.BatchBytes, addr: addr, transport: c.Transport, newWriter: newWriter,
 		lookCtx: lookCtx, stopLooks: stopLooks}, nil
 }
 
@@ -352,7 +361,43 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 			}
 		}
 	}
+	p.explainUnknown(ctx, records, errs)
 	return errs
+}
+
+// explainUnknown asks by name about the topics whose records failed as
+// unknown, and fails those the broker says this principal may not describe
+// as forbidden. The Writer knows topics from its transport's list of every
+// topic, from which Kafka leaves out a topic an ACL hides, so every
+// not-yet-authorized topic reads as unknown there; the relay gives an
+// unknown topic UnknownTopicGrace and a forbidden one TopicForbiddenGrace,
+// and names the cause in the dead letter. When the probe cannot answer, the
+// records stay unknown.
+func (p *Publisher) explainUnknown(ctx context.Context, records []relay.Record, errs []error) {
+	if p.probeLike == nil {
+		return
+	}
+	var topics []string
+	seen := map[string]bool{}
+	for i, err := range errs {
+		if t := records[i].Topic; errors.Is(err, relay.ErrUnknownTopic) && !seen[t] {
+			seen[t] = true
+			topics = append(topics, t)
+		}
+	}
+	if len(topics) == 0 {
+		return
+	}
+	answers, err := kafkagoconn.TopicErrors(ctx, p.addr, p.probeLike, topics)
+	if err != nil {
+		return
+	}
+	for i, e := range errs {
+		if errors.Is(e, relay.ErrUnknownTopic) && errors.Is(answers[records[i].Topic], kafka.TopicAuthorizationFailed) {
+			errs[i] = fmt.Errorf("%w: %w (absent from the topics this principal may list; asked by name)",
+				relay.ErrTopicForbidden, kafka.TopicAuthorizationFailed)
+		}
+	}
 }
 
 // errHeldBack fails a record not sent because an earlier record of its key

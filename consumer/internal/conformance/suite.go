@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/onceflow/onceflow/consumer"
@@ -22,6 +24,7 @@ func Run(t *testing.T, a Adapter) {
 	t.Run("RedeliveryAndRepublishHaveOneEffect", func(t *testing.T) { testDedup(t, a) })
 	t.Run("DeadLetters", func(t *testing.T) { testDeadLetters(t, a) })
 	t.Run("MissingDeadLetterTopic", func(t *testing.T) { testMissingDeadLetterTopic(t, a) })
+	t.Run("ForbiddenDeadLetterTopicIsNotMissing", func(t *testing.T) { testForbiddenDeadLetterTopic(t, a) })
 	t.Run("DeadLetterTooLargeForItsTopic", func(t *testing.T) { testDeadLetterTooLarge(t, a) })
 	t.Run("InOrder", func(t *testing.T) { testMode(t, a, "in-order") })
 	t.Run("KeyParallel", func(t *testing.T) { testMode(t, a, "key-parallel") })
@@ -421,5 +424,38 @@ func testMissingDeadLetterTopic(t *testing.T, a Adapter) {
 				t.Fatalf("dead letters = %d, want 1", len(dead))
 			}
 		})
+	}
+}
+
+// testForbiddenDeadLetterTopic: the dead-letter topic exists but the
+// consumer may not describe or write it (an ACL not granted yet: Kafka
+// leaves it out of all-topics Metadata and refuses the produce with
+// TOPIC_AUTHORIZATION_FAILED; the fault, without Keys, does both). The
+// partition waits as for any failed publish, but the topic is not missing:
+// no failure says TopicMissing, and StopOnMissingDeadLetterTopic does not
+// stop Run with ErrDeadLetterTopicMissing.
+func testForbiddenDeadLetterTopic(t *testing.T, a Adapter) {
+	e := setup(t, a)
+	fake := e.k.RequireFake(t)
+	topic := e.k.Topic(t, 1)
+	e.k.CreateTopic(t, topic+".dlq", 1, nil)
+	h := fake.Fault(kfake.Fault{Topic: topic + ".dlq", Err: kerr.TopicAuthorizationFailed, Count: -1})
+	defer h.Remove()
+	e.produce(t, topic, rec{id: "bad", value: "perm"})
+	fails := &deadLetterFailures{}
+	p := e.processor(t, "ledger", &consumer.Config{Hooks: []consumer.Hook{fails}})
+	r := e.startWith(t, p, Options{StopOnMissingDeadLetterTopic: true}, "g", topic)
+	waitFor(t, 90*time.Second, "a failed dead-letter publish", func() bool { return fails.all.Load() >= 1 })
+	if n := fails.missing.Load(); n != 0 {
+		t.Errorf("%d of %d failed publishes to an existing but forbidden dead-letter topic reported it missing", n, fails.all.Load())
+	}
+	waitFor(t, 90*time.Second, "a second failed dead-letter publish, or Run to stop", func() bool {
+		return fails.all.Load() >= 2 || len(r.done) > 0
+	})
+	select {
+	case err := <-r.done:
+		r.once.Do(func() { r.err = err })
+		t.Fatalf("Run stopped, the dead-letter topic being forbidden, not missing: %v", err)
+	default:
 	}
 }
