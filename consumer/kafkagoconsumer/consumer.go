@@ -86,6 +86,10 @@ type Consumer struct {
 	client         *kafka.Client
 	fetchTransport *kafka.Transport
 	writer         *kafka.Writer
+	// prober asks for a dead-letter topic the Writer reports unknown by
+	// name (hiddenByACL); nil when the Writer's Transport is not a
+	// *kafka.Transport.
+	prober *kafkagoconn.Prober
 	// ownTransport is the default dead-letter Writer's transport, closed
 	// at shutdown; nil when the user supplied the Writer.
 	ownTransport *kafka.Transport
@@ -207,6 +211,13 @@ func New(p *consumer.Processor, cfg *Config) (*Consumer, error) {
 			BatchTimeout: 5 * time.Millisecond,
 			Transport:    out.ownTransport,
 		}
+	}
+	rt := out.writer.Transport
+	if rt == nil {
+		rt = kafka.DefaultTransport // what the Writer uses then
+	}
+	if like, ok := rt.(*kafka.Transport); ok {
+		out.prober = kafkagoconn.NewProber(out.writer.Addr, like)
 	}
 	return out, nil
 }
@@ -490,15 +501,12 @@ func (t *transport) PublishDeadLetter(ctx context.Context, d consumer.DeadLetter
 // Writer knows topics from its transport's list of every topic, from which
 // Kafka leaves out a topic an ACL hides, so such a topic reads as unknown
 // there: not missing, and StopOnMissingDeadLetterTopic must not stop Run
-// for it. False when the probe cannot tell, or the Writer's Transport is
-// not a *kafka.Transport (nothing to connect as).
+// for it. The topic's answer is kept a few seconds and stands while the
+// brokers cannot be asked again (kafkagoconn.Prober). False with no answer
+// yet, or when the Writer's Transport is not a *kafka.Transport (nothing
+// to connect as).
 func (c *Consumer) hiddenByACL(ctx context.Context, topic string) bool {
-	like, ok := c.writer.Transport.(*kafka.Transport)
-	if !ok && c.writer.Transport != nil {
-		return false
-	}
-	answers, err := kafkagoconn.TopicErrors(ctx, c.writer.Addr, like, []string{topic})
-	return err == nil && errors.Is(answers[topic], kafka.TopicAuthorizationFailed)
+	return c.prober != nil && c.prober.Forbidden(ctx, []string{topic})[topic]
 }
 
 // unknownTopic reports whether a Writer's error says the topic does not

@@ -5,8 +5,11 @@ package kafkagoconn
 import (
 	"context"
 	"crypto/tls"
+	"errors"
 	"fmt"
 	"net"
+	"slices"
+	"sync"
 	"time"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
@@ -69,15 +72,32 @@ func Dialer(c kafkaconn.Config) (*kafka.Dialer, error) {
 // create topics from its own list of all topics, and Kafka leaves out of
 // that list the topics the principal may not describe: through it, a topic
 // an ACL hides reads as unknown. A Transport whose MetadataTopics names the
-// topics asks for them by name instead, without auto-creation. Each call
-// dials its own connection, so it is for error paths, not every publish.
+// topics asks for them by name instead, without auto-creation.
+//
+// Each call dials connections of its own and closes every one of them
+// before it returns: kafka-go bounds a connection's dial, TLS and version
+// exchange by DialTimeout but not its SASL exchange, so a connection whose
+// login stalls would outlive the call. For error paths: see Prober.
 func TopicErrors(ctx context.Context, addr net.Addr, like *kafka.Transport, topics []string) (map[string]error, error) {
+	dial := defaultDial
 	probe := &kafka.Transport{MetadataTopics: topics}
 	if like != nil {
-		probe.Dial, probe.DialTimeout, probe.IdleTimeout = like.Dial, like.DialTimeout, like.IdleTimeout
+		if like.Dial != nil {
+			dial = like.Dial
+		}
+		probe.DialTimeout, probe.IdleTimeout = like.DialTimeout, like.IdleTimeout
 		probe.ClientID, probe.TLS, probe.SASL = like.ClientID, like.TLS, like.SASL
 		probe.Resolver, probe.Context = like.Resolver, like.Context
 	}
+	conns := &connSet{}
+	probe.Dial = func(ctx context.Context, network, address string) (net.Conn, error) {
+		c, err := dial(ctx, network, address)
+		if err != nil {
+			return nil, err
+		}
+		return conns.add(c), nil
+	}
+	defer conns.closeAll()
 	defer probe.CloseIdleConnections()
 	cl := &kafka.Client{Addr: addr, Transport: probe}
 	resp, err := cl.Metadata(ctx, &kafka.MetadataRequest{Addr: addr, Topics: topics})
@@ -94,6 +114,130 @@ func TopicErrors(ctx context.Context, addr net.Addr, like *kafka.Transport, topi
 		}
 	}
 	return out, nil
+}
+
+// defaultDial is how kafka-go's Transport dials without a Dial of its own.
+var defaultDial = (&net.Dialer{Timeout: 3 * time.Second}).DialContext
+
+// connSet holds the connections a probe dialed, to close them all when it
+// ends; one dialed after that is closed at once.
+type connSet struct {
+	mu     sync.Mutex
+	conns  []net.Conn
+	closed bool
+}
+
+func (s *connSet) add(c net.Conn) net.Conn {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		c.Close()
+		return c // its use fails: the probe has returned
+	}
+	s.conns = append(s.conns, c)
+	return c
+}
+
+func (s *connSet) closeAll() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.closed = true
+	for _, c := range s.conns {
+		c.Close()
+	}
+	s.conns = nil
+}
+
+// Prober tells, for topics whose writes failed as unknown, which ones the
+// brokers say this principal may not describe (TopicErrors), for a writer
+// whose Transport knows topics only from its list of every topic. A topic
+// keeps its answer for ProbeFresh; one probe runs at a time, for every
+// topic whose answer is older, bounded by ProbeTimeout (and the caller's
+// ctx); when a probe cannot run or fails, the last answer stands. So a
+// topic not created yet costs one probe connection per ProbeFresh, not one
+// per failed write, and a hidden topic's answer does not depend on what
+// else the caller's ctx had to wait for. Safe for concurrent use.
+type Prober struct {
+	addr net.Addr
+	like *kafka.Transport
+	sem  chan struct{} // one probe at a time
+
+	mu      sync.Mutex
+	answers map[string]probeAnswer
+}
+
+type probeAnswer struct {
+	forbidden bool
+	at        time.Time
+}
+
+const (
+	// ProbeFresh is how long a topic's answer is used without asking
+	// again: an ACL granted (or a topic created) is seen within it.
+	ProbeFresh = 5 * time.Second
+	// ProbeTimeout bounds one probe, whatever the caller's ctx.
+	ProbeTimeout = 5 * time.Second
+)
+
+// NewProber returns a Prober for the brokers at addr, connecting as like
+// does (nil: kafka-go's defaults).
+func NewProber(addr net.Addr, like *kafka.Transport) *Prober {
+	return &Prober{addr: addr, like: like, sem: make(chan struct{}, 1), answers: map[string]probeAnswer{}}
+}
+
+// Forbidden returns the topics, of those given, that the brokers last said
+// this principal may not describe.
+func (p *Prober) Forbidden(ctx context.Context, topics []string) map[string]bool {
+	if stale := p.stale(topics); len(stale) > 0 {
+		select {
+		case p.sem <- struct{}{}:
+			if stale = p.stale(stale); len(stale) > 0 { // another call may have asked meanwhile
+				p.ask(ctx, stale)
+			}
+			<-p.sem
+		case <-ctx.Done():
+		}
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	out := map[string]bool{}
+	for _, t := range topics {
+		if p.answers[t].forbidden {
+			out[t] = true
+		}
+	}
+	return out
+}
+
+// stale returns the topics whose answer is older than ProbeFresh.
+func (p *Prober) stale(topics []string) []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var out []string
+	now := time.Now()
+	for _, t := range topics {
+		if a, ok := p.answers[t]; !ok || now.Sub(a.at) >= ProbeFresh {
+			if !slices.Contains(out, t) {
+				out = append(out, t)
+			}
+		}
+	}
+	return out
+}
+
+func (p *Prober) ask(ctx context.Context, topics []string) {
+	ctx, cancel := context.WithTimeout(ctx, ProbeTimeout)
+	defer cancel()
+	answers, err := TopicErrors(ctx, p.addr, p.like, topics)
+	if err != nil {
+		return // the last answers stand
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	now := time.Now()
+	for t, e := range answers {
+		p.answers[t] = probeAnswer{forbidden: errors.Is(e, kafka.TopicAuthorizationFailed), at: now}
+	}
 }
 
 // Mechanism returns kafka-go's mechanism for s.

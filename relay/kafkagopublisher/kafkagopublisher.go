@@ -47,10 +47,11 @@ type Config struct {
 	MaxAttempts int
 	// Transport is a kafka-go transport of your own, for settings Conn does
 	// not cover. Defaults to one built from Conn. A topic that fails as
-	// unknown is asked about by name through a short-lived transport that
-	// connects as this one does, so that a topic an ACL hides is reported
-	// forbidden, not unknown; with a RoundTripper that is not a
-	// *kafka.Transport there is no such probe and it stays unknown.
+	// unknown is asked about by name on a connection of its own, made as
+	// this transport makes them (at most one such probe per topic every
+	// few seconds), so that a topic an ACL hides is reported forbidden,
+	// not unknown; with a RoundTripper that is not a *kafka.Transport
+	// there is no such probe and it stays unknown.
 	Transport kafka.RoundTripper
 }
 
@@ -70,10 +71,10 @@ type Publisher struct {
 	// own is the transport New built from Config.Conn, closed by Close;
 	// nil when the caller supplied Config.Transport.
 	own *kafka.Transport
-	// probeLike is the transport a by-name topic probe connects as (see
-	// explainUnknown): transport when it is a *kafka.Transport, else nil
-	// and there is no probe.
-	probeLike  *kafka.Transport
+	// prober asks for topics that failed as unknown by name (see
+	// explainUnknown), connecting as transport does; nil when transport
+	// is not a *kafka.Transport.
+	prober     *kafkagoconn.Prober
 	batchBytes int64
 
 	mu     sync.Mutex
@@ -262,8 +263,11 @@ func New(brokers []string, cfg *Config) (*Publisher, error) {
 		}
 	}
 	lookCtx, stopLooks := context.WithCancel(context.Background())
-	probeLike, _ := c.Transport.(*kafka.Transport)
-	return &Publisher{own: own, probeLike: probeLike, batchBytes: c.BatchBytes, addr: addr, transport: c.Transport, newWriter: newWriter,
+	var prober *kafkagoconn.Prober
+	if like, ok := c.Transport.(*kafka.Transport); ok {
+		prober = kafkagoconn.NewProber(addr, like)
+	}
+	return &Publisher{own: own, prober: prober, batchBytes: c.BatchBytes, addr: addr, transport: c.Transport, newWriter: newWriter,
 		lookCtx: lookCtx, stopLooks: stopLooks}, nil
 }
 
@@ -371,10 +375,11 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 // topic, from which Kafka leaves out a topic an ACL hides, so every
 // not-yet-authorized topic reads as unknown there; the relay gives an
 // unknown topic UnknownTopicGrace and a forbidden one TopicForbiddenGrace,
-// and names the cause in the dead letter. When the probe cannot answer, the
-// records stay unknown.
+// and names the cause in the dead letter. A topic's answer is kept a few
+// seconds, and stands while the brokers cannot be asked again
+// (kafkagoconn.Prober); with no answer yet, the records stay unknown.
 func (p *Publisher) explainUnknown(ctx context.Context, records []relay.Record, errs []error) {
-	if p.probeLike == nil {
+	if p.prober == nil {
 		return
 	}
 	var topics []string
@@ -388,12 +393,9 @@ func (p *Publisher) explainUnknown(ctx context.Context, records []relay.Record, 
 	if len(topics) == 0 {
 		return
 	}
-	answers, err := kafkagoconn.TopicErrors(ctx, p.addr, p.probeLike, topics)
-	if err != nil {
-		return
-	}
+	forbidden := p.prober.Forbidden(ctx, topics)
 	for i, e := range errs {
-		if errors.Is(e, relay.ErrUnknownTopic) && errors.Is(answers[records[i].Topic], kafka.TopicAuthorizationFailed) {
+		if errors.Is(e, relay.ErrUnknownTopic) && forbidden[records[i].Topic] {
 			errs[i] = fmt.Errorf("%w: %w (absent from the topics this principal may list; asked by name)",
 				relay.ErrTopicForbidden, kafka.TopicAuthorizationFailed)
 		}
