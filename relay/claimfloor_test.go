@@ -35,8 +35,14 @@ SELECT 't', 'stuck'::bytea FROM generate_series(1, 300)`); err != nil {
 // stuck key and not excluded.
 func oldestFree(t *testing.T, st *store, outbox string, n int, excluded []int64) []int64 {
 	t.Helper()
+	return oldestFreeIn(t, st, outbox, n, excluded, everyShard())
+}
+
+// oldestFreeIn is oldestFree among the events of shards.
+func oldestFreeIn(t *testing.T, st *store, outbox string, n int, excluded []int64, shards []int16) []int64 {
+	t.Helper()
 	rows, _ := st.pool.Query(context.Background(), `SELECT id FROM `+outbox+`
-WHERE key <> 'stuck' AND id <> ALL($1::bigint[]) ORDER BY id LIMIT $2`, append([]int64{}, excluded...), n)
+WHERE key <> 'stuck' AND id <> ALL($1::bigint[]) AND shard = ANY($3) ORDER BY id LIMIT $2`, append([]int64{}, excluded...), n, shards)
 	ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
 	if err != nil {
 		t.Fatal(err)
@@ -650,7 +656,7 @@ func TestShortRunsOfFloorReadsDoNotStartAProofEveryRun(t *testing.T) {
 					}
 				}
 				got := claimedIDs(t, st, everyShard(), 500, b, nil)
-				if b != nil && !st.floorFromAll && len(st.floorFrom) > 0 {
+				if b != nil && st.floorKind == shapeFloor && len(st.floorFrom) > 0 {
 					floorReads++ // a floor read (that read rows)
 				}
 				if _, err := pool.Exec(ctx, `DELETE FROM `+outbox+` WHERE id = ANY($1) AND id <> $2`, got, stuck); err != nil {
@@ -695,8 +701,8 @@ func TestWastedRunsLongAgoDoNotDelayAStuckKeysProof(t *testing.T) {
 			claim(nil)
 		}
 	}
-	if w := st.proofBackoff(floorShapeIndex(false)); w == 0 {
-		t.Fatalf("the flapping key's floor reads (%d runs wasted in a row) back off from no proof", st.wastedRuns[floorShapeIndex(false)])
+	if w := st.proofBackoff(shapeFloor); w == 0 {
+		t.Fatalf("the flapping key's floor reads (%d runs wasted in a row) back off from no proof", st.wastedRuns[shapeFloor])
 	}
 	for range 2 * wastedRunsGap { // a long drain, nothing blocked
 		claim(nil)
@@ -712,7 +718,7 @@ func floorProofWithin(t *testing.T, st *store, within int, what string, claim fu
 	t.Helper()
 	for i := 1; ; i++ {
 		claim()
-		if st.floorFromAll || len(st.floorFrom) == 0 {
+		if st.floorKind != shapeFloor || len(st.floorFrom) == 0 {
 			t.Fatalf("%s: claim %d is not a floor read that read rows", what, i)
 		}
 		if st.proof.below != 0 {

@@ -279,7 +279,7 @@ func (s *store) noteFloor(from int64) {
 		s.floorFrom = s.floorFrom[:0]
 		s.proof, s.proving = floorProof{}, nil
 		s.endRun()
-		s.proofWait = s.proofBackoff(floorShapeIndex(s.floorFromAll))
+		s.proofWait = s.proofBackoff(s.floorKind)
 		return
 	}
 	if len(s.floorFrom) == claimFloorLag {
@@ -288,36 +288,39 @@ func (s *store) noteFloor(from int64) {
 	s.floorFrom = append(s.floorFrom, from)
 }
 
+// readShape is the shape of a claim's read that keeps a floor proof going
+// (floorShape).
+type readShape int
+
+const (
+	shapeFloor  readShape = iota // a claimFloorQuery read (or a held read)
+	shapeAll                     // a claimAllQuery read
+	shapeShards                  // a claimShardsQuery read
+	numShapes
+)
+
 // floorShape starts the floor reads' history (floorFrom, and the floor
-// proof drawn from it) over when a claim's read changes between the two
-// shapes that keep one: all, a claimAllQuery read, and a claimFloorQuery
-// read. A claimAll read starts at the oldest pending event, a key's that is
-// about to be blocked among them; the floor reads that follow once it is
-// must not take those ids for their base, nor for a proof's id: they would
-// walk that key's events from there, come short of the round and send the
-// next claimFloorOff claims to the free shards' shares. The wait before
-// the next proof goes with the dropped one, whether or not there is a
-// history: the new shape's wait is what its own wasted runs earned
-// (proofBackoff), so the first floor read beside a newly blocked key starts
-// theirs (else it descended every free shard for claimProofEvery claims,
-// or as long as a trickle's claimAll reads had to wait).
-func (s *store) floorShape(all bool) {
-	if s.floorFromAll != all {
+// proof drawn from it) over when a claim's read changes between the shapes
+// that keep one: a claimAllQuery read, a claimFloorQuery read, and a
+// claimShardsQuery read. A claimAll read starts at the oldest pending
+// event, a key's that is about to be blocked among them; the floor reads
+// that follow once it is must not take those ids for their base, nor for a
+// proof's id: they would walk that key's events from there, come short of
+// the round and send the next claimFloorOff claims to the free shards'
+// shares. The wait before the next proof goes with the dropped one, whether
+// or not there is a history: the new shape's wait is what its own wasted
+// runs earned (proofBackoff), so the first floor read beside a newly
+// blocked key starts theirs (else it descended every free shard for
+// claimProofEvery claims, or as long as a trickle's claimAll reads had to
+// wait).
+func (s *store) floorShape(shape readShape) {
+	if s.floorKind != shape {
 		s.floorFrom = s.floorFrom[:0]
 		s.proof, s.proving = floorProof{}, nil
 		s.endRun()
-		s.proofWait = s.proofBackoff(floorShapeIndex(all))
+		s.proofWait = s.proofBackoff(shape)
 	}
-	s.floorFromAll = all
-}
-
-// floorShapeIndex indexes store.wastedRuns: 0 for floor reads, 1 for
-// claimAll reads.
-func floorShapeIndex(all bool) int {
-	if all {
-		return 1
-	}
-	return 0
+	s.floorKind = shape
 }
 
 // endRun accounts for a run of floor-shaped reads of the current shape that
@@ -326,7 +329,7 @@ func floorShapeIndex(all bool) int {
 // claimAll) was wasted; one that read with its proof ends the shape's
 // wasted runs in a row.
 func (s *store) endRun() {
-	i := floorShapeIndex(s.floorFromAll)
+	i := s.floorKind
 	switch {
 	case s.runStarted && !s.runUsed:
 		if s.claimN-s.lastWasted[i] > wastedRunsGap {
@@ -350,7 +353,7 @@ func (s *store) endRun() {
 // run and never use it. Wasted runs more than wastedRunsGap claims apart
 // are not in a row: a key blocked for a claim now and then does not make
 // the next stuck key's episode wait.
-func (s *store) proofBackoff(i int) int {
+func (s *store) proofBackoff(i readShape) int {
 	wasted := s.wastedRuns[i]
 	if wasted <= 1 || s.claimN-s.lastWasted[i] > wastedRunsGap {
 		return 0

@@ -134,5 +134,5 @@ func TestShardsReadRunsItsGenericPlan(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	preparedPlans(t, pool, "o.shard = 4 ORDER BY o.id", claims)
+	preparedPlans(t, pool, "o.shard = 4 AND o.id >= ", claims)
 }

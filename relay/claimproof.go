@@ -53,7 +53,10 @@ import (
 // is pending below C, so it reads the same round, but descends to C once
 // instead of walking the index entries of every row deleted since the last
 // vacuum from the left edge (a dead prefix that grows with the backlog
-// drained: autovacuum does not run within a drain).
+// drained: autovacuum does not run within a drain). A claimShardsQuery read
+// (a relay owning some of the shards, none blocked) starts each shard the
+// proof holds at C for the same reason: the index range of each of its
+// shards has its own dead prefix.
 //
 // Ids must come from the identity in the transaction that inserts the
 // row (GENERATED ALWAYS; OVERRIDING SYSTEM VALUE with an id taken by
@@ -61,8 +64,9 @@ import (
 // defeats any order of ids).
 //
 // Each step is one statement added to a claim's batch (no round trip of
-// its own), and only floor reads and claimAllQuery reads take them (a
-// "floor read" below is either: each records the lowest id it read); pg_locks
+// its own), and only floor reads, claimAllQuery and claimShardsQuery reads
+// take them (a "floor read" below is any of them: each records the lowest
+// id it read); pg_locks
 // (which takes every lock-table partition's lock; 0.07-0.15 ms here) is read at the start and then at most once per floor read while
 // waiting (backing off to every claimProofEvery-th), and a new proof is
 // started at most every claimProofEvery floor reads of one run, once the

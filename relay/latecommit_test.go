@@ -125,11 +125,25 @@ WHERE pid = $1 AND wait_event_type = 'Lock' AND wait_event = 'advisory')`, write
 			}
 		}},
 	} {
-		for _, all := range []bool{false, true} {
+		for _, shape := range []readShape{shapeFloor, shapeAll, shapeShards} {
 			name := c.name + ", from the floor beside a blocked key"
-			if all {
+			owned := everyShard()
+			switch shape {
+			case shapeAll:
 				name = c.name + ", every shard owned and none blocked, a read-ahead"
+			case shapeShards:
+				// A quarter of the shards, the late key's among them: one
+				// index range per shard, each from a floor proof's id
+				// once one holds it.
+				name = c.name + ", a quarter of the shards owned, a read-ahead"
+				late := int16(sha256.Sum256([]byte("late-key"))[0])
+				owned = owned[:0]
+				for sh := late; len(owned) < NumShards/4; sh = (sh + 1) % NumShards {
+					owned = append(owned, sh)
+				}
+				slices.Sort(owned)
 			}
+			all := shape != shapeFloor // a read-ahead, nothing blocked
 			t.Run(name, func(t *testing.T) {
 				t.Parallel()
 				ctx, st, outbox, insert, blocked := claimFloorCase(t)
@@ -144,28 +158,33 @@ WHERE pid = $1 AND wait_event_type = 'Lock' AND wait_event = 'advisory')`, write
 				}
 				schema := outboxSchema(t, st, outbox)
 				commit := c.take(t, ctx, schema, outbox)
+				// Enough events in the owned shards that the claims do not
+				// reach the late key's next event before the late commit.
+				events := 4000 * NumShards / len(owned)
 				if _, err := st.pool.Exec(ctx, `INSERT INTO `+outbox+` (topic, key)
-SELECT 't', ('k' || (g % 40))::bytea FROM generate_series(1, 4000) g`); err != nil {
+SELECT 't', ('k' || (g % 40))::bytea FROM generate_series(1, $1) g`, events); err != nil {
 					t.Fatal(err)
 				}
 				after := insert(st.pool, "late-key") // the late key's next event, committed first
 				var inFlight []int64
-				claim := func(what string, shape bool) []int64 {
+				claim := func(what string, checkShape bool) []int64 {
 					t.Helper()
 					var excluded []int64
 					if all {
 						excluded = slices.Clone(inFlight)
 					}
-					stmts := st.claimStatements(everyShard(), 50, blocked, slices.Clone(excluded))
+					stmts := st.claimStatements(owned, 50, blocked, slices.Clone(excluded))
 					switch {
-					case !shape:
-					case !all && !stmts[0].floor:
+					case !checkShape:
+					case shape == shapeFloor && !stmts[0].floor:
 						t.Fatalf("%s: the free shards are not read from their floor", what)
-					case all && (len(stmts) != 1 || stmts[0].floor || strings.Contains(stmts[0].sql, "o.shard")):
+					case shape == shapeAll && (len(stmts) != 1 || stmts[0].floor || strings.Contains(stmts[0].sql, "o.shard")):
 						t.Fatalf("%s: not read through the primary key in id order", what)
+					case shape == shapeShards && (len(stmts) != 1 || !stmts[0].shards):
+						t.Fatalf("%s: not read as one index range per owned shard", what)
 					}
-					got := claimedIDs(t, st, everyShard(), 50, blocked, slices.Clone(excluded))
-					if want := oldestFree(t, st, outbox, 50, excluded); !slices.Equal(got, want) {
+					got := claimedIDs(t, st, owned, 50, blocked, slices.Clone(excluded))
+					if want := oldestFreeIn(t, st, outbox, 50, excluded, owned); !slices.Equal(got, want) {
 						t.Fatalf("%s read %v, want %v", what, got, want)
 					}
 					if slices.Contains(got, after) {
@@ -203,6 +222,9 @@ SELECT 't', ('k' || (g % 40))::bytea FROM generate_series(1, 4000) g`); err != n
 				for i := range 24 {
 					claim(fmt.Sprintf("claim %d after the late commit", i), false)
 					time.Sleep(2 * time.Millisecond)
+				}
+				if shape == shapeShards && st.proof.below == 0 {
+					t.Fatal("no floor proof held after 24 claims of a quarter of the shards: the late commit was read without one")
 				}
 			})
 		}

@@ -198,6 +198,9 @@ SELECT 'bench', ('key-' || (g % 1000))::bytea, convert_to(repeat('x', 256), 'UTF
 			defer wg.Done()
 			c, q := conns[w], claimSQL(w)
 			args := []any{[]int64{}} // $1: the excluded ids
+			if !partitioned && workers > 1 {
+				args = append(args, make([]int64, per)) // $2: each range from its left edge
+			}
 			for {
 				rows, _ := c.Query(ctx, q, args...)
 				events, err := scanEvents(rows, nil)

@@ -127,6 +127,10 @@ FROM generate_series(1, 1000000) g`); err != nil {
 			[]string{"Index Scan using outbox_pkey", "Index Cond: (id >= $2)", "hashed SubPlan"}, false, firstID + 300_000, true},
 		{"every shard, a floor proof, a round of consecutive ids in flight", everyShard(), nil, pastStuck,
 			[]string{"Merge Append", "(id >= $3)", "(id < $1)", "(id > $2)"}, false, firstID + 300_000, true},
+		// A floor proof that holds a relay's shards: each shard's range
+		// starts at its id, not at the index's left edge.
+		{"a quarter of the shards, a floor proof, a round in flight", quarter, nil, gappedPastStuck,
+			[]string{"Merge Append", "Index Scan using outbox_shard_id_idx", "(id >= ($2)[1])", "(id >= ($2)[64])", "hashed SubPlan"}, false, firstID + 300_000, true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			var plans []string
@@ -137,7 +141,14 @@ FROM generate_series(1, 1000000) g`); err != nil {
 			}
 			// The base and the proof come from reads of the claim's own
 			// shape (floorShape).
-			st.floorFromAll = c.blocked == nil && len(c.owned) == NumShards
+			switch {
+			case c.blocked == nil && len(c.owned) == NumShards:
+				st.floorKind = shapeAll
+			case c.blocked == nil:
+				st.floorKind = shapeShards
+			default:
+				st.floorKind = shapeFloor
+			}
 			st.proof = floorProof{}
 			if c.proof {
 				st.proof.below = c.base

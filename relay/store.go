@@ -65,24 +65,24 @@ type store struct {
 	claimLimit     int
 	claimFreeSQL   string // many free shards (claimFreeQuery), for claimFreeLimit
 	claimFreeLimit int
-	claimFloorSQL  string        // nearly every shard free (claimFloorQuery), for claimFreeLimit
-	floorFrom      []int64       // see floorBase
-	floorFromAll   bool          // floorFrom holds claimAll reads' ids (floorShape)
-	proof          floorProof    // see floorProof
-	proving        *proving      // a floor proof under way
-	proofWait      int           // floor reads before another proof may start
-	runStarted     bool          // the current run of floor-shaped reads started a proof (endRun)
-	runUsed        bool          // ... and read with one
-	wastedRuns     [2]int        // per shape (floorShapeIndex): runs in a row that ended with a proof started and never read with (endRun)
-	lastWasted     [2]int64      // per shape: claimN when the last such run ended
-	claimN         int64         // claims so far (claimStatements)
-	seqChecked     bool          // proofSequence ran
-	seqName        string        // the outbox's id sequence (quoted), "" if none
-	dbOID          uint32        // the database's oid (pg_locks.database)
-	floorOff       int           // claims left before claimFloorQuery is tried again
-	heldOff        int           // claims left before a held read (claimStatements) is tried again
-	exactOff       int           // claims left before claimAllQuery is guarded again (guardBytes)
-	freeK          map[int16]int // see freeKs
+	claimFloorSQL  string           // nearly every shard free (claimFloorQuery), for claimFreeLimit
+	floorFrom      []int64          // see floorBase
+	floorKind      readShape        // the shape of the reads floorFrom holds the ids of (floorShape)
+	proof          floorProof       // see floorProof
+	proving        *proving         // a floor proof under way
+	proofWait      int              // floor reads before another proof may start
+	runStarted     bool             // the current run of floor-shaped reads started a proof (endRun)
+	runUsed        bool             // ... and read with one
+	wastedRuns     [numShapes]int   // per shape: runs in a row that ended with a proof started and never read with (endRun)
+	lastWasted     [numShapes]int64 // per shape: claimN when the last such run ended
+	claimN         int64            // claims so far (claimStatements)
+	seqChecked     bool             // proofSequence ran
+	seqName        string           // the outbox's id sequence (quoted), "" if none
+	dbOID          uint32           // the database's oid (pg_locks.database)
+	floorOff       int              // claims left before claimFloorQuery is tried again
+	heldOff        int              // claims left before a held read (claimStatements) is tried again
+	exactOff       int              // claims left before claimAllQuery is guarded again (guardBytes)
+	freeK          map[int16]int    // see freeKs
 	// sweep is, per shard holding blocked keys, the key hash its next read
 	// starts from (nil: the shard's start); see claimBlockedQuery.
 	sweep            map[int16][]byte
@@ -265,7 +265,8 @@ FROM charged WHERE o.id = charged.id`,
 //     PostgreSQL merges them in id order (a Merge Append that reads each
 //     range only as far as the round needs: about one row per shard beyond
 //     the round). Built per set of shards, with the shard numbers as
-//     literals (claimShardsQuery). More of them (the relay owns every shard
+//     literals (claimShardsQuery), each from a floor proof's id where one
+//     holds the shard (claimproof.go). More of them (the relay owns every shard
 //     but one holds a blocked key) are read by one LATERAL with the shards
 //     as a parameter, each its share of the round (claimFreeQuery): a
 //     255-branch merge took 50-190 ms to plan and ran slower. When at most
@@ -360,6 +361,13 @@ LIMIT ` + strconv.Itoa(limit)
 // byte bound's running sum reads without sorting the round again. The
 // limits are literals: with "LIMIT $n" a generic plan assumes a tenth of the
 // table is wanted and sorts every owned row instead.
+//
+// Each range starts at its shard's entry of $2 (0: the range's left edge):
+// the id of a floor proof that holds the shard (claimproof.go), below which
+// nothing in it is pending or ever will be. Without it each range is read
+// from the left edge, past the index entries of every row deleted since the
+// last vacuum: a relay owning a quarter of the shards read 2,161 buffers a
+// claim, not 1,212, once three quarters of a 1M backlog were drained.
 func claimShardsQuery(outbox string, shards []int16, inner, limit int) string {
 	var b strings.Builder
 	b.WriteString(`SELECT * FROM (SELECT * FROM (`)
@@ -368,7 +376,7 @@ func claimShardsQuery(outbox string, shards []int16, inner, limit int) string {
 			b.WriteString(`
 UNION ALL `)
 		}
-		fmt.Fprintf(&b, `(SELECT `+claimColumns+` FROM %s o WHERE o.shard = %d ORDER BY o.id LIMIT %d)`, outbox, sh, inner)
+		fmt.Fprintf(&b, `(SELECT `+claimColumns+` FROM %s o WHERE o.shard = %d AND o.id >= ($2::bigint[])[%d] ORDER BY o.id LIMIT %d)`, outbox, sh, i+1, inner)
 	}
 	fmt.Fprintf(&b, `
 ) AS m ORDER BY m.id LIMIT %d) AS m
@@ -456,11 +464,12 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 			}
 			return err
 		})
-		floor = floor || st.floor || st.all
+		floor = floor || st.floor || st.all || st.shards
 		floorRead = floorRead || st.floor && st.held == nil
 	}
 	if floor {
-		// Floor reads and claimAll reads alike keep a floor proof going.
+		// Floor reads, claimAll and claimShards reads alike keep a floor
+		// proof going.
 		if err := s.proofSequence(ctx); err != nil {
 			return nil, err
 		}
@@ -486,7 +495,7 @@ func (s *store) claim(ctx context.Context, owner string, shards []int16, limit i
 	var floorFrom int64 // the lowest id a floor read read, 0 if none
 	for i := range stmts {
 		st := &stmts[i]
-		if st.all && read[i][1] > read[i][0] {
+		if (st.all || st.shards) && read[i][1] > read[i][0] {
 			floorFrom = out[read[i][0]].id // in id order; what the byte bound keeps starts there too
 		}
 		if st.exact != nil {
@@ -670,6 +679,9 @@ type statement struct {
 	// all: a claimAllQuery read; like a floor read, it records the
 	// lowest id it read (store.noteFloor) and carries a floor proof on.
 	all bool
+	// shards: a claimShardsQuery read; it does the same, its ranges
+	// starting at the proof's id in the shards the proof holds.
+	shards bool
 	// exact: read instead if this guarded read (guardBytes) withheld an
 	// event the byte bound keeps.
 	exact *statement
@@ -753,7 +765,7 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 	switch {
 	case len(free) == NumShards:
 		s.claimAllTexts(limit)
-		s.floorShape(true)
+		s.floorShape(shapeAll)
 		bounded := 0
 		if s.proof.holdsAll() {
 			bounded = 1
@@ -782,7 +794,7 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 		ks := s.freeKs(free, limit)
 		shares := statement{sql: s.claimFreeSQL, args: []any{free, ks, excluded}, free: free, ks: ks}
 		if s.lastFull && NumShards-len(free) <= claimFloorMaxOut && s.floorOff == 0 {
-			s.floorShape(false)
+			s.floorShape(shapeFloor)
 			descend, base := s.descents(free, s.floorBase())
 			s.runUsed = s.runUsed || s.proof.below != 0
 			// The shards holding blocked keys are read with the free ones
@@ -841,7 +853,15 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 			s.claimShards, s.claimInner, s.claimLimit = slices.Clone(free), inner, limit
 			s.claimShardsSQL = claimShardsQuery(s.outbox, free, inner, limit)
 		}
-		out = append(out, statement{sql: s.claimShardsSQL, args: []any{excluded}, guard: true})
+		s.floorShape(shapeShards)
+		from := make([]int64, len(free))
+		for i, sh := range free {
+			if s.proof.holds(sh) {
+				from[i] = s.proof.below
+				s.runUsed = true
+			}
+		}
+		out = append(out, statement{sql: s.claimShardsSQL, args: []any{excluded, from}, guard: true, shards: true})
 	}
 	if len(blockedShards) > 0 {
 		read := make([][]segment, len(blockedShards))
