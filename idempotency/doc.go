@@ -34,6 +34,8 @@
 // the downstream service. A request that dies holds its key
 // until the lease lapses, then a retry runs the handler again: the
 // downstream's own deduplication on the key is what makes that harmless.
+// Only the same request does (same fingerprint): another one under that key
+// gets 422 until the key's Window ends.
 //
 // 5xx responses and panics release the key (Config.StoreServerErrors stores
 // 5xx instead); 4xx responses are stored. Responses larger than

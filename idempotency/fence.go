@@ -5,9 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"time"
-
-	"github.com/jackc/pgx/v5/pgconn"
+	"unicode/utf8"
 )
 
 // FenceConfig configures a Fence. The zero value is usable.
@@ -26,7 +26,8 @@ type FenceConfig struct {
 	// taken over once the lease lapses. Defaults to 1 minute.
 	Lease time.Duration
 	// Window is how long a key's record, and so its stored result, lives
-	// after the claim (a claim still running lives as long as its lease).
+	// after the claim, and at least that long after the result is stored
+	// (a claim still running lives as long as its lease).
 	// Defaults to 24 hours.
 	Window time.Duration
 	// MaxResultBytes is the largest result stored. A larger result is
@@ -113,15 +114,19 @@ func NewFence(db DB, cfg *FenceConfig) (*Fence, error) {
 // together with the error (ErrLeaseLost if another caller took the key
 // over).
 func (f *Fence) Do(ctx context.Context, key string, fn func(ctx context.Context) ([]byte, error)) ([]byte, error) {
-	if key == "" {
+	switch {
+	case key == "":
 		return nil, fmt.Errorf("%w: empty", ErrKeyInvalid)
+	case !utf8.ValidString(key) || strings.ContainsRune(key, 0):
+		// The key is PostgreSQL text: a message id of arbitrary bytes
+		// would fail the same way on every try. Hex-encode such keys.
+		return nil, fmt.Errorf("%w: %q is not valid UTF-8 without NUL (hex-encode a binary key)", ErrKeyInvalid, key)
 	}
 	c := claim{scope: f.scope, key: key, token: newToken(), fingerprint: []byte{}}
 	held := time.Now()
 	claimed, rec, err := f.store.tryClaim(ctx, f.db, c, f.cfg.Lease, f.cfg.Window)
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code == "54000" { // program_limit_exceeded: the key does not fit the index
-		return nil, fmt.Errorf("%w: %d bytes is too long (%s)", ErrKeyInvalid, len(key), pgErr.Message)
+	if errors.Is(err, ErrKeyInvalid) {
+		return nil, err
 	}
 	if err != nil {
 		return nil, fmt.Errorf("idempotency: claim key %q: %w", key, err)
@@ -136,7 +141,23 @@ func (f *Fence) Do(ctx context.Context, key string, fn func(ctx context.Context)
 	fctx, cancel := context.WithCancelCause(context.WithValue(ctx, keyKey, key))
 	defer cancel(nil)
 	stop := f.store.keepLease(f.db, c, f.cfg.Lease, held, cancel, f.cfg.Logger.Warn)
+	returned := false
+	defer func() {
+		if returned {
+			return
+		}
+		// fn ended the goroutine (runtime.Goexit, as t.FailNow does): stop
+		// renewing and release the key, as for a panic, or the lease
+		// would be renewed for good.
+		stop()
+		sctx, scancel := context.WithTimeout(bg, 10*time.Second)
+		defer scancel()
+		if rerr := f.store.release(sctx, f.db, c); rerr != nil {
+			f.cfg.Logger.Warn("idempotency: release claim", "key", key, "error", rerr)
+		}
+	}()
 	result, err := runGuarded(fctx, fn)
+	returned = true
 	stop()
 	sctx, scancel := context.WithTimeout(bg, 10*time.Second)
 	defer scancel()
@@ -154,7 +175,7 @@ func (f *Fence) Do(ctx context.Context, key string, fn func(ctx context.Context)
 	if len(result) > f.cfg.MaxResultBytes {
 		state, stored = stateUnstored, nil
 	}
-	if err := f.store.complete(sctx, f.db, c, state, 0, nil, stored); err != nil {
+	if err := f.store.complete(sctx, f.db, c, f.cfg.Window, state, 0, nil, stored); err != nil {
 		return result, fmt.Errorf("idempotency: store result of key %q: %w", key, err)
 	}
 	return result, nil

@@ -242,7 +242,7 @@ func TestConfigValidation(t *testing.T) {
 			return err
 		}, "Config.Lease"},
 		{"window", func() error {
-			_, err := idempotency.New(pool, &idempotency.Config{Scope: idempotency.SharedScope, Window: time.Minute, Lease: time.Hour})
+			_, err := idempotency.New(pool, &idempotency.Config{Scope: idempotency.SharedScope, Mode: idempotency.Leased, Window: time.Minute, Lease: time.Hour})
 			return err
 		}, "Config.Window"},
 		{"key length", func() error {

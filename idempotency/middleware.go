@@ -40,7 +40,8 @@ const (
 	// handler has effects outside the database (calls another service):
 	// pass Key(ctx) on so the downstream can deduplicate too. A request that
 	// dies mid-way holds the key until its lease lapses; then a retry runs
-	// the handler again.
+	// the handler again (the same request only: another one under the key
+	// gets 422 until its Window ends).
 	Leased
 )
 
@@ -72,7 +73,8 @@ type Config struct {
 	// Fingerprint identifies the request a key was first used with; a retry
 	// with a different fingerprint is refused with 422. body is the whole
 	// request body. Defaults to SHA-256 over the method, the path with its
-	// query, and the body.
+	// query, and the body. A nil fingerprint is an empty one: every request
+	// under a key matches.
 	Fingerprint func(r *http.Request, body []byte) []byte
 	// KeyOptional lets requests without a key through, without any
 	// idempotency (in Transactional mode the handler still gets a
@@ -101,8 +103,9 @@ type Config struct {
 	// lease lapses. Defaults to 1 minute.
 	Lease time.Duration
 	// Window is how long a key's record, and so its replay, lives after the
-	// claim (a Leased claim still running lives as long as its lease); then
-	// the key may run again and Purger deletes the record.
+	// claim, and at least that long after its response is stored (a Leased
+	// claim still running lives as long as its lease); then the key may run
+	// again and Purger deletes the record.
 	// Defaults to 24 hours.
 	Window time.Duration
 	// StoreServerErrors stores 5xx responses like any other. By default a
@@ -187,8 +190,8 @@ func New(db DB, cfg *Config) (*Middleware, error) {
 		return nil, fmt.Errorf("idempotency: Config.Lease must be at least 10ms, got %s", c.Lease)
 	case c.Window < time.Second:
 		return nil, fmt.Errorf("idempotency: Config.Window must be at least 1s, got %s", c.Window)
-	case c.Window < c.Lease:
-		return nil, fmt.Errorf("idempotency: Config.Window (%s) must not be shorter than Config.Lease (%s)", c.Window, c.Lease)
+	case c.Mode == Leased && c.Window < c.Lease:
+		return nil, fmt.Errorf("idempotency: Config.Window (%s) must not be shorter than Config.Lease (%s) in Leased mode", c.Window, c.Lease)
 	case c.RetryAfter < 0:
 		return nil, fmt.Errorf("idempotency: Config.RetryAfter must not be negative, got %s", c.RetryAfter)
 	}
@@ -297,7 +300,11 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		m.fail(w, r, err)
 		return
 	}
-	c := claim{scope: "http:" + scope, key: key, token: newToken(), fingerprint: m.cfg.Fingerprint(r, body)}
+	fp := m.cfg.Fingerprint(r, body)
+	if fp == nil {
+		fp = []byte{} // a Fingerprint that returns nil compares every request equal
+	}
+	c := claim{scope: "http:" + scope, key: key, token: newToken(), fingerprint: fp}
 	r = r.WithContext(context.WithValue(r.Context(), keyKey, key))
 	if m.cfg.Mode == Leased {
 		m.serveLeased(w, r, next, c)
@@ -412,9 +419,9 @@ func (m *Middleware) storeErrorAlone(w http.ResponseWriter, r *http.Request, c c
 
 func (m *Middleware) storeResponse(ctx context.Context, db querier, c claim, rw *recorder) error {
 	if rw.tooBig {
-		return m.store.complete(ctx, db, c, stateUnstored, rw.statusCode(), nil, nil)
+		return m.store.complete(ctx, db, c, m.cfg.Window, stateUnstored, rw.statusCode(), nil, nil)
 	}
-	return m.store.complete(ctx, db, c, stateDone, rw.statusCode(), m.replayHeaders(rw.header), rw.body.Bytes())
+	return m.store.complete(ctx, db, c, m.cfg.Window, stateDone, rw.statusCode(), m.replayHeaders(rw.changedHeader()), rw.body.Bytes())
 }
 
 func (m *Middleware) serveLeased(w http.ResponseWriter, r *http.Request, next http.Handler, c claim) {

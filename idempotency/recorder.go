@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"slices"
 )
 
 // recorder captures a handler's response so it can be stored before the
@@ -15,20 +16,40 @@ import (
 // comes; otherwise (transactional, where nothing may reach the client before
 // the commit) the rest waits in a temporary file until flush.
 type recorder struct {
-	w       http.ResponseWriter
-	header  http.Header
-	status  int
-	body    bytes.Buffer // at most limit bytes
-	spill   *os.File     // the body beyond the limit, not in stream mode
-	err     error        // the spill failed: the response is lost
-	limit   int
-	stream  bool
-	tooBig  bool
-	flushed bool // headers and buffer already written to w
+	w      http.ResponseWriter
+	header http.Header
+	// upstream is w's header when the handler started: what the
+	// middlewares around this one set. The handler sees it in header, as
+	// it would without this middleware; only what the handler changed is
+	// stored (changedHeader), not another request's upstream headers.
+	upstream http.Header
+	status   int
+	body     bytes.Buffer // at most limit bytes
+	spill    *os.File     // the body beyond the limit, not in stream mode
+	err      error        // the spill failed: the response is lost
+	limit    int
+	stream   bool
+	tooBig   bool
+	flushed  bool // headers and buffer already written to w
 }
 
 func newRecorder(w http.ResponseWriter, limit int, stream bool) *recorder {
-	return &recorder{w: w, header: http.Header{}, limit: limit, stream: stream}
+	upstream := w.Header().Clone()
+	if upstream == nil {
+		upstream = http.Header{}
+	}
+	return &recorder{w: w, header: upstream.Clone(), upstream: upstream, limit: limit, stream: stream}
+}
+
+// changedHeader returns the headers the handler set, added to or changed.
+func (r *recorder) changedHeader() http.Header {
+	out := http.Header{}
+	for k, v := range r.header {
+		if !slices.Equal(v, r.upstream[k]) {
+			out[k] = v
+		}
+	}
+	return out
 }
 
 func (r *recorder) Header() http.Header { return r.header }
@@ -97,6 +118,12 @@ func (r *recorder) flush(replayed bool) {
 		return
 	}
 	r.flushed = true
+	h := r.w.Header()
+	for k := range h {
+		if _, kept := r.header[k]; !kept {
+			delete(h, k) // the handler deleted an upstream header
+		}
+	}
 	writeResponse(r.w, r.statusCode(), r.header, r.body.Bytes(), replayed)
 	if r.spill != nil {
 		if _, err := r.spill.Seek(0, io.SeekStart); err == nil {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
+	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -11,6 +12,7 @@ import (
 	"hash/fnv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -122,16 +124,25 @@ WHERE k.scope = $1 AND k.key = $2 AND ` + live,
 		claimTxSQL:     claimSQL(`pg_try_advisory_xact_lock($7::bigint)`),
 		claimLeasedSQL: claimSQL(`true`),
 		// UPDATE re-checks its WHERE on the newest row version, so of two
-		// callers taking over one dead record, one wins.
+		// callers taking over one dead record, one wins. A running record
+		// whose holder died (its lease lapsed) is taken over only by the
+		// same request until it expires: the holder's side effect may have
+		// happened under the key, and another request run under it would
+		// be answered, downstream, with the first one's outcome.
 		takeoverSQL: `UPDATE ` + t + ` AS k SET fingerprint = $3, state = 'running', token = $4,
     lease_until = now() + $5::float8 * interval '1 second', status = NULL, headers = NULL, body = NULL,
     created_at = now(), completed_at = NULL, expires_at = now() + $6::float8 * interval '1 second'
-WHERE k.scope = $1 AND k.key = $2 AND NOT (` + live + `)`,
+WHERE k.scope = $1 AND k.key = $2 AND NOT (` + live + `)
+    AND (k.state <> 'running' OR k.fingerprint = $3 OR k.expires_at <= now())`,
 		// Every parameter is text, bytea, a number or cast, so the statements
 		// need no server-described parameter types: they work in every pgx
 		// QueryExecMode, exec and simple_protocol included (PgBouncer).
+		// The window runs from the result, too: a result stored after its
+		// claim's window (a renewed lease outlasts it) would be stored
+		// expired, and the next call would run again.
 		completeSQL: `UPDATE ` + t + ` SET state = $4, status = $5, headers = $6::jsonb, body = $7,
-    completed_at = now(), lease_until = NULL
+    completed_at = now(), lease_until = NULL,
+    expires_at = greatest(expires_at, now() + $8::float8 * interval '1 second')
 WHERE scope = $1 AND key = $2 AND token = $3`,
 		releaseSQL: `DELETE FROM ` + t + ` WHERE scope = $1 AND key = $2 AND token = $3`,
 		renewSQL: `UPDATE ` + t + ` SET lease_until = now() + $4::float8 * interval '1 second'
@@ -161,7 +172,59 @@ func scanRecord(row pgx.Row, extra ...any) (*record, error) {
 	if status != nil {
 		rec.status = int(*status)
 	}
+	if err := decodeHeaders(rec.headers); err != nil {
+		return nil, err
+	}
 	return &rec, nil
+}
+
+// encodedHeaderPrefix marks, in the stored headers, a header whose values
+// are base64: a value JSON text cannot carry as it is (not UTF-8: obs-text
+// such as a Latin-1 file name; or holding NUL, which jsonb refuses). A
+// space cannot begin a header name, so no header is mistaken for one.
+const encodedHeaderPrefix = " base64 "
+
+// encodeHeaders returns headers as stored: each header with a value JSON
+// text would alter or refuse under encodedHeaderPrefix + its name, base64.
+func encodeHeaders(headers map[string][]string) map[string][]string {
+	out := make(map[string][]string, len(headers))
+	for k, vs := range headers {
+		plain := true
+		for _, v := range vs {
+			plain = plain && utf8.ValidString(v) && !strings.ContainsRune(v, 0)
+		}
+		if plain {
+			out[k] = vs
+			continue
+		}
+		enc := make([]string, len(vs))
+		for i, v := range vs {
+			enc[i] = base64.StdEncoding.EncodeToString([]byte(v))
+		}
+		out[encodedHeaderPrefix+k] = enc
+	}
+	return out
+}
+
+// decodeHeaders undoes encodeHeaders in place.
+func decodeHeaders(headers map[string][]string) error {
+	for k, vs := range headers {
+		name, encoded := strings.CutPrefix(k, encodedHeaderPrefix)
+		if !encoded {
+			continue
+		}
+		dec := make([]string, len(vs))
+		for i, v := range vs {
+			b, err := base64.StdEncoding.DecodeString(v)
+			if err != nil {
+				return fmt.Errorf("stored header %s: %w", name, err)
+			}
+			dec[i] = string(b)
+		}
+		delete(headers, k)
+		headers[name] = dec
+	}
+	return nil
 }
 
 // lookup returns the live record for a key, or nil. One round trip.
@@ -187,7 +250,10 @@ func (s *store) tryClaim(ctx context.Context, db querier, c claim, lease, window
 	for attempt := 0; ; attempt++ {
 		var got, inserted, live bool
 		rec, err := scanRecord(db.QueryRow(ctx, sql, args...), &got, &inserted, &live)
+		var pgErr *pgconn.PgError
 		switch {
+		case errors.As(err, &pgErr) && pgErr.Code == "54000": // program_limit_exceeded: the key does not fit the index
+			return false, nil, fmt.Errorf("%w: %d bytes is too long (%s)", ErrKeyInvalid, len(c.key), pgErr.Message)
 		case err != nil:
 			return false, nil, err
 		case !got:
@@ -204,6 +270,11 @@ func (s *store) tryClaim(ctx context.Context, db querier, c claim, lease, window
 			if tag.RowsAffected() == 1 {
 				return true, nil, nil
 			}
+			if rec.state == stateRunning && !bytes.Equal(rec.fingerprint, c.fingerprint) {
+				// A dead holder's key, another request: refused
+				// (takeoverSQL), not raced.
+				return false, rec, nil
+			}
 		}
 		if attempt == 10 {
 			return false, nil, fmt.Errorf("claim of key %q kept racing with other claims", c.key)
@@ -213,18 +284,18 @@ func (s *store) tryClaim(ctx context.Context, db querier, c claim, lease, window
 
 // complete stores the outcome of c. It fails with ErrLeaseLost when c no
 // longer owns the record.
-func (s *store) complete(ctx context.Context, db querier, c claim, state string, status int, headers map[string][]string, body []byte) error {
+func (s *store) complete(ctx context.Context, db querier, c claim, window time.Duration, state string, status int, headers map[string][]string, body []byte) error {
 	// The headers go as JSON text: a map has no encoding pgx can send
 	// without the server describing the parameter first.
 	var h any
 	if headers != nil {
-		j, err := json.Marshal(headers)
+		j, err := json.Marshal(encodeHeaders(headers))
 		if err != nil {
 			return fmt.Errorf("encode headers: %w", err)
 		}
 		h = string(j)
 	}
-	tag, err := db.Exec(ctx, s.completeSQL, c.scope, c.key, c.token, state, status, h, body)
+	tag, err := db.Exec(ctx, s.completeSQL, c.scope, c.key, c.token, state, status, h, body, window.Seconds())
 	if err != nil {
 		return err
 	}
