@@ -1,8 +1,10 @@
 package kafkaconn
 
 import (
+	"errors"
 	"fmt"
 	"net"
+	"strconv"
 	"strings"
 )
 
@@ -51,8 +53,8 @@ func ParseBrokers(addrs []string) (hosts []string, proto Protocol, err error) {
 			return nil, "", fmt.Errorf("broker %q: every broker must use the same listener prefix (%q and %q given)", addrs[i], proto, p)
 		}
 		proto = p
-		if host, port, err := net.SplitHostPort(a); err != nil || host == "" || port == "" {
-			return nil, "", fmt.Errorf("broker %q is not host:port", addrs[i])
+		if err := checkHostPort(a); err != nil {
+			return nil, "", fmt.Errorf("broker %q %w", addrs[i], err)
 		}
 		hosts = append(hosts, a)
 	}
@@ -60,13 +62,35 @@ func ParseBrokers(addrs []string) (hosts []string, proto Protocol, err error) {
 }
 
 // CheckBrokers returns an error when an address carries a listener prefix
-// (SASL_SSL://…): the clients would try to resolve it as a host name and
-// fail silently, retrying forever. Adapters call it on their Brokers.
+// (SASL_SSL://…) or a port that is not a number from 1 to 65535: the
+// clients would retry it forever, as if the brokers were down. (A host
+// without a port is left to the client: franz-go takes 9092.) Adapters
+// call it on their Brokers.
 func CheckBrokers(addrs []string) error {
 	for _, a := range addrs {
 		if strings.Contains(a, "://") {
 			return fmt.Errorf("broker %q has a listener prefix; give host:port and set Conn.TLS / Conn.SASL for the security protocol (kafkaconn.ParseBrokers splits it off)", a)
 		}
+		if _, _, err := net.SplitHostPort(a); err != nil {
+			continue
+		}
+		if err := checkHostPort(a); err != nil {
+			return fmt.Errorf("broker %q %w", a, err)
+		}
+	}
+	return nil
+}
+
+// checkHostPort reports what is wrong with an address that is not
+// host:port with a port from 1 to 65535 (its error reads after the
+// address).
+func checkHostPort(a string) error {
+	host, port, err := net.SplitHostPort(a)
+	if err != nil || host == "" || port == "" {
+		return errors.New("is not host:port")
+	}
+	if n, err := strconv.ParseUint(port, 10, 16); err != nil || n == 0 {
+		return fmt.Errorf("has port %q, not a number from 1 to 65535", port)
 	}
 	return nil
 }

@@ -176,3 +176,30 @@ func TestAWSMSKIAMBuildsSignedMechanism(t *testing.T) {
 		t.Fatalf("env credentials: %s, %v", first, err)
 	}
 }
+
+// A broker port that is not a number from 1 to 65535 is refused, naming
+// the address, by ParseBrokers (the binary's --brokers) and CheckBrokers
+// (the adapters' New): the clients would retry it forever, as if the
+// brokers were down (a cold review found "localhost:99999" accepted). A
+// host without a port stays the client's to default.
+func TestBrokerPortsAreNumbers(t *testing.T) {
+	for _, a := range []string{"localhost:abc", "localhost:99999", "localhost:-1", "localhost: 9092", "localhost:0"} {
+		if _, _, err := kafkaconn.ParseBrokers([]string{a}); err == nil || !strings.Contains(err.Error(), a) {
+			t.Errorf("ParseBrokers(%q): %v, want an error naming it", a, err)
+		}
+		if err := kafkaconn.CheckBrokers([]string{a}); err == nil || !strings.Contains(err.Error(), a) {
+			t.Errorf("CheckBrokers(%q): %v, want an error naming it", a, err)
+		}
+	}
+	for _, a := range []string{"localhost:9092", "[::1]:65535", "b-1.example.com:9096"} {
+		if _, _, err := kafkaconn.ParseBrokers([]string{a}); err != nil {
+			t.Errorf("ParseBrokers(%q): %v", a, err)
+		}
+		if err := kafkaconn.CheckBrokers([]string{a}); err != nil {
+			t.Errorf("CheckBrokers(%q): %v", a, err)
+		}
+	}
+	if err := kafkaconn.CheckBrokers([]string{"localhost"}); err != nil {
+		t.Errorf("CheckBrokers(localhost): %v, want it left to the client", err)
+	}
+}

@@ -130,7 +130,8 @@ func Up(ctx context.Context, db Beginner, schema string) ([]int, error) {
 // Down reverts the newest steps applied migrations (at least one) and returns
 // the versions it reverted, newest first. It refuses, reverting nothing, with
 // a *DataLossError when a table it would drop holds rows (pending events,
-// dead letters, dedup records, idempotency keys); DownForce drops them.
+// dead letters, dedup records, idempotency keys, the write order of dead
+// events replayed, janitors' live windows); DownForce drops them.
 // It counts those rows first without a lock, so that a revert it refuses
 // holds off no producer; finding none, it locks the tables and counts
 // again, so it waits for the transactions writing to them and counts what
@@ -184,9 +185,36 @@ func DownWith(ctx context.Context, db Beginner, schema string, steps int, cfg *D
 }
 
 // dataTables hold what users would lose: Down refuses to drop them while
-// they hold rows. The relay's own tables (relay_shards always has its 256
-// rows) are not among them.
-var dataTables = []string{"outbox", "outbox_dead", "processed_messages", "idempotency_keys"}
+// they hold rows (heldRows). The relay's own tables (relay_shards always
+// has its 256 rows) are not among them.
+var dataTables = []string{"outbox", "outbox_dead", "processed_messages", "idempotency_keys", "dead_replays", "janitor_windows"}
+
+// heldRows is, for a data table whose rows do not all count, which do (a
+// condition on its row r, in the schema of the search path): the rest is
+// dropped without asking.
+//   - dead_replays: a replayed event's place in its key's write order,
+//     while the event is still pending or dead. Dropped, a key's dead
+//     events list and replay out of order, and replaying the later one
+//     alone is no longer refused (G3).
+//   - janitor_windows: a window whose janitor swept within twice it.
+//     Dropped, a janitor with a shorter window deletes another service's
+//     dedup records before that service's janitor records its own again
+//     (G5).
+var heldRows = map[string]string{
+	"dead_replays": `EXISTS (SELECT FROM outbox o WHERE o.event_id = r.event_id AND o.topic = r.topic)
+    OR EXISTS (SELECT FROM outbox_dead d WHERE d.event_id = r.event_id AND d.topic = r.topic)`,
+	"janitor_windows": `r.seen_at > now() - 2 * r.window_seconds * interval '1 second'`,
+}
+
+// heldRowsQuery selects up to limit rows of table that count (heldRows),
+// table unqualified: run it with the schema on the search path.
+func heldRowsQuery(table string, limit int) string {
+	q := `SELECT 1 FROM ` + pgx.Identifier{table}.Sanitize() + ` r`
+	if cond, ok := heldRows[table]; ok {
+		q += ` WHERE ` + cond
+	}
+	return q + fmt.Sprintf(` LIMIT %d`, limit)
+}
 
 // DataLossError is Down's refusal to drop tables that hold rows.
 type DataLossError struct {
@@ -302,7 +330,7 @@ func refuseDataLoss(ctx context.Context, tx pgx.Tx, schema string, steps []Migra
 		held := map[string]int64{}
 		for _, table := range tables {
 			var n int64
-			if err := tx.QueryRow(ctx, `SELECT count(*) FROM (SELECT 1 FROM `+pgx.Identifier{schema, table}.Sanitize()+` LIMIT 1001) r`).Scan(&n); err != nil {
+			if err := tx.QueryRow(ctx, `SELECT count(*) FROM (`+heldRowsQuery(table, 1001)+`) n`).Scan(&n); err != nil {
 				return fmt.Errorf("migrations: count rows of %s: %w", table, err)
 			}
 			if n > 0 {
@@ -471,6 +499,11 @@ func ValidateSchema(schema string) error {
 	case strings.ContainsFunc(schema, func(r rune) bool { return r < 0x20 || r == 0x7f }):
 		// A line break would end the printed script's comment naming it.
 		return fmt.Errorf("schema name %q contains a control character", schema)
+	case strings.TrimSpace(schema) != schema:
+		// A templated ONCEFLOW_SCHEMA="onceflow " made a second schema
+		// beside the producers' one, and a relay ran healthy on it
+		// publishing nothing.
+		return fmt.Errorf("schema name %q begins or ends with a blank", schema)
 	case schema == "$user":
 		// In a search_path, "$user" means the current role's schema.
 		return errors.New(`schema name "$user" names the current role's schema in a search_path; choose another`)

@@ -313,3 +313,76 @@ func TestDownGivesUpOnALockItCannotGet(t *testing.T) {
 		t.Fatalf("the failed Down changed the schema: %v", err)
 	}
 }
+
+// Reverting migrations 9 and 10 drops dead_replays and janitor_windows.
+// Their rows that still matter are data as much as a dead letter (a cold
+// review found `migrate down --steps 3` then `up` lost them without a
+// word): a replayed event's place in its key's write order while the event
+// is pending or dead (G3), and a janitor window swept within twice its
+// length (G5). Down and the printed revert refuse to drop those, and drop
+// the rest (a replayed event long published, a window whose janitor is
+// gone) without asking.
+func TestDownKeepsLiveReplayOrderAndJanitorWindows(t *testing.T) {
+	t.Parallel()
+	cases := []struct {
+		name, table, insert string
+		version             int // the step whose revert drops the table
+		refused             bool
+	}{
+		{"a replayed event still dead", "dead_replays", `INSERT INTO outbox_dead (outbox_id, event_id, topic, created_at, error, attempts)
+            VALUES (50, 'aaaaaaaa-0000-0000-0000-000000000001', 't', now(), 'refused', 2);
+            INSERT INTO dead_replays (event_id, topic, first_outbox_id) VALUES ('aaaaaaaa-0000-0000-0000-000000000001', 't', 10)`, 9, true},
+		{"a replayed event still pending", "dead_replays", `INSERT INTO outbox (event_id, topic) VALUES ('aaaaaaaa-0000-0000-0000-000000000001', 't');
+            INSERT INTO dead_replays (event_id, topic, first_outbox_id) VALUES ('aaaaaaaa-0000-0000-0000-000000000001', 't', 10)`, 9, true},
+		{"a replayed event published since", "dead_replays", `INSERT INTO dead_replays (event_id, topic, first_outbox_id)
+            VALUES ('aaaaaaaa-0000-0000-0000-000000000001', 't', 10)`, 9, false},
+		{"a janitor window swept lately", "janitor_windows", `INSERT INTO janitor_windows (window_seconds, seen_at) VALUES (86400, now() - interval '1 hour')`, 10, true},
+		{"a janitor window whose janitor is gone", "janitor_windows", `INSERT INTO janitor_windows (window_seconds, seen_at) VALUES (60, now() - interval '1 hour')`, 10, false},
+	}
+	for _, c := range cases {
+		for _, printed := range []bool{false, true} {
+			name := c.name
+			if printed {
+				name += ", the printed revert"
+			}
+			t.Run(name, func(t *testing.T) {
+				t.Parallel()
+				ctx := context.Background()
+				pool := pgtest.Pool(t)
+				schema := pgtest.Schema(t)
+				if _, err := pool.Exec(ctx, `SET search_path TO `+pgx.Identifier{schema}.Sanitize()+`; `+c.insert); err != nil {
+					t.Fatal(err)
+				}
+				all, _ := migrations.All()
+				steps := len(all) - c.version + 1
+				var err error
+				if printed {
+					// The steps above the one that drops the table first,
+					// then the printed revert of that one.
+					if steps > 1 {
+						if _, err := migrations.Down(ctx, pool, schema, steps-1); err != nil {
+							t.Fatal(err)
+						}
+					}
+					down, serr := migrations.Script(schema, c.version, true)
+					if serr != nil {
+						t.Fatal(serr)
+					}
+					_, err = pgtest.Conn(t).PgConn().Exec(ctx, down).ReadAll()
+				} else {
+					_, err = migrations.Down(ctx, pool, schema, steps)
+				}
+				switch {
+				case c.refused && (err == nil || !strings.Contains(err.Error(), c.table)):
+					t.Fatalf("revert of %d: err %v, want a refusal naming %s", c.version, err, c.table)
+				case c.refused && !tableExists(t, schema, c.table):
+					t.Fatalf("a refused revert dropped %s", c.table)
+				case !c.refused && err != nil:
+					t.Fatalf("revert of %d: %v, want it done (the row no longer matters)", c.version, err)
+				case !c.refused && tableExists(t, schema, c.table):
+					t.Fatalf("revert of %d left %s", c.version, c.table)
+				}
+			})
+		}
+	}
+}

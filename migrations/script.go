@@ -35,8 +35,9 @@ func Latest() int {
 // checks the schema holds that step as its newest, with the schema alone on
 // its search_path: applied to the wrong schema, twice, or beneath a newer
 // step, it fails whole and drops nothing. Like Down, it also refuses,
-// dropping nothing, when a table it drops holds rows (pending events, dead
-// letters, dedup records, idempotency keys): it counts them, then locks
+// dropping nothing, when a table it drops holds rows that count (pending
+// events, dead letters, dedup records, idempotency keys, dead events'
+// write order, live janitor windows: heldRows): it counts them, then locks
 // the tables (waiting at most 5 s unless the session sets lock_timeout)
 // and counts again. ScriptForce drops them.
 func Script(schema string, version int, down bool) (string, error) {
@@ -237,7 +238,18 @@ func dataGuard(version int, tables []string) string {
 	for i, t := range tables {
 		quoted[i] = "'" + t + "'"
 	}
-	refuse := fmt.Sprintf(`RAISE EXCEPTION 'onceflow: refusing to revert migration %d: table %%.%% holds rows (pending events, dead letters, dedup records or idempotency keys): drain or export them first, or force it (onceflow migrate print --schema %% --version %d --down --force)', current_schema(), t, current_schema()`, version, version)
+	refuse := fmt.Sprintf(`RAISE EXCEPTION 'onceflow: refusing to revert migration %d: table %%.%% holds rows (pending events, dead letters, dedup records, idempotency keys, dead events'' write order or janitors'' windows): drain or export them first, or force it (onceflow migrate print --schema %% --version %d --down --force)', current_schema(), t, current_schema()`, version, version)
+	// The rows that count (heldRows), per table.
+	exists := `format('SELECT EXISTS (SELECT FROM %I)', t)`
+	var when strings.Builder
+	for _, t := range tables {
+		if _, ok := heldRows[t]; ok {
+			fmt.Fprintf(&when, " WHEN '%s' THEN '%s'", t, strings.ReplaceAll("SELECT EXISTS ("+heldRowsQuery(t, 1)+")", "'", "''"))
+		}
+	}
+	if when.Len() > 0 {
+		exists = "CASE t" + when.String() + " ELSE " + exists + " END"
+	}
 	return fmt.Sprintf(`-- Refuses, as onceflow migrate down does, to drop a table that holds rows.
 DO $onceflow$
 DECLARE
@@ -252,7 +264,7 @@ BEGIN
     END IF;
     FOREACH t IN ARRAY ARRAY[%[1]s] LOOP
         IF to_regclass(t) IS NOT NULL THEN
-            EXECUTE format('SELECT EXISTS (SELECT FROM %%I)', t) INTO held;
+            EXECUTE %[4]s INTO held;
             IF held THEN
                 %[2]s;
             END IF;
@@ -272,12 +284,12 @@ BEGIN
                         FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
                         WHERE l.granted AND l.relation = to_regclass(t) AND l.pid <> pg_backend_pid()), 'sessions no longer there');
             END;
-            EXECUTE format('SELECT EXISTS (SELECT FROM %%I)', t) INTO held;
+            EXECUTE %[4]s INTO held;
             IF held THEN
                 %[2]s;
             END IF;
         END IF;
     END LOOP;
 END $onceflow$;
-`, strings.Join(quoted, ", "), refuse, version)
+`, strings.Join(quoted, ", "), refuse, version, exists)
 }

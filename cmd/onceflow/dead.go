@@ -101,7 +101,7 @@ func runDead(ctx context.Context, args []string, stdout, stderr io.Writer) error
 			"replayed and the command fails naming it (the key's events would be published out of order),\n"+
 			"unless --out-of-order.", stderr)
 		c.register(fs, false)
-		ids := fs.String("ids", "", "comma-separated outbox_dead ids (see 'onceflow dead list')")
+		ids := idsFlag(fs, "comma-separated outbox_dead ids (see 'onceflow dead list'; may be given more than once)")
 		all := fs.Bool("all", false, "replay every dead event")
 		outOfOrder := fs.Bool("out-of-order", false, "replay the ids even if earlier dead events of their keys stay dead (published after them, if ever)")
 		if err := c.parse(fs, rest, false); err != nil {
@@ -111,30 +111,45 @@ func runDead(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		if err != nil {
 			return err
 		}
-		return withPool(ctx, &c, func(q relay.Querier) error {
-			var opts []relay.ReplayOption
-			if *outOfOrder {
-				opts = append(opts, relay.ReplayOutOfOrder())
-			}
-			n, err := relay.ReplayDead(ctx, q, c.schema, idList, opts...)
-			var order *relay.DeadOutOfOrderError
-			var unfit *relay.DeadUnreplayableError
-			switch {
-			case errors.As(err, &order):
-				return fmt.Errorf("%w (add them to --ids, or pass --out-of-order)", err)
-			case errors.As(err, &unfit):
-				return fmt.Errorf("%w (onceflow dead discard --ids %s)", err, joinIDs(unfit.IDs))
-			case err != nil:
-				return err
-			}
-			fmt.Fprintf(stdout, "replayed %d dead events into the outbox\n", n)
-			return nil
+		var opts []relay.ReplayOption
+		if *outOfOrder {
+			opts = append(opts, relay.ReplayOutOfOrder())
+		}
+		pool, err := c.connectMigrated(ctx)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		// In a transaction of its own: an id another terminal's replay or
+		// discard took while this one waited for its row fails the command,
+		// and the ids it did move must not stay moved ("nothing is
+		// replayed", as its help says).
+		var n int
+		err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			n, err = relay.ReplayDead(ctx, tx, c.schema, idList, opts...)
+			return err
 		})
+		var order *relay.DeadOutOfOrderError
+		var unfit *relay.DeadUnreplayableError
+		var nf *relay.DeadNotFoundError
+		switch {
+		case errors.As(err, &order):
+			return fmt.Errorf("%w (add them to --ids, or pass --out-of-order)", err)
+		case errors.As(err, &unfit):
+			return fmt.Errorf("%w (onceflow dead discard --ids %s)", err, joinIDs(unfit.IDs))
+		case errors.As(err, &nf):
+			nf.Done = 0 // rolled back
+			return fmt.Errorf("replay dead events (nothing was replayed): %w", err)
+		case err != nil:
+			return err
+		}
+		fmt.Fprintf(stdout, "replayed %d dead events into the outbox\n", n)
+		return nil
 	default: // discard
 		fs := newFlagSet("dead discard", "Delete dead events for good: events that must never be sent. Each discarded\n"+
 			"event is printed in full (use --json to keep a copy). If an id is not a dead\nevent, nothing is discarded and the command fails naming it.", stderr)
 		c.register(fs, false)
-		ids := fs.String("ids", "", "comma-separated outbox_dead ids (required; see 'onceflow dead list')")
+		ids := idsFlag(fs, "comma-separated outbox_dead ids (required; see 'onceflow dead list'; may be given more than once)")
 		asJSON := fs.Bool("json", false, "print the discarded events as a JSON array (key and value base64-encoded)")
 		if err := c.parse(fs, rest, false); err != nil {
 			return err
@@ -233,6 +248,21 @@ func discardCommitError(err error) error {
 // its copy to be written.
 var discardWriteTimeout = 10 * time.Second
 
+// idsFlag defines --ids on fs and returns a pointer to its ids, joined:
+// each time it is given adds its ids (the flag package would keep only the
+// last, and the command act on part of what was asked).
+func idsFlag(fs *flag.FlagSet, usage string) *string {
+	joined := new(string)
+	fs.Func("ids", usage, func(s string) error {
+		if *joined != "" {
+			s = "," + s
+		}
+		*joined += s
+		return nil
+	})
+	return joined
+}
+
 // parseIDs reads --ids; with all (only allowed when the flag set has --all)
 // it returns nil, meaning every dead event. A blank list is an error: only
 // --all means all.
@@ -304,16 +334,6 @@ func printDeadJSON(w io.Writer, dead []relay.DeadEvent) error {
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
 	return enc.Encode(out)
-}
-
-// withPool connects, runs fn and closes the pool.
-func withPool(ctx context.Context, c *common, fn func(relay.Querier) error) error {
-	pool, err := c.connectMigrated(ctx)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	return fn(pool)
 }
 
 func joinIDs(ids []int64) string {

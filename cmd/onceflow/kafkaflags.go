@@ -33,7 +33,7 @@ func kafkaEnvBoolDefault(name string, fallback bool) bool {
 	}
 	b, err := strconv.ParseBool(v)
 	if err != nil {
-		envErrs = append(envErrs, fmt.Errorf("%s=%q is not true or false", name, v))
+		envErrs = append(envErrs, &badEnv{name, v, "true or false"})
 	}
 	return b
 }

@@ -124,9 +124,48 @@ func env(name, fallback string) string {
 	return fallback
 }
 
-// envErrs collects environment values that do not parse, reported by parse
-// as a usage error rather than silently replaced by the default.
+// envErrs collects environment values that do not parse (*badEnv),
+// reported by parse as a usage error rather than silently replaced by the
+// default, unless the flag the variable stands for is given.
 var envErrs []error
+
+// badEnv is an environment value that does not parse.
+type badEnv struct {
+	name, value, want string
+}
+
+func (e *badEnv) Error() string { return fmt.Sprintf("%s=%q is not %s", e.name, e.value, e.want) }
+
+// firstEnvError returns the first of envErrs whose flag was not given on
+// the command line: a flag given wins over its variable, bad or not.
+func firstEnvError(fs *flag.FlagSet) error {
+	given := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
+	for _, err := range envErrs {
+		var e *badEnv
+		if errors.As(err, &e) && given[flagOfEnv(fs, e.name)] {
+			continue
+		}
+		return err
+	}
+	return nil
+}
+
+// flagOfEnv names the flag of fs whose usage says it reads the variable
+// name ("(env NAME)"), or "".
+func flagOfEnv(fs *flag.FlagSet, name string) string {
+	found := ""
+	fs.VisitAll(func(f *flag.Flag) {
+		i := strings.Index(f.Usage, "env "+name)
+		if i < 0 {
+			return
+		}
+		if end := i + len("env "+name); end == len(f.Usage) || !strings.ContainsRune("ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_", rune(f.Usage[end])) {
+			found = f.Name
+		}
+	})
+	return found
+}
 
 func envDuration(name string, fallback time.Duration) time.Duration {
 	v, ok := os.LookupEnv(name)
@@ -135,7 +174,7 @@ func envDuration(name string, fallback time.Duration) time.Duration {
 	}
 	d, err := time.ParseDuration(v)
 	if err != nil {
-		envErrs = append(envErrs, fmt.Errorf("%s=%q is not a duration (e.g. 500ms, 6s, 1m)", name, v))
+		envErrs = append(envErrs, &badEnv{name, v, "a duration (e.g. 500ms, 6s, 1m)"})
 		return fallback
 	}
 	return d
@@ -148,7 +187,7 @@ func envInt(name string, fallback int) int {
 	}
 	n, err := strconv.Atoi(v)
 	if err != nil {
-		envErrs = append(envErrs, fmt.Errorf("%s=%q is not a whole number", name, v))
+		envErrs = append(envErrs, &badEnv{name, v, "a whole number"})
 		return fallback
 	}
 	return n
@@ -205,8 +244,8 @@ func (c *common) parse(fs *flag.FlagSet, args []string, needBrokers bool) error 
 	if fs.NArg() > 0 {
 		return fmt.Errorf("%w: unexpected argument %q", errUsage, fs.Arg(0))
 	}
-	if len(envErrs) > 0 {
-		return fmt.Errorf("%w: %v", errUsage, envErrs[0])
+	if err := firstEnvError(fs); err != nil {
+		return fmt.Errorf("%w: %v", errUsage, err)
 	}
 	if c.databaseURL == "" {
 		c.databaseURL = env("ONCEFLOW_DATABASE_URL", "")

@@ -45,10 +45,10 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		}
 	case "down":
 		fs := newFlagSet("migrate down", "Revert the newest applied migration(s). Refuses, reverting nothing, when a table it\n"+
-			"would drop holds rows (outbox, outbox_dead, processed_messages, idempotency_keys)\nunless --force. A schema that was never migrated is left alone.", stderr)
+			"would drop holds rows (outbox, outbox_dead, processed_messages, idempotency_keys; dead_replays\nfor events still pending or dead; janitor_windows swept lately) unless --force. A schema that was never migrated is left alone.", stderr)
 		c.register(fs, false)
 		steps = fs.Int("steps", 1, "how many migrations to revert")
-		force = fs.Bool("force", false, "drop tables even when they hold pending events, dead letters, dedup records or idempotency keys")
+		force = fs.Bool("force", false, "drop tables even when they hold pending events, dead letters, dedup records, idempotency keys, dead events' write order or live janitor windows")
 		lockTimeout = fs.Duration("lock-timeout", envDuration("ONCEFLOW_MIGRATE_LOCK_TIMEOUT", migrations.DefaultLockTimeout),
 			"longest wait for a table's lock (producers queue behind the wait); past it, revert nothing and name the sessions holding it (env ONCEFLOW_MIGRATE_LOCK_TIMEOUT)")
 		if err := c.parse(fs, rest, false); err != nil {
@@ -131,7 +131,7 @@ func runMigratePrint(args []string, stdout, stderr io.Writer) error {
 	schema := fs.String("schema", env("ONCEFLOW_SCHEMA", migrations.DefaultSchema), "schema the SQL targets (env ONCEFLOW_SCHEMA)")
 	version := fs.Int("version", 0, fmt.Sprintf("print only this migration (1 to %d); default all", migrations.Latest()))
 	down := fs.Bool("down", false, "print the revert of --version instead; it refuses, dropping nothing, when a table it drops holds rows, as migrate down does")
-	force := fs.Bool("force", false, "with --down: drop tables even when they hold pending events, dead letters, dedup records or idempotency keys")
+	force := fs.Bool("force", false, "with --down: drop tables even when they hold pending events, dead letters, dedup records, idempotency keys, dead events' write order or live janitor windows")
 	if err := fs.Parse(args); err != nil {
 		if err == flag.ErrHelp {
 			return err

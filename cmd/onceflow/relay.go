@@ -148,7 +148,7 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 		Observer:            withTracing(relayprom.NewObserver(reg), tp),
 	})
 	if err != nil {
-		return fmt.Errorf("%w: %v", errUsage, err)
+		return fmt.Errorf("%w: %v", errUsage, relayFlagNames(err.Error()))
 	}
 	// Each relay reports the backlog of the shards it owns: a sum across
 	// relays is the whole.
@@ -196,4 +196,22 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	}
 	pr.relay.Store(r)
 	return r.Run(ctx)
+}
+
+// relayFlagNames renames relay.Config's fields in an error as the flags
+// that set them: the operator typed the flag.
+func relayFlagNames(s string) string {
+	return strings.NewReplacer(
+		"relay: Config.Schema", "--schema",
+		"relay: Config.InstanceID", "--instance-id",
+		"relay: Config.BatchSize", "--batch-size",
+		"relay: Config.BatchBytes", "--batch-bytes",
+		"relay: Config.ProbeInterval", "--probe-interval",
+		"relay: Config.PollInterval", "--poll-interval",
+		"relay: Config.LeaseDuration", "--lease-duration",
+		"relay: Config.UnknownTopicGrace", "--unknown-topic-grace",
+		"relay: Config.TopicForbiddenGrace", "--topic-forbidden-grace",
+		"relay: Config.PublishTimeout", "--publish-timeout",
+		"relay: Config.MaxHeldKeys", "--max-held-keys",
+	).Replace(s)
 }
