@@ -260,13 +260,25 @@ WHERE l.locktype = 'virtualxid' AND l.virtualxid = ANY($1::text[])
 		// each cost a heap visit until a scan marks them dead).
 		from := make([]int64, NumShards)
 		for sh := range from {
+			from[sh] = math.MinInt64 // the shard's left edge, whatever the ids
 			if s.proof.holds(int16(sh)) {
 				from[sh] = s.proof.below
 			}
 		}
-		b.Queue(`SELECT coalesce(array_agg(s.shard), '{}') FROM generate_series(0, `+fmt.Sprint(NumShards-1)+`) AS s(shard)
+		// A relay reading some of the shards (shapeShards) confirms only
+		// those: another relay's shards, pending below C while it drains
+		// behind, would be descended from their left edge at every
+		// confirm, past every row their owner deleted, for a proof this
+		// relay never reads them with. Holding fewer shards is as sound.
+		shards := `generate_series(0, ` + fmt.Sprint(NumShards-1) + `)`
+		args := []any{p.below, from}
+		if s.proofShards != nil {
+			shards = `unnest($3::int2[])`
+			args = append(args, s.proofShards)
+		}
+		b.Queue(`SELECT coalesce(array_agg(s.shard), '{}') FROM `+shards+` AS s(shard)
 WHERE NOT EXISTS (SELECT FROM `+s.outbox+` p
-    WHERE p.shard = s.shard AND p.id >= ($2::bigint[])[s.shard + 1] AND p.id < $1::bigint)`, p.below, from).QueryRow(func(row pgx.Row) error {
+    WHERE p.shard = s.shard AND p.id >= ($2::bigint[])[s.shard + 1] AND p.id < $1::bigint)`, args...).QueryRow(func(row pgx.Row) error {
 			var sure []int16
 			if err := row.Scan(&sure); err != nil {
 				return err

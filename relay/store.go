@@ -68,6 +68,7 @@ type store struct {
 	claimFloorSQL  string           // nearly every shard free (claimFloorQuery), for claimFreeLimit
 	floorFrom      []int64          // see floorBase
 	floorKind      readShape        // the shape of the reads floorFrom holds the ids of (floorShape)
+	proofShards    []int16          // the shards a floor proof's confirm descends; nil: every shard (queueFloorProof)
 	proof          floorProof       // see floorProof
 	proving        *proving         // a floor proof under way
 	proofWait      int              // floor reads before another proof may start
@@ -362,7 +363,8 @@ LIMIT ` + strconv.Itoa(limit)
 // limits are literals: with "LIMIT $n" a generic plan assumes a tenth of the
 // table is wanted and sorts every owned row instead.
 //
-// Each range starts at its shard's entry of $2 (0: the range's left edge):
+// Each range starts at its shard's entry of $2 (math.MinInt64: the range's
+// left edge):
 // the id of a floor proof that holds the shard (claimproof.go), below which
 // nothing in it is pending or ever will be. Without it each range is read
 // from the left edge, past the index entries of every row deleted since the
@@ -710,6 +712,7 @@ type statement struct {
 // claimStatements returns the one or two reads of a claim (see claimAllQuery).
 func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBlock, excluded []int64) []statement {
 	s.claimN++
+	s.proofShards = nil
 	var segs map[int16][]segment
 	if len(blockedKeys) > 0 {
 		segs = blockedSegments(blockedKeys)
@@ -854,8 +857,10 @@ func (s *store) claimStatements(shards []int16, limit int, blockedKeys []keyBloc
 			s.claimShardsSQL = claimShardsQuery(s.outbox, free, inner, limit)
 		}
 		s.floorShape(shapeShards)
+		s.proofShards = slices.Clone(free)
 		from := make([]int64, len(free))
 		for i, sh := range free {
+			from[i] = math.MinInt64 // the range's left edge, whatever the ids
 			if s.proof.holds(sh) {
 				from[i] = s.proof.below
 				s.runUsed = true
