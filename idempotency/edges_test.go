@@ -261,3 +261,71 @@ func TestDoRefusesAKeyTextCannotHoldAsInvalid(t *testing.T) {
 		}
 	}
 }
+
+// An upstream header the handler deleted is deleted from the replay too
+// (a cold review, helper 59: the deletion was not stored, and a replay
+// carried a shared-cache directive the first, private, answer had not).
+func TestReplayKeepsAHeaderTheHandlerDeleted(t *testing.T) {
+	t.Parallel()
+	for _, mode := range modes {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			inner := newMiddleware(t, b, idempotency.Config{Mode: mode}).Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Del("Cache-Control") // a private answer: no site-wide public caching
+				w.WriteHeader(http.StatusCreated)
+			}))
+			outer := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set("Cache-Control", "public, max-age=300") // a site-wide default
+				inner.ServeHTTP(w, r)
+			})
+			first := serveDirect(outer, "k")
+			again := serveDirect(outer, "k")
+			if again.Header().Get(idempotency.ReplayedHeader) != "true" {
+				t.Fatalf("not replayed: %d", again.Code)
+			}
+			if got := first.Header().Get("Cache-Control"); got != "" {
+				t.Fatalf("first response Cache-Control %q, want none", got)
+			}
+			if got := again.Header().Get("Cache-Control"); got != "" {
+				t.Errorf("replay has Cache-Control %q; the first response had none (the handler deleted it)", got)
+			}
+		})
+	}
+}
+
+// A header name net/http would not send (one beginning with a blank, as
+// the stored encoding's marker does, or not UTF-8) is not stored either,
+// and the key replays (a cold review, helper 59: a handler's header named
+// like the marker made every retry of its key a 500 for the whole Window,
+// and a name that is not UTF-8 came back altered).
+func TestHeaderNamesNetHTTPWouldNotSendAreNotStored(t *testing.T) {
+	t.Parallel()
+	for _, mode := range modes {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			h := newMiddleware(t, b, idempotency.Config{Mode: mode}).Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.Header()[" base64 X-Note"] = []string{"hello world"}
+				w.Header()["X-Caf\xe9"] = []string{"v"}
+				w.Header().Set("X-Ok", "kept")
+				w.WriteHeader(http.StatusCreated)
+			}))
+			if first := serveDirect(h, "k"); first.Code != http.StatusCreated {
+				t.Fatalf("first %d", first.Code)
+			}
+			again := serveDirect(h, "k")
+			if again.Code != http.StatusCreated || again.Header().Get(idempotency.ReplayedHeader) != "true" {
+				t.Fatalf("retry answered %d %q, want the stored 201 replayed", again.Code, again.Body.String())
+			}
+			if again.Header().Get("X-Ok") != "kept" {
+				t.Errorf("replayed headers %q lack X-Ok", again.Header())
+			}
+			for _, name := range []string{" base64 X-Note", "X-Caf\xe9"} {
+				if _, ok := again.Header()[name]; ok {
+					t.Errorf("replayed header %q, which net/http does not send", name)
+				}
+			}
+		})
+	}
+}

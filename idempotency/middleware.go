@@ -114,7 +114,12 @@ type Config struct {
 	StoreServerErrors bool
 	// ReplayHeaders lists the response headers stored and replayed. Defaults
 	// to every header the handler set except Set-Cookie, Date,
-	// Content-Length and hop-by-hop headers.
+	// Content-Length and hop-by-hop headers. The handler sees the headers
+	// the middlewares around it set; only what it set, changed or deleted
+	// is stored, and a replay applies that over what those middlewares set
+	// for the retry (a header the handler set to the value it already had
+	// is theirs to set again). A name net/http would not send is not
+	// stored.
 	ReplayHeaders []string
 	// RetryAfter is the Retry-After hint sent with 409 answers. Defaults to
 	// 1 second.
@@ -521,8 +526,8 @@ func (m *Middleware) replayHeaders(h http.Header) map[string][]string {
 	out := map[string][]string{}
 	if m.cfg.ReplayHeaders != nil {
 		for _, name := range m.cfg.ReplayHeaders {
-			if v := h.Values(name); len(v) > 0 {
-				out[http.CanonicalHeaderKey(name)] = v
+			if v, ok := h[http.CanonicalHeaderKey(name)]; ok {
+				out[http.CanonicalHeaderKey(name)] = v // empty: deleted
 			}
 		}
 		return out

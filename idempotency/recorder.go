@@ -41,12 +41,18 @@ func newRecorder(w http.ResponseWriter, limit int, stream bool) *recorder {
 	return &recorder{w: w, header: upstream.Clone(), upstream: upstream, limit: limit, stream: stream}
 }
 
-// changedHeader returns the headers the handler set, added to or changed.
+// changedHeader returns the headers the handler set, added to or changed,
+// and, as an empty list, those it deleted (writeResponse deletes them).
 func (r *recorder) changedHeader() http.Header {
 	out := http.Header{}
 	for k, v := range r.header {
 		if !slices.Equal(v, r.upstream[k]) {
 			out[k] = v
+		}
+	}
+	for k := range r.upstream {
+		if _, kept := r.header[k]; !kept {
+			out[k] = []string{}
 		}
 	}
 	return out
@@ -136,6 +142,10 @@ func (r *recorder) flush(replayed bool) {
 func writeResponse(w http.ResponseWriter, status int, header map[string][]string, body []byte, replayed bool) {
 	h := w.Header()
 	for k, v := range header {
+		if len(v) == 0 {
+			delete(h, k) // the handler deleted it (changedHeader)
+			continue
+		}
 		h[k] = append([]string(nil), v...)
 	}
 	if replayed {

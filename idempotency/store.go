@@ -10,12 +10,14 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"maps"
 	"strings"
 	"time"
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"golang.org/x/net/http/httpguts"
 
 	"github.com/onceflow/onceflow/migrations"
 )
@@ -186,9 +188,14 @@ const encodedHeaderPrefix = " base64 "
 
 // encodeHeaders returns headers as stored: each header with a value JSON
 // text would alter or refuse under encodedHeaderPrefix + its name, base64.
+// A name that is not a valid header field name is left out: net/http does
+// not send it either (so no stored name begins with the marker's space).
 func encodeHeaders(headers map[string][]string) map[string][]string {
 	out := make(map[string][]string, len(headers))
 	for k, vs := range headers {
+		if !httpguts.ValidHeaderFieldName(k) {
+			continue
+		}
 		plain := true
 		for _, v := range vs {
 			plain = plain && utf8.ValidString(v) && !strings.ContainsRune(v, 0)
@@ -208,7 +215,7 @@ func encodeHeaders(headers map[string][]string) map[string][]string {
 
 // decodeHeaders undoes encodeHeaders in place.
 func decodeHeaders(headers map[string][]string) error {
-	for k, vs := range headers {
+	for k, vs := range maps.Clone(headers) { // keys are added while it runs
 		name, encoded := strings.CutPrefix(k, encodedHeaderPrefix)
 		if !encoded {
 			continue
