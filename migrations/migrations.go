@@ -238,9 +238,17 @@ func (e *DataLossError) Error() string {
 		}
 		parts[i] = fmt.Sprintf("%s (%s rows)", t, n)
 	}
+	// The tables whose rows cannot be drained say what ends them.
+	how := "drain or export them first"
+	if _, ok := e.Tables["dead_replays"]; ok {
+		how += "; dead_replays rows last while their events are pending or dead (replay or discard those)"
+	}
+	if _, ok := e.Tables["janitor_windows"]; ok {
+		how += "; janitor_windows rows lapse twice their window after the consumers' janitors stop"
+	}
 	return fmt.Sprintf("migrations: refusing to revert: it would drop %s in schema %s; "+
-		"drain or export them first, or force it (onceflow migrate down --force, migrations.DownForce)",
-		strings.Join(parts, ", "), pgx.Identifier{e.Schema}.Sanitize())
+		"%s, or force it (onceflow migrate down --force, migrations.DownForce)",
+		strings.Join(parts, ", "), pgx.Identifier{e.Schema}.Sanitize(), how)
 }
 
 func down(ctx context.Context, db Beginner, schema string, stepCount int, cfg DownConfig) ([]int, error) {

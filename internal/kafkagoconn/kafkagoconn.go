@@ -225,20 +225,36 @@ func (p *Prober) stale(topics []string) []string {
 	return out
 }
 
+// ask probes topics and records the answers. A probe that fails (the
+// brokers' logins stall, say) stamps the topics' last answers (none:
+// not forbidden) as fresh all the same: the next probe waits ProbeFresh,
+// rather than every call dialing again and waiting out ProbeTimeout.
 func (p *Prober) ask(ctx context.Context, topics []string) {
 	ctx, cancel := context.WithTimeout(ctx, ProbeTimeout)
 	defer cancel()
 	answers, err := TopicErrors(ctx, p.addr, p.like, topics)
-	if err != nil {
-		return // the last answers stand
-	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	now := time.Now()
-	for t, e := range answers {
-		p.answers[t] = probeAnswer{forbidden: errors.Is(e, kafka.TopicAuthorizationFailed), at: now}
+	for t, a := range p.answers {
+		if now.Sub(a.at) > probeForget {
+			delete(p.answers, t) // a topic not failing any more
+		}
+	}
+	for _, t := range topics {
+		a := p.answers[t]
+		if err == nil {
+			a.forbidden = errors.Is(answers[t], kafka.TopicAuthorizationFailed)
+		}
+		a.at = now
+		p.answers[t] = a
 	}
 }
+
+// probeForget is how long an answer is kept without being asked for: the
+// topics come from outbox rows, and a name that stopped failing must not
+// stay in memory for good.
+const probeForget = 10 * time.Minute
 
 // Mechanism returns kafka-go's mechanism for s.
 func Mechanism(s *kafkaconn.SASL) (sasl.Mechanism, error) {

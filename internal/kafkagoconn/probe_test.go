@@ -146,3 +146,43 @@ func (plain) Start(context.Context) (sasl.StateMachine, []byte, error) {
 	return plain{}, []byte("\x00u\x00p"), nil
 }
 func (plain) Next(context.Context, []byte) (bool, []byte, error) { return true, nil, nil }
+
+// A probe that fails waits ProbeFresh before the next, as an answer does
+// (a cold review, helper 59: it recorded nothing, so while new logins
+// stalled, the case ProbeTimeout is for, every call, a relay round with a
+// record of a missing topic, dialed again and was held ProbeTimeout).
+func TestAFailedProbeWaitsProbeFreshLikeAnAnswer(t *testing.T) {
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.EnableSASL(),
+		kfake.Superuser("PLAIN", "u", "p"), kfake.SeedTopics(1, "present"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	release := make(chan struct{})
+	defer close(release)
+	c.ControlKey(int16(kmsg.SASLAuthenticate), func(kmsg.Request) (kmsg.Response, error, bool) {
+		c.KeepControl()
+		c.SleepControl(func() { <-release })
+		return nil, nil, false
+	})
+	var dials atomic.Int64
+	like := &kafka.Transport{SASL: plain{}, Dial: func(ctx context.Context, network, addr string) (net.Conn, error) {
+		dials.Add(1)
+		return (&net.Dialer{}).DialContext(ctx, network, addr)
+	}}
+	p := kafkagoconn.NewProber(kafka.TCP(c.ListenAddrs()...), like)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	p.Forbidden(ctx, []string{"not-created-yet"}) // fails after ProbeTimeout
+	first := dials.Load()
+	start := time.Now()
+	for i := 0; i < 2; i++ {
+		p.Forbidden(ctx, []string{"not-created-yet"})
+	}
+	took := time.Since(start)
+	t.Logf("first call dialed %d; the next two calls dialed %d and took %s", first, dials.Load()-first, took.Round(time.Millisecond))
+	if took > 2*time.Second || dials.Load() > first {
+		t.Errorf("within ProbeFresh of a failed probe, 2 calls took %s and dialed %d more connections (each call probes again, held ProbeTimeout)",
+			took.Round(time.Millisecond), dials.Load()-first)
+	}
+}
