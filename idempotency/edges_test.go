@@ -81,19 +81,6 @@ func serveDirect(h http.Handler, key string) *httptest.ResponseRecorder {
 	return rec
 }
 
-func newMiddleware(t *testing.T, b bundle, cfg idempotency.Config) *idempotency.Middleware {
-	t.Helper()
-	cfg.Schema = b.schema
-	if cfg.Scope == nil {
-		cfg.Scope = userScope
-	}
-	m, err := idempotency.New(b.pool, &cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return m
-}
-
 // D3a: headers are stored as JSON text in jsonb, so a header value that is
 // not UTF-8 (obs-text, e.g. a Latin-1 filename) is replayed altered
 // (each bad byte becomes U+FFFD).

@@ -102,6 +102,15 @@ func writeEffect(ctx context.Context, pool *pgxpool.Pool, schema, note string) e
 
 func newServer(t *testing.T, b bundle, cfg idempotency.Config, h http.HandlerFunc) *httptest.Server {
 	t.Helper()
+	srv := httptest.NewServer(newMiddleware(t, b, cfg).Handler(h))
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+// newMiddleware returns a Middleware on b's schema, scoped by X-User
+// unless cfg says otherwise.
+func newMiddleware(t *testing.T, b bundle, cfg idempotency.Config) *idempotency.Middleware {
+	t.Helper()
 	cfg.Schema = b.schema
 	if cfg.Scope == nil {
 		cfg.Scope = userScope
@@ -110,9 +119,7 @@ func newServer(t *testing.T, b bundle, cfg idempotency.Config, h http.HandlerFun
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := httptest.NewServer(m.Handler(h))
-	t.Cleanup(srv.Close)
-	return srv
+	return m
 }
 
 func userScope(r *http.Request) (string, error) {

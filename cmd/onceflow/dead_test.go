@@ -87,35 +87,8 @@ func TestDeadReplayKeepsAKeysOrderUnlessToldNot(t *testing.T) {
 // 1)", counting the other id's delete that the rollback undid.
 func TestDeadDiscardThatLosesARaceSaysNothingWasDiscarded(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
 	schema, flags := deadSetup(t, 2)
-	other, err := pgtest.Conn(t).Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = other.Rollback(ctx) }()
-	if _, err := other.Exec(ctx, `DELETE FROM `+pgx.Identifier{schema, "outbox_dead"}.Sanitize()+` WHERE id = 1`); err != nil {
-		t.Fatal(err)
-	}
-	type result struct {
-		out string
-		err error
-	}
-	done := make(chan result, 1)
-	go func() {
-		out, err := runCLI(t, append([]string{"dead", "discard", "--ids", "1,2"}, flags...)...)
-		done <- result{out, err}
-	}()
-	waitUntil(t, "the discard to wait for the other's row", 10*time.Second, func() bool {
-		var waiting bool
-		_ = pgtest.Pool(t).QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND strpos(query, $1) > 0)`,
-			pgx.Identifier{schema, "outbox_dead"}.Sanitize()).Scan(&waiting)
-		return waiting
-	})
-	if err := other.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
-	got := <-done
+	got := loseARaceForID1(t, schema, flags, "discard")
 	if got.err == nil || !strings.Contains(got.err.Error(), "ids 1 ") || strings.Contains(got.err.Error(), "discarded 1") ||
 		!strings.Contains(got.err.Error(), "nothing was discarded") {
 		t.Fatalf("discard --ids 1,2 losing id 1: err %v, want one naming id 1 and saying nothing was discarded\n%s", got.err, got.out)
@@ -126,6 +99,44 @@ func TestDeadDiscardThatLosesARaceSaysNothingWasDiscarded(t *testing.T) {
 	if n := count(t, schema, "outbox_dead"); n != 1 {
 		t.Fatalf("%d dead events left, want 1 (event 2 still dead)", n)
 	}
+}
+
+// raceResult is what a dead command printed and returned.
+type raceResult struct {
+	out string
+	err error
+}
+
+// loseARaceForID1 runs "dead <verb> --ids 1,2" while another session has
+// deleted dead event 1 and not committed, commits that once the command
+// waits for the row, and returns what the command did.
+func loseARaceForID1(t *testing.T, schema string, flags []string, verb string) raceResult {
+	t.Helper()
+	ctx := context.Background()
+	other, err := pgtest.Conn(t).Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = other.Rollback(ctx) }()
+	dead := pgx.Identifier{schema, "outbox_dead"}.Sanitize()
+	if _, err := other.Exec(ctx, `DELETE FROM `+dead+` WHERE id = 1`); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan raceResult, 1)
+	go func() {
+		out, err := runCLI(t, append([]string{"dead", verb, "--ids", "1,2"}, flags...)...)
+		done <- raceResult{out, err}
+	}()
+	waitUntil(t, "the "+verb+" to wait for the other's row", 10*time.Second, func() bool {
+		var waiting bool
+		_ = pgtest.Pool(t).QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND strpos(query, $1) > 0)`,
+			dead).Scan(&waiting)
+		return waiting
+	})
+	if err := other.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	return <-done
 }
 
 // dead list --limit says when it cuts the list: the first N of more looked

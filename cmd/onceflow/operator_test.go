@@ -155,35 +155,8 @@ func TestDeadDiscardIDsGivenTwice(t *testing.T) {
 // ids: the help says "If an id is not a dead event, nothing is replayed".
 // dead discard rolls back in the same race (TestDeadDiscardThatLosesARace...).
 func TestDeadReplayThatLosesARaceReplaysNothing(t *testing.T) {
-	ctx := context.Background()
 	schema, flags := deadSetup(t, 2)
-	other, err := pgtest.Conn(t).Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = other.Rollback(ctx) }()
-	if _, err := other.Exec(ctx, `DELETE FROM `+pgx.Identifier{schema, "outbox_dead"}.Sanitize()+` WHERE id = 1`); err != nil {
-		t.Fatal(err)
-	}
-	type result struct {
-		out string
-		err error
-	}
-	done := make(chan result, 1)
-	go func() {
-		out, err := runCLI(t, append([]string{"dead", "replay", "--ids", "1,2"}, flags...)...)
-		done <- result{out, err}
-	}()
-	waitUntil(t, "the replay to wait for the other's row", 10*time.Second, func() bool {
-		var waiting bool
-		_ = pgtest.Pool(t).QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND strpos(query, $1) > 0)`,
-			pgx.Identifier{schema, "outbox_dead"}.Sanitize()).Scan(&waiting)
-		return waiting
-	})
-	if err := other.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
-	got := <-done
+	got := loseARaceForID1(t, schema, flags, "replay")
 	if got.err == nil {
 		t.Fatalf("replay --ids 1,2 losing id 1: exit 0\n%s", got.out)
 	}

@@ -102,19 +102,7 @@ func TestTopicErrorsLeavesNothingBehind(t *testing.T) {
 // keeps its socket until the broker answers or closes it: one held
 // connection per probe (per relay round with an unknown topic).
 func TestTopicErrorsLeavesNoConnectionWhenAuthenticationStalls(t *testing.T) {
-	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.EnableSASL(),
-		kfake.Superuser("PLAIN", "u", "p"), kfake.SeedTopics(1, "present"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	release := make(chan struct{})
-	defer close(release)
-	c.ControlKey(int16(kmsg.SASLAuthenticate), func(kmsg.Request) (kmsg.Response, error, bool) {
-		c.KeepControl()
-		c.SleepControl(func() { <-release })
-		return nil, nil, false
-	})
+	c := stalledLogins(t)
 	var open atomic.Int64
 	like := &kafka.Transport{SASL: plain{}, Dial: func(ctx context.Context, network, addr string) (net.Conn, error) {
 		nc, err := (&net.Dialer{}).DialContext(ctx, network, addr)
@@ -152,19 +140,7 @@ func (plain) Next(context.Context, []byte) (bool, []byte, error) { return true, 
 // stalled, the case ProbeTimeout is for, every call, a relay round with a
 // record of a missing topic, dialed again and was held ProbeTimeout).
 func TestAFailedProbeWaitsProbeFreshLikeAnAnswer(t *testing.T) {
-	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.EnableSASL(),
-		kfake.Superuser("PLAIN", "u", "p"), kfake.SeedTopics(1, "present"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	release := make(chan struct{})
-	defer close(release)
-	c.ControlKey(int16(kmsg.SASLAuthenticate), func(kmsg.Request) (kmsg.Response, error, bool) {
-		c.KeepControl()
-		c.SleepControl(func() { <-release })
-		return nil, nil, false
-	})
+	c := stalledLogins(t)
 	var dials atomic.Int64
 	like := &kafka.Transport{SASL: plain{}, Dial: func(ctx context.Context, network, addr string) (net.Conn, error) {
 		dials.Add(1)
@@ -185,4 +161,25 @@ func TestAFailedProbeWaitsProbeFreshLikeAnAnswer(t *testing.T) {
 		t.Errorf("within ProbeFresh of a failed probe, 2 calls took %s and dialed %d more connections (each call probes again, held ProbeTimeout)",
 			took.Round(time.Millisecond), dials.Load()-first)
 	}
+}
+
+// stalledLogins starts a kfake cluster (SASL PLAIN user u/p, topic
+// "present") whose SASL authentications never answer until the test ends:
+// brokers whose new logins stall.
+func stalledLogins(t *testing.T) *kfake.Cluster {
+	t.Helper()
+	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.EnableSASL(),
+		kfake.Superuser("PLAIN", "u", "p"), kfake.SeedTopics(1, "present"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	release := make(chan struct{})
+	t.Cleanup(c.Close)
+	t.Cleanup(func() { close(release) }) // before Close: cleanups run last first
+	c.ControlKey(int16(kmsg.SASLAuthenticate), func(kmsg.Request) (kmsg.Response, error, bool) {
+		c.KeepControl()
+		c.SleepControl(func() { <-release })
+		return nil, nil, false
+	})
+	return c
 }
