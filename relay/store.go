@@ -363,10 +363,9 @@ LIMIT ` + strconv.Itoa(limit)
 // limits are literals: with "LIMIT $n" a generic plan assumes a tenth of the
 // table is wanted and sorts every owned row instead.
 //
-// Each range starts at its shard's entry of $2 (math.MinInt64: the range's
-// left edge):
-// the id of a floor proof that holds the shard (claimproof.go), below which
-// nothing in it is pending or ever will be. Without it each range is read
+// Each range starts at its shard's entry of $2: the id of a floor proof
+// that holds the shard (claimproof.go), below which nothing in it is
+// pending or ever will be, or math.MinInt64, the range's left edge. Without it each range is read
 // from the left edge, past the index entries of every row deleted since the
 // last vacuum: a relay owning a quarter of the shards read 2,161 buffers a
 // claim, not 1,212, once three quarters of a 1M backlog were drained.
