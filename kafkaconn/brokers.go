@@ -64,17 +64,19 @@ func ParseBrokers(addrs []string) (hosts []string, proto Protocol, err error) {
 // CheckBrokers returns an error when an address carries a listener prefix
 // (SASL_SSL://…) or a port that is not a number from 1 to 65535: the
 // clients would retry it forever, as if the brokers were down. (A host
-// without a port is left to the client: franz-go takes 9092.) Adapters
-// call it on their Brokers.
+// without a port, or a port without a host, is left to the client:
+// franz-go takes 9092, and both dial the local host.) Adapters call it on
+// their Brokers.
 func CheckBrokers(addrs []string) error {
 	for _, a := range addrs {
 		if strings.Contains(a, "://") {
 			return fmt.Errorf("broker %q has a listener prefix; give host:port and set Conn.TLS / Conn.SASL for the security protocol (kafkaconn.ParseBrokers splits it off)", a)
 		}
-		if _, _, err := net.SplitHostPort(a); err != nil {
+		_, port, err := net.SplitHostPort(a)
+		if err != nil {
 			continue
 		}
-		if err := checkHostPort(a); err != nil {
+		if err := checkPort(port); err != nil {
 			return fmt.Errorf("broker %q %w", a, err)
 		}
 	}
@@ -89,6 +91,11 @@ func checkHostPort(a string) error {
 	if err != nil || host == "" || port == "" {
 		return errors.New("is not host:port")
 	}
+	return checkPort(port)
+}
+
+// checkPort reports a port that is not a number from 1 to 65535.
+func checkPort(port string) error {
 	if n, err := strconv.ParseUint(port, 10, 16); err != nil || n == 0 {
 		return fmt.Errorf("has port %q, not a number from 1 to 65535", port)
 	}

@@ -199,7 +199,11 @@ func TestBrokerPortsAreNumbers(t *testing.T) {
 			t.Errorf("CheckBrokers(%q): %v", a, err)
 		}
 	}
-	if err := kafkaconn.CheckBrokers([]string{"localhost"}); err != nil {
-		t.Errorf("CheckBrokers(localhost): %v, want it left to the client", err)
+	// A host without a port, or a port without a host (the local host),
+	// stays the client's to read, as before ports were checked.
+	for _, a := range []string{"localhost", ":9092"} {
+		if err := kafkaconn.CheckBrokers([]string{a}); err != nil {
+			t.Errorf("CheckBrokers(%q): %v, want it left to the client", a, err)
+		}
 	}
 }

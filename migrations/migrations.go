@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -507,17 +508,21 @@ func ValidateSchema(schema string) error {
 	case strings.ContainsFunc(schema, func(r rune) bool { return r < 0x20 || r == 0x7f }):
 		// A line break would end the printed script's comment naming it.
 		return fmt.Errorf("schema name %q contains a control character", schema)
-	case strings.TrimSpace(schema) != schema:
+	case strings.TrimFunc(schema, invisible) != schema:
 		// A templated ONCEFLOW_SCHEMA="onceflow " made a second schema
 		// beside the producers' one, and a relay ran healthy on it
 		// publishing nothing.
-		return fmt.Errorf("schema name %q begins or ends with a blank", schema)
+		return fmt.Errorf("schema name %q begins or ends with a blank or an invisible character", schema)
 	case schema == "$user":
 		// In a search_path, "$user" means the current role's schema.
 		return errors.New(`schema name "$user" names the current role's schema in a search_path; choose another`)
 	}
 	return nil
 }
+
+// invisible reports a blank, or a character that shows nothing (a BOM, a
+// zero-width space: Unicode's format characters).
+func invisible(r rune) bool { return unicode.IsSpace(r) || unicode.Is(unicode.Cf, r) }
 
 // versionTableSQL creates the version table; search_path names the schema.
 const versionTableSQL = `CREATE TABLE IF NOT EXISTS schema_migrations (

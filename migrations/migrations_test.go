@@ -118,7 +118,11 @@ func TestSchemaNameIsQuotedNotPasted(t *testing.T) {
 // ran as SQL.
 func TestSchemaNamesThatWouldMeanSomethingElseAreRefused(t *testing.T) {
 	t.Parallel()
-	for _, name := range []string{"$user", "zz_probe\nSELECT 1/0; --", "a\rb", "tab\tname", "del\x7f"} {
+	// Blanks, or invisible characters (a BOM, a zero-width space: helper
+	// 59), around a name templated from the environment make a second
+	// schema beside the producers'.
+	for _, name := range []string{"$user", "zz_probe\nSELECT 1/0; --", "a\rb", "tab\tname", "del\x7f",
+		"onceflow ", " onceflow", "\ufeffonceflow", "onceflow\u200b", "onceflow\u00a0"} {
 		if err := migrations.ValidateSchema(name); err == nil {
 			t.Errorf("ValidateSchema(%q) accepted it", name)
 		}
