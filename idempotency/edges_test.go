@@ -18,7 +18,7 @@ import (
 	"github.com/onceflow/onceflow/idempotency"
 )
 
-// D1: a Leased claim whose holder died is taken over by a request with a
+// a Leased claim whose holder died is taken over by a request with a
 // DIFFERENT body under the same key. The first run's side effect may have
 // happened (that is why Leased exists), so the new body runs under a key the
 // downstream already used: the downstream dedups on the key and answers the
@@ -50,7 +50,7 @@ func TestLeasedTakeoverOfADeadClaimIgnoresTheFingerprint(t *testing.T) {
 	}
 }
 
-// D2: a Config.Fingerprint returning nil (e.g. "don't fingerprint") makes
+// a Config.Fingerprint returning nil (e.g. "don't fingerprint") makes
 // every keyed request a 500: nil []byte is sent as NULL into the NOT NULL
 // fingerprint column. The package itself treats a nil fingerprint as "skip
 // the comparison" (record.check).
@@ -81,7 +81,7 @@ func serveDirect(h http.Handler, key string) *httptest.ResponseRecorder {
 	return rec
 }
 
-// D3a: headers are stored as JSON text in jsonb, so a header value that is
+// headers are stored as JSON text in jsonb, so a header value that is
 // not UTF-8 (obs-text, e.g. a Latin-1 filename) is replayed altered
 // (each bad byte becomes U+FFFD).
 func TestReplayedHeaderBytesAreExact(t *testing.T) {
@@ -107,7 +107,7 @@ func TestReplayedHeaderBytesAreExact(t *testing.T) {
 	}
 }
 
-// D3b: a header value holding a NUL byte cannot be stored (jsonb refuses
+// a header value holding a NUL byte cannot be stored (jsonb refuses
 // \u0000). In Leased mode the handler's effect happened, the store fails,
 // the key stays "running" until its lease lapses, and the next retry runs
 // the handler again: the same deterministic failure, once per lease.
@@ -134,7 +134,7 @@ func TestLeasedHeaderThatCannotBeStoredRunsTheHandlerAgain(t *testing.T) {
 	}
 }
 
-// D4: a result finished after its Window (allowed: Window may equal Lease,
+// a result finished after its Window (allowed: Window may equal Lease,
 // and a renewed lease holds however long fn runs) is stored already expired,
 // so the very next call runs fn again.
 func TestResultFinishedPastTheWindowIsReplayed(t *testing.T) {
@@ -157,7 +157,7 @@ func TestResultFinishedPastTheWindowIsReplayed(t *testing.T) {
 	}
 }
 
-// D5: fn ending its goroutine (runtime.Goexit, e.g. t.FailNow or
+// fn ending its goroutine (runtime.Goexit, e.g. t.FailNow or
 // log-and-Goexit helpers) skips stop(): the renewal goroutine runs forever
 // and the key is "running" with a live lease forever.
 func TestDoGoexitLeavesTheKeyHeldForever(t *testing.T) {
@@ -180,7 +180,7 @@ func TestDoGoexitLeavesTheKeyHeldForever(t *testing.T) {
 	}
 }
 
-// D6: Window is checked against Lease in Transactional mode too, where no
+// Window is checked against Lease in Transactional mode too, where no
 // lease exists: Window 30s is refused because of the default Lease (1m)
 // the user never set and that does not apply.
 func TestTransactionalWindowNotTiedToLease(t *testing.T) {
@@ -191,7 +191,7 @@ func TestTransactionalWindowNotTiedToLease(t *testing.T) {
 	}
 }
 
-// D7: the handler writes into a fresh header map, and the middleware then
+// the handler writes into a fresh header map, and the middleware then
 // overwrites the real writer's header of the same name: a header an outer
 // middleware set (CORS's "Vary: Origin") is lost when the handler adds to it.
 func TestOuterHeadersSurviveAHandlerAddingToThem(t *testing.T) {
@@ -216,7 +216,7 @@ func TestOuterHeadersSurviveAHandlerAddingToThem(t *testing.T) {
 	}
 }
 
-// D8: a key longer than the index allows (MaxKeyLength raised) answers 500,
+// a key longer than the index allows (MaxKeyLength raised) answers 500,
 // not 400; Fence.Do maps the same error to ErrKeyInvalid.
 func TestMiddlewareKeyTooLongForTheIndexIs400(t *testing.T) {
 	t.Parallel()
@@ -234,7 +234,7 @@ func TestMiddlewareKeyTooLongForTheIndexIs400(t *testing.T) {
 	}
 }
 
-// D9: a key PostgreSQL text cannot hold (NUL, invalid UTF-8; Kafka message
+// a key PostgreSQL text cannot hold (NUL, invalid UTF-8; Kafka message
 // ids can be arbitrary bytes) is a generic database error on every call,
 // not ErrKeyInvalid as for a key too long for the index.
 func TestDoRefusesAKeyTextCannotHoldAsInvalid(t *testing.T) {

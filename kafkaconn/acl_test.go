@@ -11,7 +11,6 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
-	"github.com/onceflow/onceflow/internal/kgoconn"
 	"github.com/onceflow/onceflow/internal/tlstest"
 	"github.com/onceflow/onceflow/kafkaconn"
 	"github.com/onceflow/onceflow/relay"
@@ -79,15 +78,7 @@ func TestPublishersTellATopicAnACLHidesFromAMissingOne(t *testing.T) {
 	// anyone's metadata request.
 	adminConn := conn
 	adminConn.SASL = &kafkaconn.SASL{Mechanism: kafkaconn.ScramSHA512, Username: admin, Password: pass}
-	opts, err := kgoconn.Opts(adminConn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cl, err := kgo.NewClient(append(opts, kgo.SeedBrokers(c.ListenAddrs()...))...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cl.Close()
+	cl := connClient(t, secured{brokers: c.ListenAddrs(), conn: adminConn})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	req := kmsg.NewPtrMetadataRequest()
@@ -126,15 +117,7 @@ func TestKafkaGoPublisherCreatesNoTopicOnTheRealBroker(t *testing.T) {
 	if err := gp.Publish(ctx, []relay.Record{{Topic: topic, Key: []byte("k"), Value: []byte("v")}})[0]; !errors.Is(err, relay.ErrUnknownTopic) {
 		t.Fatalf("publish to a missing topic: %v, want ErrUnknownTopic", err)
 	}
-	opts, err := kgoconn.Opts(s.conn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cl, err := kgo.NewClient(append(opts, kgo.SeedBrokers(s.brokers...))...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cl.Close()
+	cl := connClient(t, s)
 	topics, err := kadm.NewClient(cl).ListTopics(ctx)
 	if err != nil {
 		t.Fatal(err)

@@ -195,7 +195,9 @@ func consume(t *testing.T, s secured, adapter, topic string, want int) map[strin
 	return got
 }
 
-func createTopic(t *testing.T, s secured, topic string) {
+// connClient returns a franz-go client of s's brokers connecting through
+// s.conn, closed when the test ends.
+func connClient(t *testing.T, s secured) *kgo.Client {
 	t.Helper()
 	opts, err := kgoconn.Opts(s.conn)
 	if err != nil {
@@ -205,7 +207,13 @@ func createTopic(t *testing.T, s secured, topic string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer cl.Close()
+	t.Cleanup(cl.Close)
+	return cl
+}
+
+func createTopic(t *testing.T, s secured, topic string) {
+	t.Helper()
+	cl := connClient(t, s)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	adm := kadm.NewClient(cl)
