@@ -34,6 +34,8 @@
 // the downstream service. A request that dies holds its key
 // until the lease lapses, then a retry runs the handler again: the
 // downstream's own deduplication on the key is what makes that harmless.
+// A response whose store fails (a database blip) is stored again, backing
+// off, for up to a lease before the client is answered.
 // Only the same request does (same fingerprint): another one under that key
 // gets 422 until the key's Window ends.
 //

@@ -110,9 +110,10 @@ func NewFence(db DB, cfg *FenceConfig) (*Fence, error) {
 // an idempotency key) so it deduplicates that re-run: the fence makes
 // re-runs rare and serial, the downstream makes them harmless.
 //
-// If the result cannot be stored after fn succeeded, Do returns the result
-// together with the error (ErrLeaseLost if another caller took the key
-// over).
+// If storing the result fails after fn succeeded, Do tries again, backing
+// off, for up to Lease (a database blip must not let a later call run fn
+// again); if it still cannot, Do returns the result together with the error
+// (ErrLeaseLost at once if another caller took the key over).
 func (f *Fence) Do(ctx context.Context, key string, fn func(ctx context.Context) ([]byte, error)) ([]byte, error) {
 	switch {
 	case key == "":
@@ -175,7 +176,7 @@ func (f *Fence) Do(ctx context.Context, key string, fn func(ctx context.Context)
 	if len(result) > f.cfg.MaxResultBytes {
 		state, stored = stateUnstored, nil
 	}
-	if err := f.store.complete(sctx, f.db, c, f.cfg.Window, state, 0, nil, stored); err != nil {
+	if err := f.store.completeRetrying(f.db, c, f.cfg.Lease, f.cfg.Window, state, 0, nil, stored, f.cfg.Logger.Warn); err != nil {
 		return result, fmt.Errorf("idempotency: store result of key %q: %w", key, err)
 	}
 	return result, nil

@@ -423,10 +423,17 @@ func (m *Middleware) storeErrorAlone(w http.ResponseWriter, r *http.Request, c c
 }
 
 func (m *Middleware) storeResponse(ctx context.Context, db querier, c claim, rw *recorder) error {
+	state, headers, body := m.outcome(rw)
+	return m.store.complete(ctx, db, c, m.cfg.Window, state, rw.statusCode(), headers, body)
+}
+
+// outcome is what is stored of rw's response: a response too big to keep
+// is marked unstored, so a retry answers 422 instead of running again.
+func (m *Middleware) outcome(rw *recorder) (state string, headers map[string][]string, body []byte) {
 	if rw.tooBig {
-		return m.store.complete(ctx, db, c, m.cfg.Window, stateUnstored, rw.statusCode(), nil, nil)
+		return stateUnstored, nil, nil
 	}
-	return m.store.complete(ctx, db, c, m.cfg.Window, stateDone, rw.statusCode(), m.replayHeaders(rw.changedHeader()), rw.body.Bytes())
+	return stateDone, m.replayHeaders(rw.changedHeader()), rw.body.Bytes()
 }
 
 func (m *Middleware) serveLeased(w http.ResponseWriter, r *http.Request, next http.Handler, c claim) {
@@ -464,14 +471,21 @@ func (m *Middleware) serveLeased(w http.ResponseWriter, r *http.Request, next ht
 		rw.flush(false)
 		return
 	}
-	sctx, scancel := context.WithTimeout(bg, 10*time.Second)
-	defer scancel()
-	if err := m.storeResponse(sctx, m.db, c, rw); err != nil {
+	if err := m.storeLeasedResponse(c, rw); err != nil {
 		// The handler's effects happened: answer with them. A retry will see
 		// the key in progress until the lease lapses, then run again.
 		m.cfg.Logger.Warn("idempotency: store response", "key", c.key, "error", err)
 	}
 	rw.flush(false)
+}
+
+// storeLeasedResponse stores a Leased claim's response, trying again
+// through a database blip for up to a lease before the client is answered:
+// the handler's effect has happened, and a response left unstored would
+// let the client's retry run it again.
+func (m *Middleware) storeLeasedResponse(c claim, rw *recorder) error {
+	state, headers, body := m.outcome(rw)
+	return m.store.completeRetrying(m.db, c, m.cfg.Lease, m.cfg.Window, state, rw.statusCode(), headers, body, m.cfg.Logger.Warn)
 }
 
 func (m *Middleware) release(ctx context.Context, c claim) {

@@ -15,6 +15,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/cenkalti/backoff/v4"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"golang.org/x/net/http/httpguts"
@@ -310,6 +311,47 @@ func (s *store) complete(ctx context.Context, db querier, c claim, window time.D
 		return ErrLeaseLost
 	}
 	return nil
+}
+
+// completeRetrying stores c's outcome like complete, after work whose
+// effect has happened outside the claim's transaction (Leased mode and
+// Fence.Do). A result left unstored would keep the key running until its
+// lease lapses and then let a retry run the work again, so a failure (a
+// database blip) is tried again, backing off, for up to budget; the caller
+// waits meanwhile. It stops at once on ErrLeaseLost: another caller has
+// taken the key over, and storing can no longer help. Attempts after the
+// lease lapsed are still sound: the token shows whether the key is ours.
+func (s *store) completeRetrying(db querier, c claim, budget, window time.Duration, state string, status int, headers map[string][]string, body []byte, log func(string, ...any)) error {
+	// At least the 10 s a single attempt always had.
+	ctx, cancel := context.WithTimeout(context.Background(), max(budget, 10*time.Second))
+	defer cancel()
+	bo := backoff.WithContext(backoff.NewExponentialBackOff(
+		backoff.WithInitialInterval(50*time.Millisecond),
+		backoff.WithMaxInterval(time.Second),
+		backoff.WithMaxElapsedTime(budget),
+	), ctx)
+	failures := 0
+	var last error
+	err := backoff.Retry(func() error {
+		err := s.complete(ctx, db, c, window, state, status, headers, body)
+		if errors.Is(err, ErrLeaseLost) {
+			return backoff.Permanent(err)
+		}
+		if err != nil {
+			if failures == 0 {
+				log("idempotency: store result failed; trying again", "scope", c.scope, "key", c.key, "error", err)
+			}
+			failures++
+			last = err
+		}
+		return err
+	}, bo)
+	if err != nil && last != nil && !errors.Is(err, ErrLeaseLost) {
+		// The context's deadline ended the last attempt: say why it failed
+		// before that.
+		err = fmt.Errorf("%w (%d attempts over %s)", last, failures, budget)
+	}
+	return err
 }
 
 // release deletes c's claim so the key can run again.
