@@ -44,12 +44,14 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		fmt.Fprintf(stdout, "  none\n")
 	}
 	for _, r := range st.Relays {
-		state := "live"
+		// A gone relay (killed: its row is forgotten an hour after its
+		// lease lapsed) ran until its last heartbeat; it is not up.
+		state, ran := "live", "up "+time.Since(r.StartedAt).Round(time.Second).String()
 		if !r.Live {
-			state = "gone"
+			state, ran = "gone", "ran "+r.HeartbeatAt.Sub(r.StartedAt).Round(time.Second).String()
 		}
-		fmt.Fprintf(stdout, "  %s  %s  host %s pid %d  up %s  last heartbeat %s ago  %d shards %s\n",
-			r.ID, state, r.Hostname, r.PID, time.Since(r.StartedAt).Round(time.Second),
+		fmt.Fprintf(stdout, "  %s  %s  host %s pid %d  %s  last heartbeat %s ago  %d shards %s\n",
+			r.ID, state, r.Hostname, r.PID, ran,
 			time.Since(r.HeartbeatAt).Round(time.Millisecond), len(r.Shards), shardRanges(r.Shards))
 	}
 	return nil
