@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -210,6 +211,34 @@ func Check(ctx context.Context, db Querier, schema string) error {
 		return missing
 	}
 	return nil
+}
+
+// Newer returns the versions recorded in schema's version table that this
+// build does not know, in order: a newer onceflow applied them (a rolling
+// upgrade under way, or a release rolled back without its migrations). A
+// schema without a version table has none. It only reads.
+func Newer(ctx context.Context, db Querier, schema string) ([]int, error) {
+	if err := ValidateSchema(schema); err != nil {
+		return nil, fmt.Errorf("migrations: %w", err)
+	}
+	all, err := All()
+	if err != nil {
+		return nil, err
+	}
+	var versions []int32
+	err = db.QueryRow(ctx, `SELECT coalesce(array_agg(version ORDER BY version), '{}') FROM `+pgx.Identifier{schema, "schema_migrations"}.Sanitize()).Scan(&versions)
+	var pgErr *pgconn.PgError
+	switch {
+	case errors.As(err, &pgErr) && (pgErr.Code == "42P01" || pgErr.Code == "3F000"): // undefined table or schema
+		return nil, nil
+	case err != nil:
+		return nil, fmt.Errorf("migrations: read versions of schema %s: %w", schema, err)
+	}
+	done := make(map[int]time.Time, len(versions))
+	for _, v := range versions {
+		done[int(v)] = time.Time{}
+	}
+	return unknownVersions(all, done), nil
 }
 
 // dataTablesDropped returns the data tables the reverts of steps drop, in

@@ -207,6 +207,7 @@ func (r *Relay) Run(ctx context.Context) error {
 	if err := r.checkSchema(ctx); err != nil {
 		return stoppedWhileStarting(ctx, err)
 	}
+	r.warnOfNewerMigrations(ctx)
 	if err := r.start(ctx); err != nil {
 		if err = stoppedWhileStarting(ctx, err); err == nil {
 			// A first lease round cut short may have written the instance
@@ -315,6 +316,22 @@ func stoppedWhileStarting(ctx context.Context, err error) error {
 		return nil
 	}
 	return err
+}
+
+// warnOfNewerMigrations says when the schema holds migrations this build
+// does not know. The relay runs on (migrations are additive, so a rolling
+// upgrade has old relays on a new schema), but after a release rolled back
+// without its migrations the operator should know the schema is ahead.
+func (r *Relay) warnOfNewerMigrations(ctx context.Context) {
+	newer, err := migrations.Newer(ctx, r.pool, r.cfg.Schema)
+	switch {
+	case err != nil:
+		r.log.Debug("relay: read the schema's migration versions", "error", err)
+	case len(newer) > 0:
+		r.log.Warn("relay: the schema holds migrations a newer onceflow applied, which this relay does not know; "+
+			"fine while a rolling upgrade is under way, otherwise upgrade this relay or revert them with the newer onceflow",
+			"schema", r.cfg.Schema, "versions", newer)
+	}
 }
 
 func (r *Relay) checkSchema(ctx context.Context) error {
