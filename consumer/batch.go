@@ -37,6 +37,11 @@ func (p *Processor) runBatch(ctx context.Context, stop <-chan struct{}, msgs []M
 				slog.String("topic", good[0].Topic), slog.Int("partition", int(good[0].Partition)),
 				slog.Int64("first_offset", good[0].Offset), slog.Int("size", len(good)), slog.Any("error", err))
 			for _, m := range good {
+				// Stop drops what has not started: each message here
+				// starts a transaction of its own.
+				if stopped(stop) {
+					return errAbandoned
+				}
 				if err := p.runOne(ctx, stop, m, t, true, nil); err != nil {
 					return err
 				}
@@ -86,7 +91,12 @@ func (p *Processor) batchTx(ctx context.Context, stop <-chan struct{}, msgs []Me
 	for i, m := range msgs {
 		ids[i] = m.ID
 	}
-	tx, err := p.db.Begin(ctx)
+	release, err := p.holdSession(ctx)
+	if err != nil {
+		return fmt.Errorf("consumer %s: begin: %w", p.name, err)
+	}
+	defer release()
+	tx, err := p.beginTx(ctx)
 	if err != nil {
 		return fmt.Errorf("consumer %s: begin: %w", p.name, err)
 	}

@@ -16,7 +16,9 @@
 // runs and nothing commits. Only after the commit is the offset marked for
 // commit in Kafka, so a crash at any instant either leaves nothing (the
 // message is processed on redelivery) or leaves the record (the redelivered
-// message is skipped). A concurrent duplicate, say the same message in two
+// message is skipped). That needs a durable COMMIT: a session with
+// synchronous_commit off has it raised to on for the Processor's
+// transactions. A concurrent duplicate, say the same message in two
 // processes at once, blocks on the primary key until the first transaction
 // ends, then sees the row and skips.
 //

@@ -36,9 +36,11 @@ type Handler func(ctx context.Context, tx pgx.Tx, msg Message) error
 // commits or none of it does.
 type BatchHandler func(ctx context.Context, tx pgx.Tx, msgs []Message) error
 
-// Beginner starts transactions: *pgxpool.Pool fits. A *pgx.Conn fits too,
-// but only for one partition at Concurrency 1, as it is not safe for
-// concurrent use.
+// Beginner starts transactions: *pgxpool.Pool fits. A *pgx.Conn fits too:
+// it is one session, not safe for concurrent use, so the Processor then runs
+// one transaction at a time on it, whatever Concurrency and however many
+// partitions (two interleaved on one session would be one transaction, and
+// one's COMMIT would commit the other's dedup record).
 type Beginner interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }
@@ -66,6 +68,9 @@ type Processor struct {
 	// unprepared is set once the dedup statement was found missing on,
 	// or already prepared on, the server (see lostStatement).
 	unprepared atomic.Bool
+	// oneSession is a one-slot semaphore when db is a *pgx.Conn: a
+	// transaction holds it from BEGIN to its end. Nil for a pool.
+	oneSession chan struct{}
 	// running holds, per partition (its stop channel), the connections of
 	// the handlers running, so that Stop can close those it abandons.
 	runningMu sync.Mutex
@@ -112,7 +117,12 @@ func newProcessor(db Beginner, name string, h Handler, bh BatchHandler, cfg *Con
 	// One prepared statement per schema and connection; the name is an
 	// identifier made of a hash, so no user string reaches the SQL.
 	stmt := fmt.Sprintf("onceflow_dedup_%x", crc32.ChecksumIEEE([]byte(table)))
+	var oneSession chan struct{}
+	if _, ok := db.(*pgx.Conn); ok {
+		oneSession = make(chan struct{}, 1)
+	}
 	return &Processor{
+		oneSession:  oneSession,
 		db:          db,
 		name:        name,
 		handler:     h,
@@ -124,7 +134,7 @@ func newProcessor(db Beginner, name string, h Handler, bh BatchHandler, cfg *Con
 		insertAll:   `INSERT INTO ` + table + ` (consumer, message_id) SELECT $1, unnest($2::text[]) ON CONFLICT DO NOTHING RETURNING message_id`,
 		stmtName:    stmt,
 		strictOne:   `INSERT INTO ` + table + ` (consumer, message_id) VALUES ($1, $2)`,
-		beginInsert: `BEGIN; EXECUTE ` + stmt + `(` + literal(name) + `, `,
+		beginInsert: beginDurable + `; EXECUTE ` + stmt + `(` + literal(name) + `, `,
 		running:     map[<-chan struct{}]map[*pgconn.PgConn]struct{}{},
 	}, nil
 }
@@ -356,23 +366,75 @@ func (p *Processor) begin(ctx context.Context, msg Message) (tx pgx.Tx, release 
 	return tx, c.Release, false, nil
 }
 
+// beginDurable begins a transaction that commits durably: the offset is
+// committed once COMMIT returns, so with synchronous_commit off (a common
+// database or role default) a server crash just after it would lose the
+// effect and its dedup record while Kafka holds the offset, and the message
+// would never come again. Only off is raised, to on (the default); local,
+// remote_write and remote_apply stay. One simple-protocol query with the
+// BEGIN: no round trip of its own.
+const beginDurable = `BEGIN; SELECT set_config('synchronous_commit', 'on', true) WHERE current_setting('synchronous_commit') = 'off'`
+
+// txOptionsBeginner is what *pgxpool.Pool and *pgx.Conn offer besides
+// Begin: a BEGIN of the caller's text.
+type txOptionsBeginner interface {
+	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
+}
+
+// beginTx begins a transaction of p.db that commits durably (beginDurable).
+// A Beginner without BeginTx gets the setting in a statement of its own.
+func (p *Processor) beginTx(ctx context.Context) (pgx.Tx, error) {
+	if b, ok := p.db.(txOptionsBeginner); ok {
+		return b.BeginTx(ctx, pgx.TxOptions{BeginQuery: beginDurable})
+	}
+	tx, err := p.db.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := tx.Exec(ctx, strings.TrimPrefix(beginDurable, "BEGIN; ")); err != nil {
+		_ = tx.Rollback(ctx)
+		return nil, err
+	}
+	return tx, nil
+}
+
 // beginPlain is begin in two round trips, BEGIN and then INSERT … ON
 // CONFLICT DO NOTHING, with no statement of the Processor's own on the
 // server.
 func (p *Processor) beginPlain(ctx context.Context, msg Message) (pgx.Tx, func(), bool, error) {
-	tx, err := p.db.Begin(ctx)
+	release, err := p.holdSession(ctx)
 	if err != nil {
+		return nil, nil, false, fmt.Errorf("consumer %s: begin: %w", p.name, err)
+	}
+	tx, err := p.beginTx(ctx)
+	if err != nil {
+		release()
 		return nil, nil, false, fmt.Errorf("consumer %s: begin: %w", p.name, err)
 	}
 	tag, err := tx.Exec(ctx, p.insertOne, p.name, msg.ID)
 	if err != nil || tag.RowsAffected() == 0 {
 		_ = tx.Rollback(ctx)
+		release()
 		if err != nil {
 			return nil, nil, false, fmt.Errorf("consumer %s: record message %s: %w", p.name, msg.ID, err)
 		}
 		return nil, nil, true, nil
 	}
-	return tx, func() {}, false, nil
+	return tx, release, false, nil
+}
+
+// holdSession waits for the one session when db is a *pgx.Conn (see
+// oneSession); release must be called once the transaction ended.
+func (p *Processor) holdSession(ctx context.Context) (release func(), err error) {
+	if p.oneSession == nil {
+		return func() {}, nil
+	}
+	select {
+	case p.oneSession <- struct{}{}:
+		return func() { <-p.oneSession }, nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
 }
 
 // plainBegin reports whether messages begin with beginPlain and commit
@@ -504,6 +566,16 @@ func (p *Processor) newBackoff() backoff.BackOff {
 		backoff.WithMaxInterval(p.cfg.MaxBackoff),
 		backoff.WithMaxElapsedTime(0),
 	)
+}
+
+// stopped reports whether stop is closed.
+func stopped(stop <-chan struct{}) bool {
+	select {
+	case <-stop:
+		return true
+	default:
+		return false
+	}
 }
 
 // sleep waits d and reports true, or reports false when ctx or stop ends
