@@ -57,7 +57,9 @@ type Config struct {
 	// Reader.RebalanceTimeout (kafka-go's default: 30s).
 	RevokeGrace time.Duration
 	// DeadLetterWriter publishes dead letters; its Topic must be empty (each
-	// record names its own). Defaults to a Writer on Reader.Brokers with
+	// record names its own), its RequiredAcks kafka.RequireAll and Async
+	// false, or New refuses it: a dead letter counts as written when
+	// WriteMessages returns. Defaults to a Writer on Reader.Brokers with
 	// RequiredAcks all, murmur2 partitioning and a 5ms BatchTimeout
 	// (kafka-go's defaults are acks=none and 1s), over Reader.Dialer's TLS
 	// and SASL settings.
@@ -162,6 +164,14 @@ func New(p *consumer.Processor, cfg *Config) (*Consumer, error) {
 		return nil, errors.New("kafkagoconsumer: Config.RevokeGrace must not be negative")
 	case c.DeadLetterWriter != nil && c.DeadLetterWriter.Topic != "":
 		return nil, errors.New("kafkagoconsumer: Config.DeadLetterWriter.Topic must be empty")
+	// A dead letter counts as written, and its message's offset is
+	// committed, when WriteMessages returns nil: with fewer acks, or
+	// asynchronously, it returns nil for a record the broker refused or
+	// has not written, and the message is lost.
+	case c.DeadLetterWriter != nil && c.DeadLetterWriter.RequiredAcks != kafka.RequireAll:
+		return nil, fmt.Errorf("kafkagoconsumer: Config.DeadLetterWriter.RequiredAcks must be kafka.RequireAll (-1), not %d: with fewer acks a dead letter the broker refuses is lost while its message's offset is committed", c.DeadLetterWriter.RequiredAcks)
+	case c.DeadLetterWriter != nil && c.DeadLetterWriter.Async:
+		return nil, errors.New("kafkagoconsumer: Config.DeadLetterWriter.Async must be false: an asynchronous write returns before the dead letter is written, and its message's offset would be committed")
 	}
 	if err := kafkaconn.CheckBrokers(r.Brokers); err != nil {
 		return nil, fmt.Errorf("kafkagoconsumer: Config.Reader.Brokers: %w", err)

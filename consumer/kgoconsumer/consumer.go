@@ -33,8 +33,9 @@ type Config struct {
 	// (franz-go's default is the start of each partition). Options the
 	// Consumer depends on are applied after them and win: the group and
 	// topics, AutoCommitMarks, BlockRebalanceOnPoll, OnPartitionsRevoked,
-	// OnPartitionsLost and the read_committed isolation level. Defaults to
-	// none.
+	// OnPartitionsLost, the read_committed isolation level and acks=all for
+	// dead letters (kgo.DisableIdempotentWrite is honoured: a dead letter
+	// may then be written twice). Defaults to none.
 	ClientOpts []kgo.Opt
 	// CommitInterval is how often marked offsets are committed; they are
 	// also committed when partitions are revoked and at shutdown. Defaults
@@ -175,6 +176,10 @@ func (c *Consumer) Run(ctx context.Context) error {
 		kgo.OnPartitionsRevoked(c.revoked),
 		kgo.OnPartitionsLost(c.lost),
 		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
+		// A dead letter counts as written, and its message's offset is
+		// committed, once its produce is acknowledged: with fewer acks a
+		// record the broker refuses is acknowledged and lost.
+		kgo.RequiredAcks(kgo.AllISRAcks()),
 	)
 	cl, err := kgo.NewClient(opts...)
 	if err != nil {

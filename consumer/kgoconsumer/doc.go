@@ -28,5 +28,6 @@
 //
 // The client reads with read_committed, so records of aborted transactions
 // and transaction markers never reach the handler. Dead letters are
-// produced with the same client (acks=all, idempotent).
+// produced with the same client, acks=all whatever Config.ClientOpts say,
+// and idempotent unless they disable it.
 package kgoconsumer
