@@ -19,7 +19,12 @@ type Config struct {
 	// wrapping ErrNoMessageID (or any error) when the message has no usable
 	// id: it is dead-lettered with that reason, without retries. Derive it
 	// from a business key when producers may re-publish an event under a new
-	// message-id. Defaults to HeaderMessageID (the "message-id" header).
+	// message-id. The id is deduplicated per consumer name, not per topic:
+	// a Processor reading several topics whose ids may repeat across them
+	// (a business key used on each) should put the topic in the id, or run
+	// one Processor name per topic. (An outbox event fanned out to several
+	// topics keeps one message-id: read by one Processor, it runs once.)
+	// Defaults to HeaderMessageID (the "message-id" header).
 	MessageID func(Message) (string, error)
 
 	// MaxAttempts is the retry budget: how many times the handler runs for
