@@ -227,6 +227,10 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 	c.krs, c.headers = krs, headers
 	done := make(chan struct{})
 	var mu sync.Mutex
+	// staleIDs are the topics the brokers no longer know by the id the
+	// client produces with: deleted, and perhaps created again (see
+	// adoptNewTopicIDs).
+	var staleIDs []string
 	// One promise for every record (the client calls promises one at a
 	// time, with the record it was given): a closure per record was an
 	// allocation per event. The record's index is its place in krs.
@@ -248,6 +252,10 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 		if errors.Is(err, kerr.UnknownTopicOrPartition) {
 			p.known.Delete(records[i].Topic) // deleted since: ask again
 		}
+		if errors.Is(err, kerr.UnknownTopicID) && !slices.Contains(staleIDs, records[i].Topic) {
+			p.known.Delete(records[i].Topic)
+			staleIDs = append(staleIDs, records[i].Topic)
+		}
 		finished[i] = true
 		pending--
 		if pending == 0 {
@@ -262,6 +270,7 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 	select {
 	case <-done:
 		c.put()
+		p.adoptNewTopicIDs(staleIDs)
 		return errs
 	case <-ctx.Done():
 	}
@@ -269,14 +278,15 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 	// acknowledged and publishes them again later (at least once). The
 	// client still holds them: c is not reused.
 	mu.Lock()
-	defer mu.Unlock()
-	out := errs
-	errs = nil
+	out, stale := errs, staleIDs
+	errs = nil // later promises return at once: finished no longer changes
+	mu.Unlock()
 	for i := range out {
 		if !finished[i] {
 			out[i] = fmt.Errorf("kgopublisher: not acknowledged before shutdown: %w", ctx.Err())
 		}
 	}
+	p.adoptNewTopicIDs(stale)
 	return out
 }
 
@@ -389,6 +399,21 @@ func (c *call) put() {
 	clear(c.headers)
 	c.krs, c.headers = c.krs[:0], c.headers[:0]
 	callPool.Put(c)
+}
+
+// adoptNewTopicIDs makes the client forget what it knows of producing to
+// topics, so that it looks them up again by name. Kafka 4's Produce names a
+// topic by its id; a topic deleted and created again under its name has a
+// new one, and franz-go keeps producing with the old id (failing with
+// UNKNOWN_TOPIC_ID) until the topic is purged from producing: the relay
+// would dead-letter an existing topic's events after UnknownTopicGrace.
+// Records of these topics still buffered by a concurrent call fail and are
+// published again by the relay; a topic that is gone for good is then
+// found unknown by name.
+func (p *Publisher) adoptNewTopicIDs(topics []string) {
+	if len(topics) > 0 {
+		p.cl.PurgeTopicsFromProducing(topics...)
+	}
 }
 
 // unknownTopics asks the cluster, in one metadata request, about the topics
