@@ -76,6 +76,14 @@ type Config struct {
 	// an ACL being granted or an authorizer restart is routine.
 	// Defaults to 1m.
 	TopicForbiddenGrace time.Duration
+	// KafkaHandoff is how long a relay that reaches PostgreSQL but no Kafka
+	// broker (its Publisher's Ping fails: a network policy on its node, a
+	// secret rotated under it) keeps its shards while another live relay
+	// reaches Kafka; then it hands them over, and takes its share back once
+	// it reaches Kafka again. While no relay reaches Kafka (the brokers are
+	// down) every relay keeps its share. A Publisher without a Ping method
+	// counts as reaching Kafka. Defaults to 1m.
+	KafkaHandoff time.Duration
 	// MaxRetryBackoff caps the wait before a key whose event failed is tried
 	// again, before jitter: each wait is drawn ±50% around the exponential
 	// backoff's interval, so at the cap a key waits 5-15 s by default.
@@ -161,6 +169,12 @@ func (c *Config) withDefaults() (Config, error) {
 	}
 	if out.TopicForbiddenGrace < 0 {
 		return out, fmt.Errorf("relay: Config.TopicForbiddenGrace must not be negative, got %s", out.TopicForbiddenGrace)
+	}
+	if out.KafkaHandoff == 0 {
+		out.KafkaHandoff = time.Minute
+	}
+	if out.KafkaHandoff < 0 {
+		return out, fmt.Errorf("relay: Config.KafkaHandoff must not be negative, got %s", out.KafkaHandoff)
 	}
 	if out.PublishTimeout == 0 {
 		out.PublishTimeout = 30 * time.Second

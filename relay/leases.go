@@ -60,6 +60,11 @@ type leases struct {
 	changed    chan struct{}
 
 	outboxLocked bool // tick's: the last charge found the outbox locked (logged once)
+	// reachesKafka says whether this relay has reached Kafka within its
+	// handoff period (nil: always). standingAside is tick's: it handed its
+	// shards over for want of Kafka (logged once each way).
+	reachesKafka  func() bool
+	standingAside bool
 }
 
 func newLeases(st *store, id string, duration time.Duration, obs Observer, log *slog.Logger) *leases {
@@ -113,8 +118,9 @@ func (l *leases) chargeCrashed(ctx context.Context) (bool, error) {
 func (l *leases) tick(ctx context.Context) error {
 	start := time.Now()
 	dur := l.duration.String()
+	reaches := l.reachesKafka == nil || l.reachesKafka()
 	var held bool
-	if err := l.st.pool.QueryRow(ctx, l.st.heartbeatSQL, l.id, l.host, os.Getpid(), dur, l.token).Scan(&held); err != nil {
+	if err := l.st.pool.QueryRow(ctx, l.st.heartbeatSQL, l.id, l.host, os.Getpid(), dur, l.token, reaches).Scan(&held); err != nil {
 		if !errors.Is(err, pgx.ErrNoRows) {
 			return fmt.Errorf("heartbeat: %w", err)
 		}
@@ -141,12 +147,11 @@ func (l *leases) tick(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("charge crashed rounds: %w", err)
 	}
-	var live int
-	if err := l.st.pool.QueryRow(ctx, l.st.liveInstancesSQL).Scan(&live); err != nil {
+	var live, reaching int
+	if err := l.st.pool.QueryRow(ctx, l.st.liveInstancesSQL).Scan(&live, &reaching); err != nil {
 		return fmt.Errorf("count live relays: %w", err)
 	}
-	live = max(live, 1)
-	fair := (NumShards + live - 1) / live
+	fair := l.fairShare(live, reaching, reaches)
 
 	renewed, err := l.queryShards(ctx, l.st.renewSQL, l.id, dur)
 	if err != nil {
@@ -189,6 +194,32 @@ func (l *leases) tick(ctx context.Context) error {
 		}
 	}
 	return nil
+}
+
+// fairShare is how many shards this relay should hold: an equal share of
+// the live relays that reach Kafka, none while it does not and another
+// does (it hands its shards over), and an equal share of all live relays
+// while none does (the brokers are down: there is nobody to hand them to).
+func (l *leases) fairShare(live, reaching int, reaches bool) int {
+	aside := !reaches && reaching > 0
+	if aside != l.standingAside {
+		l.standingAside = aside
+		if aside {
+			l.log.Warn("relay: no Kafka broker answers this relay while another relay reaches Kafka; handing the shards over",
+				"relays_reaching_kafka", reaching)
+		} else {
+			l.log.Info("relay: taking a share of the shards again", "reaches_kafka", reaches, "relays_reaching_kafka", reaching)
+		}
+	}
+	switch {
+	case aside:
+		return 0
+	case reaching > 0:
+		return (NumShards + reaching - 1) / reaching
+	default:
+		live = max(live, 1)
+		return (NumShards + live - 1) / live
+	}
 }
 
 // lapse reports no shard owned once the leases may have lapsed without a

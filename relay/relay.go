@@ -208,6 +208,8 @@ func (r *Relay) Run(ctx context.Context) error {
 		return stoppedWhileStarting(ctx, err)
 	}
 	r.warnOfNewerMigrations(ctx)
+	stopWatch := r.watchKafka()
+	defer stopWatch()
 	if err := r.start(ctx); err != nil {
 		if err = stoppedWhileStarting(ctx, err); err == nil {
 			// A first lease round cut short may have written the instance
@@ -252,6 +254,52 @@ func (r *Relay) Run(ctx context.Context) error {
 	r.handBack()
 	r.log.Info("relay stopped")
 	return stopErr
+}
+
+// pinger is what a Publisher offers to tell whether a broker answers;
+// both of onceflow's publishers have it.
+type pinger interface {
+	Ping(ctx context.Context) error
+}
+
+// watchKafka pings the publisher's brokers every lease tick, so that the
+// leases know whether this relay reaches Kafka (KafkaHandoff): a relay cut
+// off from the brokers but not from PostgreSQL would otherwise keep its
+// shards, and their events would wait, while another relay could publish
+// them. The pings run beside the lease ticks, never in them: a broker that
+// drops packets must not hold up a renewal. A Publisher without Ping
+// counts as reaching Kafka. The returned function stops the watch.
+func (r *Relay) watchKafka() (stop func()) {
+	p, ok := r.pub.(pinger)
+	if !ok {
+		return func() {}
+	}
+	var lastAnswer atomic.Int64 // unix ns; the start counts as an answer
+	lastAnswer.Store(time.Now().UnixNano())
+	r.leases.reachesKafka = func() bool {
+		return time.Since(time.Unix(0, lastAnswer.Load())) < r.cfg.KafkaHandoff
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		every := r.leases.interval()
+		t := time.NewTicker(every)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+			pctx, pcancel := context.WithTimeout(ctx, every)
+			if err := p.Ping(pctx); err == nil {
+				lastAnswer.Store(time.Now().UnixNano())
+			}
+			pcancel()
+		}
+	}()
+	return func() { cancel(); <-done }
 }
 
 // handBack gives back this process's shards and instance row at a stop

@@ -193,15 +193,15 @@ WHERE o.id = x.id AND (x.charge OR x.run = 0 AND o.first_refused_at IS NOT NULL)
 		// The instance row carries the token of the process that holds
 		// it: a process with another token gets it only once its lease
 		// has lapsed (no row comes back otherwise: the id is in use).
-		heartbeatSQL: `INSERT INTO ` + instances + ` AS i (id, hostname, pid, lease_until, token)
-VALUES ($1, $2, $3, now() + $4::interval, $5)
+		heartbeatSQL: `INSERT INTO ` + instances + ` AS i (id, hostname, pid, lease_until, token, kafka_ok)
+VALUES ($1, $2, $3, now() + $4::interval, $5, $6)
 ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), lease_until = excluded.lease_until,
-    hostname = excluded.hostname, pid = excluded.pid, token = excluded.token,
+    hostname = excluded.hostname, pid = excluded.pid, token = excluded.token, kafka_ok = excluded.kafka_ok,
     started_at = CASE WHEN i.token IS NOT DISTINCT FROM excluded.token THEN i.started_at ELSE now() END
 WHERE i.token IS NOT DISTINCT FROM excluded.token OR i.lease_until <= now()
 RETURNING true`,
 		holderSQL:        `SELECT hostname, pid, heartbeat_at FROM ` + instances + ` WHERE id = $1`,
-		liveInstancesSQL: `SELECT count(*) FROM ` + instances + ` WHERE lease_until > now()`,
+		liveInstancesSQL: `SELECT count(*), count(*) FILTER (WHERE kafka_ok) FROM ` + instances + ` WHERE lease_until > now()`,
 		renewSQL: `UPDATE ` + shards + ` SET lease_until = now() + $2::interval
 WHERE owner = $1 AND lease_until > now() RETURNING shard`,
 		takeSQL: `UPDATE ` + shards + ` SET owner = $1, lease_until = now() + $2::interval

@@ -96,6 +96,10 @@ func (w *brokerWatch) Partition(topic string, key []byte) (int32, bool) {
 
 var _ relay.PartitionReporter = (*brokerWatch)(nil)
 
+// Ping passes the publisher's on: the relay pings to learn whether it
+// reaches Kafka (Config.KafkaHandoff).
+func (w *brokerWatch) Ping(ctx context.Context) error { return w.ping(ctx) }
+
 // waiting is how long the oldest Publish in flight has waited; 0 when none is.
 func (w *brokerWatch) waiting() time.Duration {
 	w.inFlightMu.Lock()

@@ -48,6 +48,7 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	grace := fs.Duration("unknown-topic-grace", envDuration("ONCEFLOW_UNKNOWN_TOPIC_GRACE", time.Minute), "retry an unknown topic this long before dead-lettering (env ONCEFLOW_UNKNOWN_TOPIC_GRACE)")
 	waitDB := fs.Bool("wait-for-database", kafkaEnvBoolDefault("ONCEFLOW_WAIT_FOR_DATABASE", true), "at start, wait (with backoff, saying so) for a database that does not answer instead of exiting 1; bad credentials or a missing database still exit 1 (env ONCEFLOW_WAIT_FOR_DATABASE)")
 	checkEvery := fs.Duration("kafka-check-interval", envDuration("ONCEFLOW_KAFKA_CHECK_INTERVAL", 5*time.Second), "how often to check a broker answers (logged at Warn and exported as onceflow_relay_kafka_up) (env ONCEFLOW_KAFKA_CHECK_INTERVAL)")
+	handoff := fs.Duration("kafka-handoff", envDuration("ONCEFLOW_KAFKA_HANDOFF", time.Minute), "a relay no Kafka broker has answered for this long hands its shards to the relays that reach Kafka, if any does (env ONCEFLOW_KAFKA_HANDOFF)")
 	forbiddenGrace := fs.Duration("topic-forbidden-grace", envDuration("ONCEFLOW_TOPIC_FORBIDDEN_GRACE", time.Minute), "retry a topic that answers \"not authorized\" this long before dead-lettering (env ONCEFLOW_TOPIC_FORBIDDEN_GRACE)")
 	var kf kafkaFlags
 	kf.register(fs)
@@ -74,7 +75,7 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 		name string
 		d    time.Duration
 	}{{"probe-interval", *probe}, {"poll-interval", *poll}, {"lease-duration", *lease}, {"unknown-topic-grace", *grace},
-		{"topic-forbidden-grace", *forbiddenGrace}, {"publish-timeout", *publishTimeout}} {
+		{"topic-forbidden-grace", *forbiddenGrace}, {"publish-timeout", *publishTimeout}, {"kafka-handoff", *handoff}} {
 		if f.d <= 0 {
 			return fmt.Errorf("%w: --%s: %s is not positive", errUsage, f.name, f.d)
 		}
@@ -143,6 +144,7 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 		UnknownTopicGrace:   *grace,
 		PublishTimeout:      *publishTimeout,
 		TopicForbiddenGrace: *forbiddenGrace,
+		KafkaHandoff:        *handoff,
 		MaxHeldKeys:         *maxHeldKeys,
 		Logger:              log,
 		Observer:            withTracing(relayprom.NewObserver(reg), tp),
@@ -212,6 +214,7 @@ func relayFlagNames(s string) string {
 		"relay: Config.UnknownTopicGrace", "--unknown-topic-grace",
 		"relay: Config.TopicForbiddenGrace", "--topic-forbidden-grace",
 		"relay: Config.PublishTimeout", "--publish-timeout",
+		"relay: Config.KafkaHandoff", "--kafka-handoff",
 		"relay: Config.MaxHeldKeys", "--max-held-keys",
 	).Replace(s)
 }

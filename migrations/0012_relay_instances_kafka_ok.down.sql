@@ -1,0 +1,1 @@
+ALTER TABLE relay_instances DROP COLUMN kafka_ok;

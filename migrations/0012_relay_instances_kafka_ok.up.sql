@@ -1,0 +1,13 @@
+-- onceflow schema, version 12: a relay says whether it reaches Kafka.
+--
+-- Shards are leased in PostgreSQL, so a relay that still reaches the
+-- database but not the brokers (a network policy on its node, a secret
+-- rotated under it, a zone cut off) renewed its shards and their events
+-- waited for as long as its isolation lasted, while the other relays idled.
+-- Each relay now writes with its heartbeat whether it has reached Kafka
+-- within its handoff period; one that has not hands its shards over while
+-- another live relay has, and the others share the shards among the relays
+-- that reach Kafka. While none does (the brokers are down), nothing
+-- changes. Relays of earlier releases do not write it: true, as they
+-- always behaved.
+ALTER TABLE relay_instances ADD COLUMN kafka_ok boolean NOT NULL DEFAULT true;
