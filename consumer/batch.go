@@ -2,6 +2,7 @@ package consumer
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"time"
@@ -30,7 +31,7 @@ func (p *Processor) runBatch(ctx context.Context, stop <-chan struct{}, msgs []M
 	}
 	if len(good) > 0 {
 		if err := p.attemptBatch(ctx, stop, good); err != nil {
-			if ctx.Err() != nil {
+			if ctx.Err() != nil || errors.Is(err, errAbandoned) {
 				return errAbandoned
 			}
 			p.log.LogAttrs(ctx, slog.LevelWarn, "consumer: batch failed; retrying its messages one at a time",
@@ -91,7 +92,10 @@ func (p *Processor) batchTx(ctx context.Context, stop <-chan struct{}, msgs []Me
 	for i, m := range msgs {
 		ids[i] = m.ID
 	}
-	release, err := p.holdSession(ctx)
+	release, err := p.holdSession(ctx, stop)
+	if errors.Is(err, errAbandoned) {
+		return err
+	}
 	if err != nil {
 		return fmt.Errorf("consumer %s: begin: %w", p.name, err)
 	}
@@ -100,7 +104,7 @@ func (p *Processor) batchTx(ctx context.Context, stop <-chan struct{}, msgs []Me
 	if err != nil {
 		return fmt.Errorf("consumer %s: begin: %w", p.name, err)
 	}
-	defer func() { _ = tx.Rollback(ctx) }()
+	defer rollback(ctx, tx)
 	rows, err := tx.Query(ctx, p.insertAll, p.name, ids)
 	if err != nil {
 		return fmt.Errorf("consumer %s: record %d messages: %w", p.name, len(ids), err)

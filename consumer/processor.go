@@ -36,11 +36,15 @@ type Handler func(ctx context.Context, tx pgx.Tx, msg Message) error
 // commits or none of it does.
 type BatchHandler func(ctx context.Context, tx pgx.Tx, msgs []Message) error
 
-// Beginner starts transactions: *pgxpool.Pool fits. A *pgx.Conn fits too:
-// it is one session, not safe for concurrent use, so the Processor then runs
-// one transaction at a time on it, whatever Concurrency and however many
-// partitions (two interleaved on one session would be one transaction, and
-// one's COMMIT would commit the other's dedup record).
+// Beginner starts transactions: *pgxpool.Pool fits, and is what to use. A
+// *pgx.Conn (or a *pgxpool.Conn) fits too: it is one session, not safe for
+// concurrent use, so the Processor then runs one transaction at a time on
+// it, whatever Concurrency and however many partitions (two interleaved on
+// one session would be one transaction, and one's COMMIT would commit the
+// other's dedup record). Nor is it reopened once closed (a database
+// restart; Stop abandoning a handler that ignores its context, which closes
+// that handler's connection): the Processor then waits for the database
+// for good.
 type Beginner interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }
@@ -118,7 +122,8 @@ func newProcessor(db Beginner, name string, h Handler, bh BatchHandler, cfg *Con
 	// identifier made of a hash, so no user string reaches the SQL.
 	stmt := fmt.Sprintf("onceflow_dedup_%x", crc32.ChecksumIEEE([]byte(table)))
 	var oneSession chan struct{}
-	if _, ok := db.(*pgx.Conn); ok {
+	switch db.(type) {
+	case *pgx.Conn, *pgxpool.Conn:
 		oneSession = make(chan struct{}, 1)
 	}
 	return &Processor{
@@ -270,7 +275,10 @@ func (p *Processor) attempt(ctx context.Context, stop <-chan struct{}, msg Messa
 	} else {
 		var dup bool
 		var err error
-		tx, release, dup, err = p.begin(ctx, msg)
+		tx, release, dup, err = p.begin(ctx, stop, msg)
+		if errors.Is(err, errAbandoned) {
+			return 0, 0, false, err // stopped while waiting for the session
+		}
 		if err != nil {
 			if refusedForMessage(err, msg.ID) {
 				return 0, 0, false, Permanent(err)
@@ -284,7 +292,7 @@ func (p *Processor) attempt(ctx context.Context, stop <-chan struct{}, msg Messa
 	committed := false
 	defer func() {
 		if !committed {
-			_ = tx.Rollback(ctx)
+			rollback(ctx, tx)
 		}
 		release()
 	}()
@@ -329,10 +337,10 @@ type acquirer interface {
 // connection stays usable. Other Beginners, Config.PlainBegin, and a pool
 // whose server sessions do not keep the statement (lostStatement) get
 // BEGIN, then INSERT … ON CONFLICT DO NOTHING.
-func (p *Processor) begin(ctx context.Context, msg Message) (tx pgx.Tx, release func(), dup bool, err error) {
+func (p *Processor) begin(ctx context.Context, stop <-chan struct{}, msg Message) (tx pgx.Tx, release func(), dup bool, err error) {
 	pool, ok := p.db.(acquirer)
 	if !ok || p.plainBegin() {
-		return p.beginPlain(ctx, msg)
+		return p.beginPlain(ctx, stop, msg)
 	}
 	c, err := pool.Acquire(ctx)
 	if err != nil {
@@ -343,7 +351,7 @@ func (p *Processor) begin(ctx context.Context, msg Message) (tx pgx.Tx, release 
 	if _, err := c.Conn().Prepare(ctx, p.stmtName, p.strictOne); err != nil {
 		c.Release()
 		if p.lostStatement(ctx, err) {
-			return p.beginPlain(ctx, msg)
+			return p.beginPlain(ctx, stop, msg)
 		}
 		return nil, nil, false, fmt.Errorf("consumer %s: prepare dedup insert: %w", p.name, err)
 	}
@@ -359,7 +367,7 @@ func (p *Processor) begin(ctx context.Context, msg Message) (tx pgx.Tx, release 
 		_, _ = c.Conn().Exec(ctx, "ROLLBACK")
 		c.Release()
 		if p.lostStatement(ctx, err) {
-			return p.beginPlain(ctx, msg)
+			return p.beginPlain(ctx, stop, msg)
 		}
 		return nil, nil, false, fmt.Errorf("consumer %s: begin and record message %s: %w", p.name, msg.ID, err)
 	}
@@ -401,8 +409,11 @@ func (p *Processor) beginTx(ctx context.Context) (pgx.Tx, error) {
 // beginPlain is begin in two round trips, BEGIN and then INSERT … ON
 // CONFLICT DO NOTHING, with no statement of the Processor's own on the
 // server.
-func (p *Processor) beginPlain(ctx context.Context, msg Message) (pgx.Tx, func(), bool, error) {
-	release, err := p.holdSession(ctx)
+func (p *Processor) beginPlain(ctx context.Context, stop <-chan struct{}, msg Message) (pgx.Tx, func(), bool, error) {
+	release, err := p.holdSession(ctx, stop)
+	if errors.Is(err, errAbandoned) {
+		return nil, nil, false, err
+	}
 	if err != nil {
 		return nil, nil, false, fmt.Errorf("consumer %s: begin: %w", p.name, err)
 	}
@@ -413,7 +424,7 @@ func (p *Processor) beginPlain(ctx context.Context, msg Message) (pgx.Tx, func()
 	}
 	tag, err := tx.Exec(ctx, p.insertOne, p.name, msg.ID)
 	if err != nil || tag.RowsAffected() == 0 {
-		_ = tx.Rollback(ctx)
+		rollback(ctx, tx)
 		release()
 		if err != nil {
 			return nil, nil, false, fmt.Errorf("consumer %s: record message %s: %w", p.name, msg.ID, err)
@@ -423,18 +434,32 @@ func (p *Processor) beginPlain(ctx context.Context, msg Message) (pgx.Tx, func()
 	return tx, release, false, nil
 }
 
-// holdSession waits for the one session when db is a *pgx.Conn (see
-// oneSession); release must be called once the transaction ended.
-func (p *Processor) holdSession(ctx context.Context) (release func(), err error) {
+// holdSession waits for the one session when db is a single connection
+// (see oneSession); release must be called once the transaction ended. A
+// stop while waiting returns errAbandoned: nothing of the message has
+// started, so Stop drops it at once.
+func (p *Processor) holdSession(ctx context.Context, stop <-chan struct{}) (release func(), err error) {
 	if p.oneSession == nil {
 		return func() {}, nil
 	}
 	select {
 	case p.oneSession <- struct{}{}:
 		return func() { <-p.oneSession }, nil
+	case <-stop:
+		return nil, errAbandoned
 	case <-ctx.Done():
 		return nil, ctx.Err()
 	}
+}
+
+// rollback ends tx, not under ctx: a rollback that a canceled context
+// stops before it is sent leaves pgx no choice but to close the
+// connection (a pool's loses one; a single connection given as the
+// Beginner would be lost for good).
+func rollback(ctx context.Context, tx pgx.Tx) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	_ = tx.Rollback(ctx)
 }
 
 // plainBegin reports whether messages begin with beginPlain and commit
