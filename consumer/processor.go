@@ -139,7 +139,7 @@ func newProcessor(db Beginner, name string, h Handler, bh BatchHandler, cfg *Con
 		insertAll:   `INSERT INTO ` + table + ` (consumer, message_id) SELECT $1, unnest($2::text[]) ON CONFLICT DO NOTHING RETURNING message_id`,
 		stmtName:    stmt,
 		strictOne:   `INSERT INTO ` + table + ` (consumer, message_id) VALUES ($1, $2)`,
-		beginInsert: beginDurable + `; EXECUTE ` + stmt + `(` + literal(name) + `, `,
+		beginInsert: `BEGIN; EXECUTE ` + stmt + `(` + literal(name) + `, `,
 		running:     map[<-chan struct{}]map[*pgconn.PgConn]struct{}{},
 	}, nil
 }
@@ -355,7 +355,12 @@ func (p *Processor) begin(ctx context.Context, stop <-chan struct{}, msg Message
 		}
 		return nil, nil, false, fmt.Errorf("consumer %s: prepare dedup insert: %w", p.name, err)
 	}
-	tx, err = c.Conn().BeginTx(ctx, pgx.TxOptions{BeginQuery: p.beginInsert + literal(msg.ID) + ")"})
+	async, err := commitsAsync(ctx, c.Conn())
+	if err != nil {
+		c.Release()
+		return nil, nil, false, fmt.Errorf("consumer %s: read synchronous_commit: %w", p.name, err)
+	}
+	tx, err = c.Conn().BeginTx(ctx, pgx.TxOptions{BeginQuery: p.beginWith(async) + literal(msg.ID) + ")"})
 	if err != nil {
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) && pgErr.Code == uniqueViolation {
@@ -374,33 +379,69 @@ func (p *Processor) begin(ctx context.Context, stop <-chan struct{}, msg Message
 	return tx, c.Release, false, nil
 }
 
-// beginDurable begins a transaction that commits durably: the offset is
-// committed once COMMIT returns, so with synchronous_commit off (a common
-// database or role default) a server crash just after it would lose the
-// effect and its dedup record while Kafka holds the offset, and the message
-// would never come again. Only off is raised, to on (the default); local,
-// remote_write and remote_apply stay. One simple-protocol query with the
-// BEGIN: no round trip of its own.
-const beginDurable = `BEGIN; SELECT set_config('synchronous_commit', 'on', true) WHERE current_setting('synchronous_commit') = 'off'`
+// Durable commits: the offset is committed once COMMIT returns, so with
+// synchronous_commit off (a common database or role default) a server crash
+// just after it would lose the effect and its dedup record while Kafka holds
+// the offset, and the message would never come again. A session found
+// with it off gets it raised to on (the default) in each of the
+// Processor's transactions; local, remote_write and remote_apply stay. The
+// setting is read once per connection (SHOW), so a session that has it on
+// pays nothing per message.
+const (
+	// asyncCommitKey marks in a connection's CustomData whether its
+	// session has synchronous_commit off.
+	asyncCommitKey = "onceflow/consumer: synchronous_commit off"
+	syncCommitOn   = "SET LOCAL synchronous_commit TO on"
+	// syncCommitOnIfOff is for a transaction whose connection is not at
+	// hand (a Beginner whose Tx has no Conn).
+	syncCommitOnIfOff = "SELECT set_config('synchronous_commit', 'on', true) WHERE current_setting('synchronous_commit') = 'off'"
+)
 
-// txOptionsBeginner is what *pgxpool.Pool and *pgx.Conn offer besides
-// Begin: a BEGIN of the caller's text.
-type txOptionsBeginner interface {
-	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
+// commitsAsync reports whether conn's session has synchronous_commit off,
+// asking the server the first time per connection.
+func commitsAsync(ctx context.Context, conn *pgx.Conn) (bool, error) {
+	data := conn.PgConn().CustomData()
+	if off, ok := data[asyncCommitKey].(bool); ok {
+		return off, nil
+	}
+	var setting string
+	if err := conn.QueryRow(ctx, "SHOW synchronous_commit", pgx.QueryExecModeSimpleProtocol).Scan(&setting); err != nil {
+		return false, err
+	}
+	off := setting == "off"
+	data[asyncCommitKey] = off
+	return off, nil
 }
 
-// beginTx begins a transaction of p.db that commits durably (beginDurable).
-// A Beginner without BeginTx gets the setting in a statement of its own.
-func (p *Processor) beginTx(ctx context.Context) (pgx.Tx, error) {
-	if b, ok := p.db.(txOptionsBeginner); ok {
-		return b.BeginTx(ctx, pgx.TxOptions{BeginQuery: beginDurable})
+// beginWith is the BEGIN and dedup EXECUTE up to the message id, for a
+// session with synchronous_commit off (async) or not.
+func (p *Processor) beginWith(async bool) string {
+	if async {
+		return strings.Replace(p.beginInsert, "BEGIN; ", "BEGIN; "+syncCommitOn+"; ", 1)
 	}
+	return p.beginInsert
+}
+
+// beginTx begins a transaction of p.db that commits durably.
+func (p *Processor) beginTx(ctx context.Context) (pgx.Tx, error) {
 	tx, err := p.db.Begin(ctx)
 	if err != nil {
 		return nil, err
 	}
-	if _, err := tx.Exec(ctx, strings.TrimPrefix(beginDurable, "BEGIN; ")); err != nil {
-		_ = tx.Rollback(ctx)
+	stmt := syncCommitOnIfOff
+	if conn := tx.Conn(); conn != nil {
+		async, err := commitsAsync(ctx, conn)
+		if err != nil {
+			rollback(ctx, tx)
+			return nil, err
+		}
+		if !async {
+			return tx, nil
+		}
+		stmt = syncCommitOn
+	}
+	if _, err := tx.Exec(ctx, stmt); err != nil {
+		rollback(ctx, tx)
 		return nil, err
 	}
 	return tx, nil
