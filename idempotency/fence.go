@@ -159,10 +159,13 @@ func (f *Fence) Do(ctx context.Context, key string, fn func(ctx context.Context)
 	}()
 	result, err := runGuarded(fctx, fn)
 	returned = true
-	stop()
+	// The lease is renewed while the result is stored, through its
+	// retries: another call must not take the key over meanwhile.
+	defer stop()
 	sctx, scancel := context.WithTimeout(bg, 10*time.Second)
 	defer scancel()
 	if err != nil {
+		stop()
 		if rerr := f.store.release(sctx, f.db, c); rerr != nil {
 			f.cfg.Logger.Warn("idempotency: release claim", "key", key, "error", rerr)
 		}

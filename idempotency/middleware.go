@@ -465,13 +465,17 @@ func (m *Middleware) serveLeased(w http.ResponseWriter, r *http.Request, next ht
 	}()
 	next.ServeHTTP(rw, r.WithContext(hctx))
 	finished = true
-	stop()
 	if rw.statusCode() >= 500 && !m.cfg.StoreServerErrors {
+		stop()
 		m.release(bg, c)
 		rw.flush(false)
 		return
 	}
-	if err := m.storeLeasedResponse(c, rw); err != nil {
+	// The lease is renewed while the response is stored, through its
+	// retries: a retry must not take the key over meanwhile.
+	err = m.storeLeasedResponse(c, rw)
+	stop()
+	if err != nil {
 		// The handler's effects happened: answer with them. A retry will see
 		// the key in progress until the lease lapses, then run again.
 		m.cfg.Logger.Warn("idempotency: store response", "key", c.key, "error", err)

@@ -12,6 +12,7 @@ import (
 	"hash/fnv"
 	"maps"
 	"strings"
+	"sync"
 	"time"
 	"unicode/utf8"
 
@@ -148,8 +149,12 @@ WHERE k.scope = $1 AND k.key = $2 AND NOT (` + live + `)
     expires_at = greatest(expires_at, now() + $8::float8 * interval '1 second')
 WHERE scope = $1 AND key = $2 AND token = $3`,
 		releaseSQL: `DELETE FROM ` + t + ` WHERE scope = $1 AND key = $2 AND token = $3`,
-		renewSQL: `UPDATE ` + t + ` SET lease_until = now() + $4::float8 * interval '1 second'
-WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'`,
+		// A renewal finds the claim while it carries its token: running,
+		// or finished by this holder (renewals go on while the result is
+		// stored, so the key is not taken over during a store's retries;
+		// a finished record's lease is left alone).
+		renewSQL: `UPDATE ` + t + ` SET lease_until = CASE WHEN state = 'running' THEN now() + $4::float8 * interval '1 second' ELSE lease_until END
+WHERE scope = $1 AND key = $2 AND token = $3`,
 		purgeSQL: `DELETE FROM ` + t + ` AS k USING (
     SELECT scope, key FROM ` + t + `
     WHERE expires_at <= now() AND (state <> 'running' OR lease_until IS NULL OR lease_until <= now())
@@ -317,41 +322,37 @@ func (s *store) complete(ctx context.Context, db querier, c claim, window time.D
 // effect has happened outside the claim's transaction (Leased mode and
 // Fence.Do). A result left unstored would keep the key running until its
 // lease lapses and then let a retry run the work again, so a failure (a
-// database blip) is tried again, backing off, for up to budget; the caller
-// waits meanwhile. It stops at once on ErrLeaseLost: another caller has
-// taken the key over, and storing can no longer help. Attempts after the
-// lease lapsed are still sound: the token shows whether the key is ours.
+// database blip) is tried again, backing off, until budget has passed,
+// the last attempt at its end; the caller waits meanwhile, and keeps
+// renewing the lease, so no retry takes the key over. It stops at once on
+// ErrLeaseLost: another caller took the key over (the lease lapsed in a
+// longer outage), and storing can no longer help.
 func (s *store) completeRetrying(db querier, c claim, budget, window time.Duration, state string, status int, headers map[string][]string, body []byte, log func(string, ...any)) error {
-	// At least the 10 s a single attempt always had.
-	ctx, cancel := context.WithTimeout(context.Background(), max(budget, 10*time.Second))
-	defer cancel()
-	bo := backoff.WithContext(backoff.NewExponentialBackOff(
+	deadline := time.Now().Add(budget)
+	bo := backoff.NewExponentialBackOff(
 		backoff.WithInitialInterval(50*time.Millisecond),
 		backoff.WithMaxInterval(time.Second),
-		backoff.WithMaxElapsedTime(budget),
-	), ctx)
-	failures := 0
-	var last error
-	err := backoff.Retry(func() error {
+		backoff.WithMaxElapsedTime(0),
+	)
+	for attempts := 1; ; attempts++ {
+		// Each attempt gets the 10 s a single attempt always had.
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		err := s.complete(ctx, db, c, window, state, status, headers, body)
-		if errors.Is(err, ErrLeaseLost) {
-			return backoff.Permanent(err)
+		cancel()
+		if err == nil || errors.Is(err, ErrLeaseLost) {
+			return err
 		}
-		if err != nil {
-			if failures == 0 {
-				log("idempotency: store result failed; trying again", "scope", c.scope, "key", c.key, "error", err)
-			}
-			failures++
-			last = err
+		if attempts == 1 {
+			log("idempotency: store result failed; trying again", "scope", c.scope, "key", c.key, "error", err)
 		}
-		return err
-	}, bo)
-	if err != nil && last != nil && !errors.Is(err, ErrLeaseLost) {
-		// The context's deadline ended the last attempt: say why it failed
-		// before that.
-		err = fmt.Errorf("%w (%d attempts over %s)", last, failures, budget)
+		left := time.Until(deadline)
+		if left <= 0 {
+			return fmt.Errorf("%w (%d attempts over %s)", err, attempts, budget)
+		}
+		// The last wait ends at the deadline: a blip shorter than the
+		// budget is outlasted.
+		time.Sleep(min(bo.NextBackOff(), left))
 	}
-	return err
 }
 
 // release deletes c's claim so the key can run again.
@@ -422,7 +423,8 @@ func (s *store) keepLease(db querier, c claim, lease time.Duration, held time.Ti
 			}
 		}
 	}()
-	return func() { close(done); <-exited }
+	var once sync.Once
+	return func() { once.Do(func() { close(done); <-exited }) }
 }
 
 // lockKey is the advisory lock key of (table, scope, key): FNV-1a 64 over
