@@ -44,7 +44,8 @@ type BatchHandler func(ctx context.Context, tx pgx.Tx, msgs []Message) error
 // other's dedup record). Nor is it reopened once closed (a database
 // restart; Stop abandoning a handler that ignores its context, which closes
 // that handler's connection): the Processor then waits for the database
-// for good.
+// for good. The one-at-a-time rule is the Processor's: two Processors (or
+// a Processor and a Janitor) must not share a connection.
 type Beginner interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }

@@ -165,11 +165,12 @@ func New(p *consumer.Processor, cfg *Config) (*Consumer, error) {
 	case c.DeadLetterWriter != nil && c.DeadLetterWriter.Topic != "":
 		return nil, errors.New("kafkagoconsumer: Config.DeadLetterWriter.Topic must be empty")
 	// A dead letter counts as written, and its message's offset is
-	// committed, when WriteMessages returns nil: with fewer acks, or
+	// committed, when WriteMessages returns nil: without acks, or
 	// asynchronously, it returns nil for a record the broker refused or
-	// has not written, and the message is lost.
+	// has not written; with the leader's ack alone the record is lost if
+	// the leader fails before a follower copied it.
 	case c.DeadLetterWriter != nil && c.DeadLetterWriter.RequiredAcks != kafka.RequireAll:
-		return nil, fmt.Errorf("kafkagoconsumer: Config.DeadLetterWriter.RequiredAcks must be kafka.RequireAll (-1), not %d: with fewer acks a dead letter the broker refuses is lost while its message's offset is committed", c.DeadLetterWriter.RequiredAcks)
+		return nil, fmt.Errorf("kafkagoconsumer: Config.DeadLetterWriter.RequiredAcks must be kafka.RequireAll (-1), not %d: without acks a dead letter the broker refuses counts as written, and with the leader's alone it is lost if the leader fails before a follower copied it, while its message's offset is committed", c.DeadLetterWriter.RequiredAcks)
 	case c.DeadLetterWriter != nil && c.DeadLetterWriter.Async:
 		return nil, errors.New("kafkagoconsumer: Config.DeadLetterWriter.Async must be false: an asynchronous write returns before the dead letter is written, and its message's offset would be committed")
 	}

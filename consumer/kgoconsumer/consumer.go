@@ -177,8 +177,10 @@ func (c *Consumer) Run(ctx context.Context) error {
 		kgo.OnPartitionsLost(c.lost),
 		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
 		// A dead letter counts as written, and its message's offset is
-		// committed, once its produce is acknowledged: with fewer acks a
-		// record the broker refuses is acknowledged and lost.
+		// committed, once its produce is acknowledged: without acks a
+		// record the broker refuses counts as written, and with the
+		// leader's alone it is lost if the leader fails before a
+		// follower copied it.
 		kgo.RequiredAcks(kgo.AllISRAcks()),
 	)
 	cl, err := kgo.NewClient(opts...)
