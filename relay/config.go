@@ -82,7 +82,10 @@ type Config struct {
 	// reaches Kafka; then it hands them over, and takes its share back once
 	// it reaches Kafka again. While no relay reaches Kafka (the brokers are
 	// down) every relay keeps its share. A Publisher without a Ping method
-	// counts as reaching Kafka. Defaults to 1m.
+	// counts as reaching Kafka; a relay counts as not reaching it until a
+	// broker first answered. Must be at least LeaseDuration (the brokers
+	// are pinged once a lease tick, each ping given up to KafkaHandoff).
+	// Defaults to 1m (LeaseDuration if that is longer).
 	KafkaHandoff time.Duration
 	// MaxRetryBackoff caps the wait before a key whose event failed is tried
 	// again, before jitter: each wait is drawn ±50% around the exponential
@@ -171,10 +174,12 @@ func (c *Config) withDefaults() (Config, error) {
 		return out, fmt.Errorf("relay: Config.TopicForbiddenGrace must not be negative, got %s", out.TopicForbiddenGrace)
 	}
 	if out.KafkaHandoff == 0 {
-		out.KafkaHandoff = time.Minute
+		out.KafkaHandoff = max(time.Minute, out.LeaseDuration)
 	}
-	if out.KafkaHandoff < 0 {
-		return out, fmt.Errorf("relay: Config.KafkaHandoff must not be negative, got %s", out.KafkaHandoff)
+	if out.KafkaHandoff < out.LeaseDuration {
+		// The brokers are pinged once a lease tick: a shorter handoff
+		// would be decided by where the tick falls, not by Kafka.
+		return out, fmt.Errorf("relay: Config.KafkaHandoff must be at least Config.LeaseDuration (%s), got %s", out.LeaseDuration, out.KafkaHandoff)
 	}
 	if out.PublishTimeout == 0 {
 		out.PublishTimeout = 30 * time.Second

@@ -205,7 +205,7 @@ func (l *leases) fairShare(live, reaching int, reaches bool) int {
 	if aside != l.standingAside {
 		l.standingAside = aside
 		if aside {
-			l.log.Warn("relay: no Kafka broker answers this relay while another relay reaches Kafka; handing the shards over",
+			l.log.Warn("relay: no Kafka broker answers this relay while another relay reaches Kafka; leaving the shards to the relays that do",
 				"relays_reaching_kafka", reaching)
 		} else {
 			l.log.Info("relay: taking a share of the shards again", "reaches_kafka", reaches, "relays_reaching_kafka", reaching)

@@ -208,7 +208,7 @@ func (r *Relay) Run(ctx context.Context) error {
 		return stoppedWhileStarting(ctx, err)
 	}
 	r.warnOfNewerMigrations(ctx)
-	stopWatch := r.watchKafka()
+	stopWatch := r.watchKafka(ctx)
 	defer stopWatch()
 	if err := r.start(ctx); err != nil {
 		if err = stoppedWhileStarting(ctx, err); err == nil {
@@ -256,6 +256,19 @@ func (r *Relay) Run(ctx context.Context) error {
 	return stopErr
 }
 
+// sleepUnlessShardsChange waits d, or less if ctx ends or the leases
+// signal a change of shards (the signal is taken: the loop reads the
+// shards next).
+func (r *Relay) sleepUnlessShardsChange(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-ctx.Done():
+	case <-r.leases.changed:
+	}
+}
+
 // pinger is what a Publisher offers to tell whether a broker answers;
 // both of onceflow's publishers have it.
 type pinger interface {
@@ -266,39 +279,56 @@ type pinger interface {
 // leases know whether this relay reaches Kafka (KafkaHandoff): a relay cut
 // off from the brokers but not from PostgreSQL would otherwise keep its
 // shards, and their events would wait, while another relay could publish
-// them. The pings run beside the lease ticks, never in them: a broker that
-// drops packets must not hold up a renewal. A Publisher without Ping
-// counts as reaching Kafka. The returned function stops the watch.
-func (r *Relay) watchKafka() (stop func()) {
+// them. The first ping is waited for (up to a tick), so that a relay
+// started cut off takes no shard from one that reaches Kafka; a relay
+// counts as not reaching Kafka until a broker answered. The later pings run
+// beside the lease ticks, never in them: a broker that drops packets must
+// not hold up a renewal. Each ping may take up to KafkaHandoff: a slow
+// broker still answers. A Publisher without Ping counts as reaching Kafka.
+// The returned function stops the watch.
+func (r *Relay) watchKafka(ctx context.Context) (stop func()) {
 	p, ok := r.pub.(pinger)
 	if !ok {
 		return func() {}
 	}
-	var lastAnswer atomic.Int64 // unix ns; the start counts as an answer
-	lastAnswer.Store(time.Now().UnixNano())
+	var lastAnswer atomic.Int64 // unix ns; 0: none yet
 	r.leases.reachesKafka = func() bool {
-		return time.Since(time.Unix(0, lastAnswer.Load())) < r.cfg.KafkaHandoff
+		at := lastAnswer.Load()
+		return at != 0 && time.Since(time.Unix(0, at)) < r.cfg.KafkaHandoff
 	}
-	ctx, cancel := context.WithCancel(context.Background())
+	ping := func(ctx context.Context) {
+		pctx, cancel := context.WithTimeout(ctx, r.cfg.KafkaHandoff)
+		defer cancel()
+		if err := p.Ping(pctx); err == nil {
+			lastAnswer.Store(time.Now().UnixNano())
+		}
+	}
+	watchCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	done := make(chan struct{})
+	first := make(chan struct{})
 	go func() {
 		defer close(done)
 		every := r.leases.interval()
 		t := time.NewTicker(every)
 		defer t.Stop()
+		ping(watchCtx)
+		close(first)
 		for {
 			select {
-			case <-ctx.Done():
+			case <-watchCtx.Done():
 				return
 			case <-t.C:
 			}
-			pctx, pcancel := context.WithTimeout(ctx, every)
-			if err := p.Ping(pctx); err == nil {
-				lastAnswer.Store(time.Now().UnixNano())
-			}
-			pcancel()
+			ping(watchCtx)
 		}
 	}()
+	wait := time.NewTimer(r.leases.interval())
+	defer wait.Stop()
+	select {
+	case <-first:
+	case <-wait.C:
+	case <-ctx.Done():
+	}
 	return func() { cancel(); <-done }
 }
 
@@ -487,10 +517,11 @@ func (r *Relay) publishLoop(ctx context.Context) {
 			// likely down. Don't spin. (One key failing, the rest of the
 			// round its own events held back behind it, is that key's
 			// trouble: it waits out its own backoff, and the other keys
-			// are read at once.)
+			// are read at once.) A change of shards ends the wait: a
+			// relay cut off from Kafka hands its shards over at once.
 			wait := r.roundBackoff.NextBackOff()
 			r.debugRound(ctx, len(shards), res, next != nil, "backoff", wait)
-			sleep(ctx, wait)
+			r.sleepUnlessShardsChange(ctx, wait)
 		case res.whole:
 			r.roundBackoff.Reset()
 			// More may be waiting: go again at once.
