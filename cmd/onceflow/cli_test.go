@@ -44,7 +44,7 @@ func TestBadInputIsAUsageError(t *testing.T) {
 	// An explicit zero is not taken for "the default": each would mean
 	// something else (dead-letter at once, never wait) or nothing.
 	for _, flag := range []string{"--batch-size", "--batch-bytes", "--probe-interval", "--poll-interval", "--lease-duration",
-		"--unknown-topic-grace", "--topic-forbidden-grace", "--publish-timeout"} {
+		"--unknown-topic-grace", "--topic-forbidden-grace", "--publish-timeout", "--kafka-handoff"} {
 		cases["relay "+flag+" 0"] = []string{"relay", "--database-url", url, "--brokers", "127.0.0.1:1", flag, "0"}
 	}
 	for name, args := range cases {

@@ -123,6 +123,11 @@ func TestRelayBoundErrorsNameTheFlag(t *testing.T) {
 			t.Errorf("%s %s: err %v, want a usage error naming %s", flag, v, err, flag)
 		}
 	}
+	// A bound between two flags names both.
+	_, err := runCLITimeout(t, 3*time.Second, "relay", "--database-url", url, "--brokers", "127.0.0.1:1", "--kafka-handoff", "1s")
+	if !errors.Is(err, errUsage) || !strings.Contains(err.Error(), "--kafka-handoff must be at least --lease-duration (6s)") {
+		t.Errorf("--kafka-handoff 1s: err %v, want a usage error naming --kafka-handoff and --lease-duration", err)
+	}
 }
 
 // "A flag given on the command line wins over its variable" (README): a

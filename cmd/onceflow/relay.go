@@ -215,6 +215,7 @@ func relayFlagNames(s string) string {
 		"relay: Config.TopicForbiddenGrace", "--topic-forbidden-grace",
 		"relay: Config.PublishTimeout", "--publish-timeout",
 		"relay: Config.KafkaHandoff", "--kafka-handoff",
+		"at least Config.LeaseDuration", "at least --lease-duration",
 		"relay: Config.MaxHeldKeys", "--max-held-keys",
 	).Replace(s)
 }
