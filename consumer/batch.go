@@ -100,7 +100,7 @@ func (p *Processor) batchTx(ctx context.Context, stop <-chan struct{}, msgs []Me
 		return fmt.Errorf("consumer %s: begin: %w", p.name, err)
 	}
 	defer release()
-	tx, err := p.beginTx(ctx)
+	tx, err := p.db.Begin(ctx)
 	if err != nil {
 		return fmt.Errorf("consumer %s: begin: %w", p.name, err)
 	}

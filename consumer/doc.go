@@ -18,7 +18,7 @@
 // message is processed on redelivery) or leaves the record (the redelivered
 // message is skipped). That needs a durable COMMIT: a session with
 // synchronous_commit off has it raised to on for the Processor's
-// transactions (the setting is read once per connection). A concurrent duplicate, say the same message in two
+// transactions, by the dedup insert itself. A concurrent duplicate, say the same message in two
 // processes at once, blocks on the primary key until the first transaction
 // ends, then sees the row and skips.
 //

@@ -96,9 +96,7 @@ func (p *Processor) commit(ctx context.Context, tx pgx.Tx, msg Message, la *look
 		return nil
 	}
 	conn := tx.Conn()
-	// Known since this connection's first transaction: no round trip.
-	async, _ := conn.PgConn().CustomData()[asyncCommitKey].(bool)
-	ntx, err := conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: "COMMIT; " + p.beginWith(async) + literal(nextID) + ")"})
+	ntx, err := conn.BeginTx(ctx, pgx.TxOptions{BeginQuery: "COMMIT; " + p.beginInsert + literal(nextID) + ")"})
 	if err == nil {
 		la.carry = &carried{offset: next.Offset, tx: ntx, release: *release}
 		*release = func() {}

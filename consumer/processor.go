@@ -119,9 +119,14 @@ func newProcessor(db Beginner, name string, h Handler, bh BatchHandler, cfg *Con
 		return nil, err
 	}
 	table := pgx.Identifier{c.Schema, "processed_messages"}.Sanitize()
+	// Every dedup insert also makes its transaction's COMMIT durable
+	// (durableInsert): the one statement each transaction runs anyway.
+	into := durableInsert + `INSERT INTO ` + table + ` (consumer, message_id) `
+	strictOne := into + `SELECT $1, $2 FROM one`
 	// One prepared statement per schema and connection; the name is an
-	// identifier made of a hash, so no user string reaches the SQL.
-	stmt := fmt.Sprintf("onceflow_dedup_%x", crc32.ChecksumIEEE([]byte(table)))
+	// identifier made of a hash of its text, so no user string reaches the
+	// SQL and a changed text gets a name of its own.
+	stmt := fmt.Sprintf("onceflow_dedup_%x", crc32.ChecksumIEEE([]byte(strictOne)))
 	var oneSession chan struct{}
 	switch db.(type) {
 	case *pgx.Conn, *pgxpool.Conn:
@@ -136,10 +141,10 @@ func newProcessor(db Beginner, name string, h Handler, bh BatchHandler, cfg *Con
 		cfg:         c,
 		hooks:       newHooks(c.Hooks),
 		log:         c.Logger.With("consumer", name),
-		insertOne:   `INSERT INTO ` + table + ` (consumer, message_id) VALUES ($1, $2) ON CONFLICT DO NOTHING`,
-		insertAll:   `INSERT INTO ` + table + ` (consumer, message_id) SELECT $1, unnest($2::text[]) ON CONFLICT DO NOTHING RETURNING message_id`,
+		insertOne:   strictOne + ` ON CONFLICT DO NOTHING`,
+		insertAll:   into + `SELECT $1, unnest($2::text[]) FROM one ON CONFLICT DO NOTHING RETURNING message_id`,
 		stmtName:    stmt,
-		strictOne:   `INSERT INTO ` + table + ` (consumer, message_id) VALUES ($1, $2)`,
+		strictOne:   strictOne,
 		beginInsert: `BEGIN; EXECUTE ` + stmt + `(` + literal(name) + `, `,
 		running:     map[<-chan struct{}]map[*pgconn.PgConn]struct{}{},
 	}, nil
@@ -356,12 +361,7 @@ func (p *Processor) begin(ctx context.Context, stop <-chan struct{}, msg Message
 		}
 		return nil, nil, false, fmt.Errorf("consumer %s: prepare dedup insert: %w", p.name, err)
 	}
-	async, err := commitsAsync(ctx, c.Conn())
-	if err != nil {
-		c.Release()
-		return nil, nil, false, fmt.Errorf("consumer %s: read synchronous_commit: %w", p.name, err)
-	}
-	tx, err = c.Conn().BeginTx(ctx, pgx.TxOptions{BeginQuery: p.beginWith(async) + literal(msg.ID) + ")"})
+	tx, err = c.Conn().BeginTx(ctx, pgx.TxOptions{BeginQuery: p.beginInsert + literal(msg.ID) + ")"})
 	if err != nil {
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) && pgErr.Code == uniqueViolation {
@@ -380,73 +380,23 @@ func (p *Processor) begin(ctx context.Context, stop <-chan struct{}, msg Message
 	return tx, c.Release, false, nil
 }
 
-// Durable commits: the offset is committed once COMMIT returns, so with
-// synchronous_commit off (a common database or role default) a server crash
-// just after it would lose the effect and its dedup record while Kafka holds
-// the offset, and the message would never come again. A session found
-// with it off gets it raised to on (the default) in each of the
-// Processor's transactions; local, remote_write and remote_apply stay. The
-// setting is read once per connection (SHOW), so a session that has it on
-// pays nothing per message.
-const (
-	// asyncCommitKey marks in a connection's CustomData whether its
-	// session has synchronous_commit off.
-	asyncCommitKey = "onceflow/consumer: synchronous_commit off"
-	syncCommitOn   = "SET LOCAL synchronous_commit TO on"
-	// syncCommitOnIfOff is for a transaction whose connection is not at
-	// hand (a Beginner whose Tx has no Conn).
-	syncCommitOnIfOff = "SELECT set_config('synchronous_commit', 'on', true) WHERE current_setting('synchronous_commit') = 'off'"
-)
-
-// commitsAsync reports whether conn's session has synchronous_commit off,
-// asking the server the first time per connection.
-func commitsAsync(ctx context.Context, conn *pgx.Conn) (bool, error) {
-	data := conn.PgConn().CustomData()
-	if off, ok := data[asyncCommitKey].(bool); ok {
-		return off, nil
-	}
-	var setting string
-	if err := conn.QueryRow(ctx, "SHOW synchronous_commit", pgx.QueryExecModeSimpleProtocol).Scan(&setting); err != nil {
-		return false, err
-	}
-	off := setting == "off"
-	data[asyncCommitKey] = off
-	return off, nil
-}
-
-// beginWith is the BEGIN and dedup EXECUTE up to the message id, for a
-// session with synchronous_commit off (async) or not.
-func (p *Processor) beginWith(async bool) string {
-	if async {
-		return strings.Replace(p.beginInsert, "BEGIN; ", "BEGIN; "+syncCommitOn+"; ", 1)
-	}
-	return p.beginInsert
-}
-
-// beginTx begins a transaction of p.db that commits durably.
-func (p *Processor) beginTx(ctx context.Context) (pgx.Tx, error) {
-	tx, err := p.db.Begin(ctx)
-	if err != nil {
-		return nil, err
-	}
-	stmt := syncCommitOnIfOff
-	if conn := tx.Conn(); conn != nil {
-		async, err := commitsAsync(ctx, conn)
-		if err != nil {
-			rollback(ctx, tx)
-			return nil, err
-		}
-		if !async {
-			return tx, nil
-		}
-		stmt = syncCommitOn
-	}
-	if _, err := tx.Exec(ctx, stmt); err != nil {
-		rollback(ctx, tx)
-		return nil, err
-	}
-	return tx, nil
-}
+// durableInsert begins every dedup insert. The offset is committed once
+// COMMIT returns, so with synchronous_commit off (a common database or
+// role default, or a session-level SET a handler or, behind a pooler in
+// transaction mode, another client left behind) a server crash just after
+// it would lose the effect and its dedup record while Kafka holds the
+// offset, and the message would never come again. So the insert raises
+// off to on (the default) for its transaction; local, remote_write and
+// remote_apply stay. It is checked in each transaction, on the server
+// session that runs it, inside the one statement every transaction runs
+// anyway (prepared, where the pool allows): a setting read once per
+// connection would miss the two cases in parentheses, and a statement of
+// its own cost 10-20% of a one-message transaction. "one" is the single
+// row the insert selects its values from.
+const durableInsert = `WITH durable AS (
+    SELECT set_config('synchronous_commit', 'on', true) WHERE current_setting('synchronous_commit') = 'off'),
+one AS (SELECT count(*) FROM durable)
+`
 
 // beginPlain is begin in two round trips, BEGIN and then INSERT … ON
 // CONFLICT DO NOTHING, with no statement of the Processor's own on the
@@ -459,7 +409,7 @@ func (p *Processor) beginPlain(ctx context.Context, stop <-chan struct{}, msg Me
 	if err != nil {
 		return nil, nil, false, fmt.Errorf("consumer %s: begin: %w", p.name, err)
 	}
-	tx, err := p.beginTx(ctx)
+	tx, err := p.db.Begin(ctx)
 	if err != nil {
 		release()
 		return nil, nil, false, fmt.Errorf("consumer %s: begin: %w", p.name, err)

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"net"
@@ -48,7 +49,7 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	grace := fs.Duration("unknown-topic-grace", envDuration("ONCEFLOW_UNKNOWN_TOPIC_GRACE", time.Minute), "retry an unknown topic this long before dead-lettering (env ONCEFLOW_UNKNOWN_TOPIC_GRACE)")
 	waitDB := fs.Bool("wait-for-database", kafkaEnvBoolDefault("ONCEFLOW_WAIT_FOR_DATABASE", true), "at start, wait (with backoff, saying so) for a database that does not answer instead of exiting 1; bad credentials or a missing database still exit 1 (env ONCEFLOW_WAIT_FOR_DATABASE)")
 	checkEvery := fs.Duration("kafka-check-interval", envDuration("ONCEFLOW_KAFKA_CHECK_INTERVAL", 5*time.Second), "how often to check a broker answers (logged at Warn and exported as onceflow_relay_kafka_up) (env ONCEFLOW_KAFKA_CHECK_INTERVAL)")
-	handoff := fs.Duration("kafka-handoff", envDuration("ONCEFLOW_KAFKA_HANDOFF", time.Minute), "a relay no Kafka broker has answered for this long hands its shards to the relays that reach Kafka, if any does (env ONCEFLOW_KAFKA_HANDOFF)")
+	handoff := fs.Duration("kafka-handoff", envDuration("ONCEFLOW_KAFKA_HANDOFF", time.Minute), "a relay no Kafka broker has answered for this long hands its shards to the relays that reach Kafka, if any does; at least --lease-duration, which it follows when only that is given (env ONCEFLOW_KAFKA_HANDOFF)")
 	forbiddenGrace := fs.Duration("topic-forbidden-grace", envDuration("ONCEFLOW_TOPIC_FORBIDDEN_GRACE", time.Minute), "retry a topic that answers \"not authorized\" this long before dead-lettering (env ONCEFLOW_TOPIC_FORBIDDEN_GRACE)")
 	var kf kafkaFlags
 	kf.register(fs)
@@ -82,6 +83,14 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	}
 	if err := kf.check(); err != nil {
 		return fmt.Errorf("%w: %v", errUsage, err)
+	}
+	// Not given (by flag or variable): the relay's default, a minute or
+	// the lease if that is longer, so that --lease-duration 2m alone is
+	// not refused over a flag the operator never typed.
+	handoffGiven := os.Getenv("ONCEFLOW_KAFKA_HANDOFF") != ""
+	fs.Visit(func(f *flag.Flag) { handoffGiven = handoffGiven || f.Name == "kafka-handoff" })
+	if !handoffGiven {
+		*handoff = 0
 	}
 	brokers, conn, err := kf.conn(c.brokerList())
 	if err != nil {
