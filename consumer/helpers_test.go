@@ -237,3 +237,15 @@ func newLedgerProcessor(t *testing.T, pool *pgxpool.Pool, batch bool, handle con
 	}
 	return p
 }
+
+// oneConn is a single connection of its own (one session) for a test that
+// gives the Processor a *pgx.Conn; closed at the test's end.
+func oneConn(t *testing.T) *pgx.Conn {
+	t.Helper()
+	conn, err := pgx.Connect(context.Background(), pgtest.URL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close(context.Background()) })
+	return conn
+}

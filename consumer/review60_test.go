@@ -14,7 +14,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/consumer"
-	"github.com/onceflow/onceflow/internal/pgtest"
 )
 
 // A *pgx.Conn is one session. Two lanes (Concurrency 2, or two partitions)
@@ -25,11 +24,7 @@ import (
 func TestAPgxConnSharedByTwoLanesLosesNoMessage(t *testing.T) {
 	b := setup(t)
 	ctx := context.Background()
-	conn, err := pgx.Connect(ctx, pgtest.URL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
+	conn := oneConn(t)
 	var aRuns atomic.Int32
 	p, err := consumer.New(conn, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
 		if m.ID == "A" && aRuns.Add(1) == 1 {

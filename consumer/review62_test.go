@@ -13,7 +13,6 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/consumer"
-	"github.com/onceflow/onceflow/internal/pgtest"
 )
 
 // Two partitions share a *pgx.Conn. Partition B's message waits for the
@@ -26,11 +25,7 @@ import (
 func TestPgxConnWaiterStartsNoMessageAfterItsPartitionStopped(t *testing.T) {
 	b := setup(t)
 	ctx := context.Background()
-	conn, err := pgx.Connect(ctx, pgtest.URL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
+	conn := oneConn(t)
 	aStarted, aRelease := make(chan struct{}), make(chan struct{})
 	var bStopped atomic.Bool
 	var bAfterStop atomic.Int32
@@ -76,11 +71,7 @@ func TestPgxConnWaiterStartsNoMessageAfterItsPartitionStopped(t *testing.T) {
 func TestPgxConnWaiterDoesNotHoldItsPartitionsStop(t *testing.T) {
 	b := setup(t)
 	ctx := context.Background()
-	conn, err := pgx.Connect(ctx, pgtest.URL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
+	conn := oneConn(t)
 	aStarted, aRelease := make(chan struct{}), make(chan struct{})
 	p, err := consumer.New(conn, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
 		if m.ID == "A" {
@@ -168,11 +159,7 @@ func TestAPgxpoolConnRunsOneTransactionAtATime(t *testing.T) {
 func TestPgxConnSurvivesARevocationThatCancelsAHandler(t *testing.T) {
 	b := setup(t)
 	ctx := context.Background()
-	conn, err := pgx.Connect(ctx, pgtest.URL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
+	conn := oneConn(t)
 	aStarted := make(chan struct{})
 	p, err := consumer.New(conn, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
 		if m.ID == "A" {
