@@ -73,8 +73,9 @@ type Processor struct {
 	// unprepared is set once the dedup statement was found missing on,
 	// or already prepared on, the server (see lostStatement).
 	unprepared atomic.Bool
-	// oneSession is a one-slot semaphore when db is a *pgx.Conn: a
-	// transaction holds it from BEGIN to its end. Nil for a pool.
+	// oneSession is a one-slot semaphore when db is a single connection
+	// (*pgx.Conn, *pgxpool.Conn): a transaction holds it from BEGIN to its
+	// end. Nil for a pool.
 	oneSession chan struct{}
 	// running holds, per partition (its stop channel), the connections of
 	// the handlers running, so that Stop can close those it abandons.
