@@ -1,14 +1,7 @@
 package pgbouncertest_test
 
 import (
-	"bufio"
-	"bytes"
 	"context"
-	"os"
-	"os/exec"
-	"path/filepath"
-	"runtime"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -16,42 +9,9 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/consumer"
+	"github.com/onceflow/onceflow/internal/pgbouncertest"
 	"github.com/onceflow/onceflow/internal/pgtest"
 )
-
-// privatePgBouncer starts a PgBouncer of the test's own (scripts/pgbouncer.sh
-// with a state dir of its own), so that what the test does to its server
-// connections touches no other test, and returns its transaction URL.
-func privatePgBouncer(t *testing.T) string {
-	t.Helper()
-	_, file, _, _ := runtime.Caller(0)
-	script := filepath.Join(filepath.Dir(file), "..", "..", "scripts", "pgbouncer.sh")
-	dir, err := os.MkdirTemp("", "onceflow-pgbouncer-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var stderr bytes.Buffer
-	cmd := exec.Command("bash", script, "--state", dir, "start")
-	cmd.Env = append(os.Environ(), "ONCEFLOW_PGBOUNCER_STATE=")
-	cmd.Stderr = &stderr
-	out, err := cmd.Output()
-	if err != nil {
-		t.Fatalf("pgbouncer.sh start: %v: %s", err, stderr.String())
-	}
-	t.Cleanup(func() {
-		_ = exec.Command("bash", script, "--state", dir, "stop").Run()
-		_ = os.RemoveAll(dir)
-	})
-	sc := bufio.NewScanner(bytes.NewReader(out))
-	for sc.Scan() {
-		k, v, _ := strings.Cut(strings.TrimPrefix(sc.Text(), "export "), "=")
-		if k == "ONCEFLOW_TEST_PGBOUNCER_TRANSACTION_URL" {
-			return strings.Trim(v, "'")
-		}
-	}
-	t.Fatal("pgbouncer.sh printed no transaction URL")
-	return ""
-}
 
 // Behind PgBouncer in transaction mode (supported, README "Behind
 // PgBouncer", with Config.PlainBegin) one client connection's transactions
@@ -68,7 +28,7 @@ func privatePgBouncer(t *testing.T) string {
 func TestSynchronousCommitIsRaisedOnEachServerSessionBehindPgBouncer(t *testing.T) {
 	schema := pgtest.Schema(t)
 	ctx := context.Background()
-	url := privatePgBouncer(t) + "&default_query_exec_mode=exec"
+	url := pgbouncertest.StartPrivate(t).TransactionURL + "&default_query_exec_mode=exec"
 	pool := poolFor(t, url)
 
 	var mu sync.Mutex
