@@ -183,20 +183,17 @@ func Check(ctx context.Context, db Querier, schema string) error {
 		return err
 	}
 	// One round trip when the version table is there (the relay's start).
-	hasVersions, hasOutbox := true, true
+	hasOutbox := true
 	applied := map[int]bool{}
-	var versions []int32
-	err = db.QueryRow(ctx, `SELECT coalesce(array_agg(version), '{}') FROM `+pgx.Identifier{schema, "schema_migrations"}.Sanitize()).Scan(&versions)
-	var pgErr *pgconn.PgError
-	switch {
-	case errors.As(err, &pgErr) && (pgErr.Code == "42P01" || pgErr.Code == "3F000"): // undefined table or schema
-		hasVersions = false
+	versions, hasVersions, err := appliedVersions(ctx, db, schema)
+	if err != nil {
+		return err
+	}
+	if !hasVersions {
 		err = db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, pgx.Identifier{schema, "outbox"}.Sanitize()).Scan(&hasOutbox)
 		if err != nil {
 			return fmt.Errorf("migrations: check schema %s: %w", schema, err)
 		}
-	case err != nil:
-		return fmt.Errorf("migrations: read versions of schema %s: %w", schema, err)
 	}
 	for _, v := range versions {
 		applied[int(v)] = true
@@ -225,20 +222,30 @@ func Newer(ctx context.Context, db Querier, schema string) ([]int, error) {
 	if err != nil {
 		return nil, err
 	}
-	var versions []int32
-	err = db.QueryRow(ctx, `SELECT coalesce(array_agg(version ORDER BY version), '{}') FROM `+pgx.Identifier{schema, "schema_migrations"}.Sanitize()).Scan(&versions)
-	var pgErr *pgconn.PgError
-	switch {
-	case errors.As(err, &pgErr) && (pgErr.Code == "42P01" || pgErr.Code == "3F000"): // undefined table or schema
-		return nil, nil
-	case err != nil:
-		return nil, fmt.Errorf("migrations: read versions of schema %s: %w", schema, err)
+	versions, _, err := appliedVersions(ctx, db, schema)
+	if err != nil {
+		return nil, err
 	}
 	done := make(map[int]time.Time, len(versions))
 	for _, v := range versions {
 		done[int(v)] = time.Time{}
 	}
 	return unknownVersions(all, done), nil
+}
+
+// appliedVersions reads the versions recorded in schema's version table;
+// hasTable is false, with no error, when the table or the schema is not
+// there.
+func appliedVersions(ctx context.Context, db Querier, schema string) (versions []int32, hasTable bool, err error) {
+	err = db.QueryRow(ctx, `SELECT coalesce(array_agg(version), '{}') FROM `+pgx.Identifier{schema, "schema_migrations"}.Sanitize()).Scan(&versions)
+	var pgErr *pgconn.PgError
+	switch {
+	case errors.As(err, &pgErr) && (pgErr.Code == "42P01" || pgErr.Code == "3F000"): // undefined table or schema
+		return nil, false, nil
+	case err != nil:
+		return nil, false, fmt.Errorf("migrations: read versions of schema %s: %w", schema, err)
+	}
+	return versions, true, nil
 }
 
 // dataTablesDropped returns the data tables the reverts of steps drop, in
