@@ -382,6 +382,11 @@ func (t *transport) PublishDeadLetter(ctx context.Context, d consumer.DeadLetter
 		return err
 	case errors.Is(err, kerr.MessageTooLarge), errors.Is(err, kerr.RecordListTooLarge):
 		return fmt.Errorf("kgoconsumer: publish dead letter to %s: %w: %w", d.Topic, consumer.ErrDeadLetterTooLarge, err)
+	case errors.Is(err, kerr.ClusterAuthorizationFailed):
+		// franz-go keeps a refused producer id for the client's life: the
+		// group's client never asks again, so a grant needs a restart.
+		return fmt.Errorf("kgoconsumer: publish dead letter to %s: %w: the brokers refuse this principal idempotent writes; "+
+			"grant it IdempotentWrite on the cluster (MSK with IAM: kafka-cluster:WriteDataIdempotently), then restart the consumer", d.Topic, err)
 	default:
 		return fmt.Errorf("kgoconsumer: publish dead letter to %s: %w", d.Topic, err)
 	}

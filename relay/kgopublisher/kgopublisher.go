@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -58,9 +59,17 @@ type Config struct {
 // relay's retry repeats (at least once), never ahead of its key's earlier
 // records, which are in the same partition queue.
 type Publisher struct {
-	cl    *kgo.Client
-	owned bool
-	once  sync.Once
+	// cl is the client; New's is replaced when the brokers refuse it a
+	// producer id (see replaceRefusedClient).
+	cl atomic.Pointer[kgo.Client]
+	// opts build New's client again; nil for NewFromClient's, which is
+	// never replaced or closed.
+	opts []kgo.Opt
+	// replaceMu guards replacedAt and closed: a client is replaced at
+	// most once a replaceEvery, and never after Close.
+	replaceMu  sync.Mutex
+	replacedAt time.Time
+	closed     bool
 	// known holds the topics seen to exist, with their partition count
 	// (for Partition). A record for any other topic is produced only once a
 	// metadata request says the topic exists: franz-go retries an unknown
@@ -138,14 +147,15 @@ func New(brokers []string, cfg *Config) (*Publisher, error) {
 		kgo.RecordPartitioner(kgo.StickyKeyPartitioner(nil)),
 	}
 	opts = append(opts, connOpts...)
-	cl, err := kgo.NewClient(append(opts, c.Opts...)...)
+	opts = append(opts, c.Opts...)
+	cl, err := kgo.NewClient(opts...)
 	if err != nil {
 		return nil, fmt.Errorf("kgopublisher: %w", err)
 	}
-	return newPublisher(cl, true), nil
+	return newPublisher(cl, opts), nil
 }
 
-func newPublisher(cl *kgo.Client, owned bool) *Publisher {
+func newPublisher(cl *kgo.Client, opts []kgo.Opt) *Publisher {
 	part, _ := cl.OptValue(kgo.RecordPartitioner).(kgo.Partitioner)
 	maxBytes, _ := cl.OptValue(kgo.ProducerBatchMaxBytesFn).(func(string) int32) // per topic, ProducerBatchMaxBytes too
 	writeBytes, _ := cl.OptValue(kgo.BrokerMaxWriteBytes).(int32)
@@ -154,13 +164,17 @@ func newPublisher(cl *kgo.Client, owned bool) *Publisher {
 	// batch, as the client counts it (its header with the client id, acks,
 	// timeout, the topic's name, at least 16 bytes, and the arrays'
 	// lengths); the topic's name is taken off per record.
-	return &Publisher{cl: cl, owned: owned, partitioner: part, maxBatchBytes: maxBytes, requestRoom: writeBytes - 37 - int32(len(id))}
+	p := &Publisher{opts: opts, partitioner: part, maxBatchBytes: maxBytes, requestRoom: writeBytes - 37 - int32(len(id))}
+	p.cl.Store(cl)
+	return p
 }
 
 // NewFromClient publishes through a client you configured. Keep it
 // idempotent with acks=all and murmur2 partitioning, or the relay's ordering
-// promise weakens. Close does not close a client passed here.
-func NewFromClient(cl *kgo.Client) *Publisher { return newPublisher(cl, false) }
+// promise weakens. Close does not close a client passed here, and the
+// publisher cannot replace it: a client the brokers refused an idempotent
+// producer id (see New) fails every record until you build another.
+func NewFromClient(cl *kgo.Client) *Publisher { return newPublisher(cl, nil) }
 
 // Partition implements relay.PartitionReporter: the partition the client's
 // partitioner gives a record with key, among the topic's partitions as last
@@ -186,10 +200,11 @@ func (p *Publisher) Partition(topic string, key []byte) (int32, bool) {
 
 // Publish produces records and waits for every acknowledgement, or for ctx.
 func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error {
+	cl := p.cl.Load()
 	errs := make([]error, len(records))
 	finished := make([]bool, len(records))
 	pending := len(records)
-	unknown := p.unknownTopics(ctx, records)
+	unknown := p.unknownTopics(ctx, cl, records)
 	for i := range records {
 		if err, ok := unknown[records[i].Topic]; ok {
 			errs[i], finished[i] = classify(err), true
@@ -231,6 +246,8 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 	// client produces with: deleted, and perhaps created again (see
 	// adoptNewTopicIDs).
 	var staleIDs []string
+	// refused: the brokers refused the client an idempotent producer id.
+	var refused bool
 	// One promise for every record (the client calls promises one at a
 	// time, with the record it was given): a closure per record was an
 	// allocation per event. The record's index is its place in krs.
@@ -249,6 +266,9 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 			return // Publish already returned on ctx
 		}
 		errs[i] = classify(err)
+		if errors.Is(err, kerr.ClusterAuthorizationFailed) {
+			refused = true
+		}
 		if errors.Is(err, kerr.UnknownTopicOrPartition) {
 			p.known.Delete(records[i].Topic) // deleted since: ask again
 		}
@@ -264,13 +284,16 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 	}
 	for i := range krs {
 		if !finished[i] {
-			p.cl.Produce(ctx, &krs[i], promise)
+			cl.Produce(ctx, &krs[i], promise)
 		}
 	}
 	select {
 	case <-done:
 		c.put()
-		p.adoptNewTopicIDs(staleIDs)
+		adoptNewTopicIDs(cl, staleIDs)
+		if refused {
+			p.replaceRefusedClient(cl)
+		}
 		return errs
 	case <-ctx.Done():
 	}
@@ -278,7 +301,7 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 	// acknowledged and publishes them again later (at least once). The
 	// client still holds them: c is not reused.
 	mu.Lock()
-	out, stale := errs, staleIDs
+	out, stale, wasRefused := errs, staleIDs, refused
 	errs = nil // later promises return at once: finished no longer changes
 	mu.Unlock()
 	for i := range out {
@@ -286,8 +309,53 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 			out[i] = fmt.Errorf("kgopublisher: not acknowledged before shutdown: %w", ctx.Err())
 		}
 	}
-	p.adoptNewTopicIDs(stale)
+	adoptNewTopicIDs(cl, stale)
+	if wasRefused {
+		p.replaceRefusedClient(cl)
+	}
 	return out
+}
+
+// replaceEvery is the least time between two replacements of the client:
+// each one connects (and authenticates) afresh and asks for a producer id.
+const replaceEvery = time.Second
+
+// replaceRefusedClient replaces refused, a client New built, with a new
+// one of the same options, if it is still the publisher's client.
+//
+// A broker refuses an idempotent producer id with
+// CLUSTER_AUTHORIZATION_FAILED when the principal lacks IdempotentWrite on
+// the cluster (MSK with IAM: kafka-cluster:WriteDataIdempotently). That is
+// mended by a grant, but franz-go keeps such a refusal for the client's
+// life and never asks again (the Java client asks again: KAFKA-13668):
+// the relay would retry a client that cannot produce for as long as it
+// ran. A new client asks again.
+//
+// The old client is flushed before it is closed: without a producer id it
+// sends nothing, so its records fail at once; a refusal in a produce
+// response (older brokers) may leave other partitions' requests in flight,
+// and these are let finish rather than failed while they may still land.
+func (p *Publisher) replaceRefusedClient(refused *kgo.Client) {
+	if p.opts == nil {
+		return // the caller's client
+	}
+	p.replaceMu.Lock()
+	defer p.replaceMu.Unlock()
+	if p.closed || p.cl.Load() != refused || time.Since(p.replacedAt) < replaceEvery {
+		return
+	}
+	cl, err := kgo.NewClient(p.opts...)
+	if err != nil {
+		return // the options were accepted once; try again next refusal
+	}
+	p.cl.Store(cl)
+	p.replacedAt = time.Now()
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		_ = refused.Flush(ctx)
+		refused.Close()
+	}()
 }
 
 // refuseOversized fails, before anything of the call is produced, each
@@ -410,9 +478,9 @@ func (c *call) put() {
 // Records of these topics still buffered by a concurrent call fail and are
 // published again by the relay; a topic that is gone for good is then
 // found unknown by name.
-func (p *Publisher) adoptNewTopicIDs(topics []string) {
+func adoptNewTopicIDs(cl *kgo.Client, topics []string) {
 	if len(topics) > 0 {
-		p.cl.PurgeTopicsFromProducing(topics...)
+		cl.PurgeTopicsFromProducing(topics...)
 	}
 }
 
@@ -420,7 +488,7 @@ func (p *Publisher) adoptNewTopicIDs(topics []string) {
 // of records not known to exist yet (or looked up more than metadataMaxAge
 // ago), and returns those it says do not. If the request fails, it returns
 // none: the produce finds out itself.
-func (p *Publisher) unknownTopics(ctx context.Context, records []relay.Record) map[string]error {
+func (p *Publisher) unknownTopics(ctx context.Context, cl *kgo.Client, records []relay.Record) map[string]error {
 	var ask []string
 	now := time.Now()
 	for i := range records {
@@ -445,8 +513,8 @@ func (p *Publisher) unknownTopics(ctx context.Context, records []relay.Record) m
 		rt.Topic = kmsg.StringPtr(t)
 		req.Topics = append(req.Topics, rt)
 	}
-	req.AllowAutoTopicCreation, _ = p.cl.OptValue(kgo.AllowAutoTopicCreation).(bool)
-	resp, err := req.RequestWith(ctx, p.cl)
+	req.AllowAutoTopicCreation, _ = cl.OptValue(kgo.AllowAutoTopicCreation).(bool)
+	resp, err := req.RequestWith(ctx, cl)
 	if err != nil {
 		return nil
 	}
@@ -473,7 +541,7 @@ func (p *Publisher) unknownTopics(ctx context.Context, records []relay.Record) m
 // SASL settings). Publish never fails for an unreachable broker, it waits:
 // Ping is how to tell. Safe for concurrent use.
 func (p *Publisher) Ping(ctx context.Context) error {
-	if err := p.cl.Ping(ctx); err != nil {
+	if err := p.cl.Load().Ping(ctx); err != nil {
 		return fmt.Errorf("kgopublisher: no broker answers: %w", err)
 	}
 	return nil
@@ -481,11 +549,15 @@ func (p *Publisher) Ping(ctx context.Context) error {
 
 // Close closes the client if New created it.
 func (p *Publisher) Close() error {
-	p.once.Do(func() {
-		if p.owned {
-			p.cl.Close()
-		}
-	})
+	if p.opts == nil {
+		return nil
+	}
+	p.replaceMu.Lock()
+	defer p.replaceMu.Unlock()
+	if !p.closed {
+		p.closed = true
+		p.cl.Load().Close()
+	}
 	return nil
 }
 
@@ -520,6 +592,9 @@ func classify(err error) error {
 		return fmt.Errorf("%w: %w", relay.ErrUnknownTopic, err)
 	case errors.Is(err, kerr.InvalidRecord):
 		return fmt.Errorf("%w: %w", relay.ErrRecordInvalid, err)
+	case errors.Is(err, kerr.ClusterAuthorizationFailed):
+		// Passing: a grant mends it, and every topic is refused alike.
+		return fmt.Errorf("kgopublisher: %w: the brokers refuse this principal idempotent writes; grant it IdempotentWrite on the cluster (MSK with IAM: kafka-cluster:WriteDataIdempotently)", err)
 	default:
 		return err
 	}
