@@ -92,8 +92,8 @@ func errorText(err error) string {
 
 // shrinkDeadLetter returns d smaller, and what it left out: first the
 // original's value (HeaderDLQValueOmitted holds its size), then the
-// original's headers but its message id, then its key. "" when nothing is
-// left to drop. A message near its topic's size limit gains the dead
+// original's headers but its message id, then its key, then the error
+// text past its first 256 bytes. "" when nothing is left to drop. A message near its topic's size limit gains the dead
 // letter's headers, and a dead-letter topic may take less than the
 // consumed one: blocking the partition until an operator noticed would
 // break G6, and the origin headers say where the original still lies.
@@ -103,7 +103,7 @@ func shrinkDeadLetter(d DeadLetter) (DeadLetter, string) {
 	if len(d.Value) > 0 {
 		d.Value = []byte{}
 		d.Headers = append(slices.Clip(d.Headers), Header{HeaderDLQValueOmitted, itoa(int64(len(d.Message.Value)))})
-		return d, "value"
+		return d, "the original's value"
 	}
 	kept := make([]Header, 0, len(d.Headers))
 	for _, h := range d.Headers {
@@ -113,14 +113,26 @@ func shrinkDeadLetter(d DeadLetter) (DeadLetter, string) {
 	}
 	if len(kept) < len(d.Headers) {
 		d.Headers = kept
-		return d, "headers"
+		return d, "the original's headers"
 	}
 	if d.Key != nil {
 		d.Key = nil
-		return d, "key"
+		return d, "the original's key"
+	}
+	for i, h := range d.Headers {
+		if h.Key == HeaderDLQError && len(h.Value) > shrunkErrorHeader {
+			d.Headers = slices.Clone(d.Headers)
+			d.Headers[i].Value = []byte(strings.ToValidUTF8(string(h.Value[:shrunkErrorHeader]), "") + "... (cut to fit the topic)")
+			return d, "its error text past the first 256 bytes"
+		}
 	}
 	return d, ""
 }
+
+// shrunkErrorHeader is what is kept of HeaderDLQError when the dead letter
+// still does not fit its topic without the original's value, headers and
+// key (an 8 KiB error against a small max.message.bytes).
+const shrunkErrorHeader = 256
 
 // deadLetterHeaders are the headers newDeadLetter and shrinkDeadLetter add.
 var deadLetterHeaders = []string{HeaderDLQError, HeaderDLQAttempts, HeaderDLQConsumer, HeaderDLQTopic,
@@ -158,7 +170,7 @@ func (p *Processor) deadLetter(ctx context.Context, stop <-chan struct{}, msg Me
 		}
 		if errors.Is(err, ErrDeadLetterTooLarge) {
 			if smaller, what := shrinkDeadLetter(rec); what != "" {
-				p.log.LogAttrs(ctx, slog.LevelError, "consumer: dead letter too large for its topic; publishing it without the original's "+what,
+				p.log.LogAttrs(ctx, slog.LevelError, "consumer: dead letter too large for its topic; publishing it without "+what,
 					slog.String("dlq", rec.Topic), slog.String("topic", msg.Topic), slog.Int("partition", int(msg.Partition)),
 					slog.Int64("offset", msg.Offset), slog.String("message_id", msg.ID), slog.Int("value_bytes", len(msg.Value)), slog.Any("error", err))
 				rec = smaller
@@ -167,12 +179,19 @@ func (p *Processor) deadLetter(ctx context.Context, stop <-chan struct{}, msg Me
 		}
 		wait := bo.NextBackOff()
 		missing := errors.Is(err, ErrDeadLetterTopicMissing)
-		if missing {
+		switch {
+		case errors.Is(err, ErrDeadLetterTooLarge):
+			// Nothing left to drop: only an operator (a larger
+			// max.message.bytes) moves the partition on.
+			p.log.LogAttrs(ctx, slog.LevelError, "consumer: dead letter too large for its topic even at its smallest; the partition waits until the topic's max.message.bytes is raised",
+				slog.String("dlq", rec.Topic), slog.String("topic", msg.Topic), slog.Int("partition", int(msg.Partition)),
+				slog.Int64("offset", msg.Offset), slog.Duration("backoff", wait), slog.Any("error", err))
+		case missing:
 			// Loud: the partition stays stalled until an operator acts.
 			p.log.LogAttrs(ctx, slog.LevelError, "consumer: dead-letter topic does not exist; the partition waits until it is created",
 				slog.String("dlq", rec.Topic), slog.String("topic", msg.Topic), slog.Int("partition", int(msg.Partition)),
 				slog.Int64("offset", msg.Offset), slog.Duration("backoff", wait), slog.Any("error", err))
-		} else {
+		default:
 			p.log.LogAttrs(ctx, slog.LevelWarn, "consumer: dead-letter publish failed; retrying",
 				slog.String("dlq", rec.Topic), slog.Int64("offset", msg.Offset), slog.Duration("backoff", wait), slog.Any("error", err))
 		}
