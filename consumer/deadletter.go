@@ -92,9 +92,11 @@ func errorText(err error) string {
 
 // shrinkDeadLetter returns d smaller, and what it left out: first the
 // original's value (HeaderDLQValueOmitted holds its size), then the
-// original's headers but its message id, then its key, then the error
-// text past its first 256 bytes. "" when nothing is left to drop. A message near its topic's size limit gains the dead
-// letter's headers, and a dead-letter topic may take less than the
+// original's headers but a usable message id (one too long to use is what
+// dead-lettered the message, and may be what does not fit), then its key,
+// then the error text past its first 256 bytes (once: a cut text is not
+// cut again). "" when nothing is left to drop. A message near its topic's
+// size limit gains the dead letter's headers, and a dead-letter topic may take less than the
 // consumed one: blocking the partition until an operator noticed would
 // break G6, and the origin headers say where the original still lies.
 // The value left out is empty, not null: a null value is a tombstone,
@@ -107,7 +109,7 @@ func shrinkDeadLetter(d DeadLetter) (DeadLetter, string) {
 	}
 	kept := make([]Header, 0, len(d.Headers))
 	for _, h := range d.Headers {
-		if h.Key == MessageIDHeader || slices.Contains(deadLetterHeaders, h.Key) {
+		if h.Key == MessageIDHeader && len(h.Value) <= maxMessageIDLen || slices.Contains(deadLetterHeaders, h.Key) {
 			kept = append(kept, h)
 		}
 	}
@@ -120,9 +122,9 @@ func shrinkDeadLetter(d DeadLetter) (DeadLetter, string) {
 		return d, "the original's key"
 	}
 	for i, h := range d.Headers {
-		if h.Key == HeaderDLQError && len(h.Value) > shrunkErrorHeader {
+		if h.Key == HeaderDLQError && len(h.Value) > shrunkErrorHeader+len(errorCutMark) {
 			d.Headers = slices.Clone(d.Headers)
-			d.Headers[i].Value = []byte(strings.ToValidUTF8(string(h.Value[:shrunkErrorHeader]), "") + "... (cut to fit the topic)")
+			d.Headers[i].Value = []byte(strings.ToValidUTF8(string(h.Value[:shrunkErrorHeader]), "") + errorCutMark)
 			return d, "its error text past the first 256 bytes"
 		}
 	}
@@ -133,6 +135,9 @@ func shrinkDeadLetter(d DeadLetter) (DeadLetter, string) {
 // still does not fit its topic without the original's value, headers and
 // key (an 8 KiB error against a small max.message.bytes).
 const shrunkErrorHeader = 256
+
+// errorCutMark ends an error text shrinkDeadLetter cut.
+const errorCutMark = "... (cut to fit the topic)"
 
 // deadLetterHeaders are the headers newDeadLetter and shrinkDeadLetter add.
 var deadLetterHeaders = []string{HeaderDLQError, HeaderDLQAttempts, HeaderDLQConsumer, HeaderDLQTopic,
