@@ -65,11 +65,15 @@ type Publisher struct {
 	// opts build New's client again; nil for NewFromClient's, which is
 	// never replaced or closed.
 	opts []kgo.Opt
-	// replaceMu guards replacedAt and closed: a client is replaced at
-	// most once a replaceEvery, and never after Close.
-	replaceMu  sync.Mutex
-	replacedAt time.Time
-	closed     bool
+	// replaceMu guards what follows: a client is replaced at most once a
+	// replaceWait, and never after Close.
+	replaceMu   sync.Mutex
+	replacedAt  time.Time
+	replaceWait time.Duration
+	closed      bool
+	// noClient: the refused client was closed and no new one could be
+	// built; the next Publish tries again.
+	noClient atomic.Bool
 	// known holds the topics seen to exist, with their partition count
 	// (for Partition). A record for any other topic is produced only once a
 	// metadata request says the topic exists: franz-go retries an unknown
@@ -200,6 +204,9 @@ func (p *Publisher) Partition(topic string, key []byte) (int32, bool) {
 
 // Publish produces records and waits for every acknowledgement, or for ctx.
 func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error {
+	if p.noClient.Load() {
+		p.replaceRefusedClient(p.cl.Load())
+	}
 	cl := p.cl.Load()
 	errs := make([]error, len(records))
 	finished := make([]bool, len(records))
@@ -316,9 +323,19 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 	return out
 }
 
-// replaceEvery is the least time between two replacements of the client:
-// each one connects (and authenticates) afresh and asks for a producer id.
-const replaceEvery = time.Second
+// The least time between two replacements of the client starts at
+// minReplaceWait and doubles up to maxReplaceWait while the refusals go
+// on: each replacement connects (and authenticates) afresh and asks for a
+// producer id, and managed clusters limit new connections. It starts again
+// from minReplaceWait after a quiet 2*maxReplaceWait.
+const (
+	minReplaceWait = time.Second
+	maxReplaceWait = 30 * time.Second
+)
+
+// flushBeforeReplace bounds how long a refused client's records in flight
+// are waited for before it is closed.
+const flushBeforeReplace = 10 * time.Second
 
 // replaceRefusedClient replaces refused, a client New built, with a new
 // one of the same options, if it is still the publisher's client.
@@ -331,31 +348,44 @@ const replaceEvery = time.Second
 // the relay would retry a client that cannot produce for as long as it
 // ran. A new client asks again.
 //
-// The old client is flushed before it is closed: without a producer id it
-// sends nothing, so its records fail at once; a refusal in a produce
-// response (older brokers) may leave other partitions' requests in flight,
-// and these are let finish rather than failed while they may still land.
+// The old client is closed before the new one is built: options may hold
+// state of one client at a time (kprom's hooks register a client's
+// metrics when it is built and unregister them when it closes; two at once
+// panic). It is flushed first: without a producer id it sends nothing, so
+// its records fail at once, but a refusal in a produce response (older
+// brokers) may leave other partitions' requests in flight, and these are
+// let finish rather than failed while they may still land. A concurrent
+// Publish on the old client meanwhile fails its records with
+// kgo.ErrClientClosed, a passing error.
 func (p *Publisher) replaceRefusedClient(refused *kgo.Client) {
 	if p.opts == nil {
 		return // the caller's client
 	}
 	p.replaceMu.Lock()
 	defer p.replaceMu.Unlock()
-	if p.closed || p.cl.Load() != refused || time.Since(p.replacedAt) < replaceEvery {
+	if time.Since(p.replacedAt) > 2*maxReplaceWait {
+		p.replaceWait = minReplaceWait
+	}
+	if p.closed || p.cl.Load() != refused || time.Since(p.replacedAt) < p.replaceWait {
 		return
 	}
+	if !p.noClient.Load() {
+		ctx, cancel := context.WithTimeout(context.Background(), flushBeforeReplace)
+		_ = refused.Flush(ctx)
+		cancel()
+		refused.Close()
+	}
+	p.replacedAt = time.Now()
+	p.replaceWait = min(2*p.replaceWait, maxReplaceWait)
 	cl, err := kgo.NewClient(p.opts...)
 	if err != nil {
-		return // the options were accepted once; try again next refusal
+		// Never seen: these options built a client before. The closed
+		// client fails every record, a passing error, until then.
+		p.noClient.Store(true)
+		return
 	}
 	p.cl.Store(cl)
-	p.replacedAt = time.Now()
-	go func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		_ = refused.Flush(ctx)
-		refused.Close()
-	}()
+	p.noClient.Store(false)
 }
 
 // refuseOversized fails, before anything of the call is produced, each
@@ -556,7 +586,9 @@ func (p *Publisher) Close() error {
 	defer p.replaceMu.Unlock()
 	if !p.closed {
 		p.closed = true
-		p.cl.Load().Close()
+		if !p.noClient.Load() {
+			p.cl.Load().Close()
+		}
 	}
 	return nil
 }
