@@ -65,9 +65,10 @@ type Publisher struct {
 	// opts build New's client again; nil for NewFromClient's, which is
 	// never replaced or closed.
 	opts []kgo.Opt
-	// replaceMu guards what follows: a client is replaced at most once a
-	// replaceWait, and never after Close.
+	// replaceMu guards what follows: one replacement at a time, at most
+	// once a replaceWait, and none after Close.
 	replaceMu   sync.Mutex
+	replacing   bool
 	replacedAt  time.Time
 	replaceWait time.Duration
 	closed      bool
@@ -323,11 +324,11 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 	return out
 }
 
-// The least time between two replacements of the client starts at
-// minReplaceWait and doubles up to maxReplaceWait while the refusals go
-// on: each replacement connects (and authenticates) afresh and asks for a
-// producer id, and managed clusters limit new connections. It starts again
-// from minReplaceWait after a quiet 2*maxReplaceWait.
+// The first refusal replaces the client at once; while refusals go on,
+// the next replacements wait 2, 4, 8, 16, then 30 s (maxReplaceWait): each
+// connects (and authenticates) afresh and asks for a producer id, and
+// managed clusters limit new connections. After a quiet 2*maxReplaceWait,
+// a refusal replaces it at once again.
 const (
 	minReplaceWait = time.Second
 	maxReplaceWait = 30 * time.Second
@@ -337,26 +338,21 @@ const (
 // are waited for before it is closed.
 const flushBeforeReplace = 10 * time.Second
 
-// replaceRefusedClient replaces refused, a client New built, with a new
-// one of the same options, if it is still the publisher's client.
+// replaceRefusedClient starts replacing refused, a client New built, by a
+// new one of the same options, if its producer id was refused for good
+// and it is still the publisher's client. It does not wait: Publish
+// returns when its ctx is done, and a replacement waits for the old
+// client's requests in flight.
 //
 // A broker refuses an idempotent producer id with
 // CLUSTER_AUTHORIZATION_FAILED when the principal lacks IdempotentWrite on
 // the cluster (MSK with IAM: kafka-cluster:WriteDataIdempotently). That is
-// mended by a grant, but franz-go keeps such a refusal for the client's
-// life and never asks again (the Java client asks again: KAFKA-13668):
-// the relay would retry a client that cannot produce for as long as it
-// ran. A new client asks again.
-//
-// The old client is closed before the new one is built: options may hold
-// state of one client at a time (kprom's hooks register a client's
-// metrics when it is built and unregister them when it closes; two at once
-// panic). It is flushed first: without a producer id it sends nothing, so
-// its records fail at once, but a refusal in a produce response (older
-// brokers) may leave other partitions' requests in flight, and these are
-// let finish rather than failed while they may still land. A concurrent
-// Publish on the old client meanwhile fails its records with
-// kgo.ErrClientClosed, a passing error.
+// mended by a grant, but franz-go keeps such a refusal as the client's
+// producer id for its life and never asks again (the Java client asks
+// again: KAFKA-13668): the relay would retry a client that cannot produce
+// for as long as it ran. A new client asks again. The same error in a
+// produce response fails only that batch and leaves the producer id
+// alone: the client is kept.
 func (p *Publisher) replaceRefusedClient(refused *kgo.Client) {
 	if p.opts == nil {
 		return // the caller's client
@@ -366,17 +362,58 @@ func (p *Publisher) replaceRefusedClient(refused *kgo.Client) {
 	if time.Since(p.replacedAt) > 2*maxReplaceWait {
 		p.replaceWait = minReplaceWait
 	}
-	if p.closed || p.cl.Load() != refused || time.Since(p.replacedAt) < p.replaceWait {
+	if p.closed || p.replacing || p.cl.Load() != refused || time.Since(p.replacedAt) < p.replaceWait {
 		return
 	}
-	if !p.noClient.Load() {
+	p.replacing = true
+	go p.replace(refused)
+}
+
+// replace closes refused, if its producer id is refused for good, and
+// builds its successor. The old client goes first: options may hold state
+// of one client at a time (kprom's hooks register a client's metrics when
+// it is built and unregister them when it closes; two at once panic). It
+// is flushed first, bounded by flushBeforeReplace: without a producer id
+// it sends nothing and its records fail at once, but the other Publish
+// call may have records in flight, and these are let finish rather than
+// failed while they may still land. Publish calls on the old client
+// meanwhile fail with the refusal or kgo.ErrClientClosed, passing errors.
+func (p *Publisher) replace(refused *kgo.Client) {
+	closedOld := p.noClient.Load() // refused was closed and no successor built
+	defer func() {
+		p.replaceMu.Lock()
+		defer p.replaceMu.Unlock()
+		p.replacing = false
+		if p.closed && !closedOld && p.cl.Load() == refused {
+			refused.Close() // Close left it to the replacement
+		}
+	}()
+	if !closedOld {
 		ctx, cancel := context.WithTimeout(context.Background(), flushBeforeReplace)
+		_, _, err := refused.ProducerID(ctx) // the stored refusal, without I/O
+		cancel()
+		if !errors.Is(err, kerr.ClusterAuthorizationFailed) {
+			return // refused in a produce response only, or since mended
+		}
+		p.replaceMu.Lock()
+		closed := p.closed
+		p.replacedAt = time.Now()
+		p.replaceWait = min(2*p.replaceWait, maxReplaceWait)
+		p.replaceMu.Unlock()
+		if closed {
+			return
+		}
+		ctx, cancel = context.WithTimeout(context.Background(), flushBeforeReplace)
 		_ = refused.Flush(ctx)
 		cancel()
 		refused.Close()
+		closedOld = true
 	}
-	p.replacedAt = time.Now()
-	p.replaceWait = min(2*p.replaceWait, maxReplaceWait)
+	p.replaceMu.Lock()
+	defer p.replaceMu.Unlock()
+	if p.closed {
+		return
+	}
 	cl, err := kgo.NewClient(p.opts...)
 	if err != nil {
 		// Never seen: these options built a client before. The closed
@@ -586,8 +623,8 @@ func (p *Publisher) Close() error {
 	defer p.replaceMu.Unlock()
 	if !p.closed {
 		p.closed = true
-		if !p.noClient.Load() {
-			p.cl.Load().Close()
+		if !p.noClient.Load() && !p.replacing {
+			p.cl.Load().Close() // a replacement under way closes it
 		}
 	}
 	return nil

@@ -2,6 +2,7 @@ package kgopublisher_test
 
 import (
 	"context"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -22,11 +23,13 @@ import (
 // client's collectors with promauto.With(reg) (MustRegister), and
 // OnClientClosed unregisters them.
 type promHook struct {
-	reg *prometheus.Registry
-	cs  []prometheus.Collector
+	reg     *prometheus.Registry
+	cs      []prometheus.Collector
+	clients atomic.Int64
 }
 
 func (h *promHook) OnNewClient(cl *kgo.Client) {
+	defer h.clients.Add(1)
 	f := promauto.With(h.reg)
 	c := f.NewCounterVec(prometheus.CounterOpts{Namespace: "relay", Name: "connects_total", Help: "connections"}, []string{"node_id"})
 	g := f.NewGaugeFunc(prometheus.GaugeOpts{Namespace: "relay", Name: "buffered_produce_records_total", Help: "buffered"},
@@ -73,4 +76,13 @@ func TestReplacedClientReusesPerClientHook(t *testing.T) {
 		t.Fatal("published although the producer id was refused")
 	}
 	t.Logf("first publish: %v", errs[0])
+	// The replacement runs beside Publish: a panic there ends the test
+	// binary. Wait for the successor to be built.
+	deadline := time.Now().Add(10 * time.Second)
+	for h.clients.Load() < 2 && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	if n := h.clients.Load(); n < 2 {
+		t.Fatalf("%d clients built in 10 s; want the refused one replaced", n)
+	}
 }
