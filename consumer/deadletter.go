@@ -2,6 +2,8 @@ package consumer
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"log/slog"
 	"runtime/debug"
@@ -93,8 +95,9 @@ func errorText(err error) string {
 // shrinkDeadLetter returns d smaller, and what it left out: first the
 // original's value (HeaderDLQValueOmitted holds its size), then the
 // original's headers but a usable message id (one too long to use is what
-// dead-lettered the message, and may be what does not fit), then its key,
-// then the error text past its first 256 bytes (once: a cut text is not
+// dead-lettered the message, and may be what does not fit), then its key
+// if longer than 64 bytes (replaced by its SHA-256 in hex), then the error
+// text past its first 256 bytes (once: a cut text is not
 // cut again). "" when nothing is left to drop. A message near its topic's
 // size limit gains the dead letter's headers, and a dead-letter topic may take less than the
 // consumed one: blocking the partition until an operator noticed would
@@ -117,9 +120,12 @@ func shrinkDeadLetter(d DeadLetter) (DeadLetter, string) {
 		d.Headers = kept
 		return d, "the original's headers"
 	}
-	if d.Key != nil {
-		d.Key = nil
-		return d, "the original's key"
+	if len(d.Key) > len(hashedKeyExample) {
+		// Not null: a compacted topic refuses a record without a key.
+		// The same key hashes alike, so compaction keeps its meaning.
+		sum := sha256.Sum256(d.Key)
+		d.Key = []byte(hex.EncodeToString(sum[:]))
+		return d, "the original's key (its SHA-256 in hex instead)"
 	}
 	for i, h := range d.Headers {
 		if h.Key == HeaderDLQError && len(h.Value) > shrunkErrorHeader+len(errorCutMark) {
@@ -135,6 +141,10 @@ func shrinkDeadLetter(d DeadLetter) (DeadLetter, string) {
 // still does not fit its topic without the original's value, headers and
 // key (an 8 KiB error against a small max.message.bytes).
 const shrunkErrorHeader = 256
+
+// hashedKeyExample is as long as the key shrinkDeadLetter puts in place of
+// a longer one.
+var hashedKeyExample = hex.EncodeToString(make([]byte, sha256.Size))
 
 // errorCutMark ends an error text shrinkDeadLetter cut.
 const errorCutMark = "... (cut to fit the topic)"

@@ -53,7 +53,9 @@ var ErrDeadLetterTopicMissing = errors.New("dead-letter topic does not exist")
 // dead-letter topic's max.message.bytes, or the headers added to a record
 // near the limit). The Processor then publishes it without the original's
 // value (HeaderDLQValueOmitted), and, still too large, without the
-// original's headers but a usable message id, then without its key, then with
+// original's headers but a usable message id, then with a key longer than
+// 64 bytes replaced by its SHA-256 in hex (never null: a compacted topic
+// refuses a record without a key), then with
 // its HeaderDLQError cut to 256 bytes, rather than stop the partition for
 // good.
 var ErrDeadLetterTooLarge = errors.New("dead letter too large for its topic")
