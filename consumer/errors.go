@@ -55,7 +55,6 @@ var ErrDeadLetterTopicMissing = errors.New("dead-letter topic does not exist")
 // value (HeaderDLQValueOmitted), and, still too large, without the
 // original's headers but a usable message id, then with a key longer than
 // 64 bytes replaced by its SHA-256 in hex (never null: a compacted topic
-// refuses a record without a key), then with
-// its HeaderDLQError cut to 256 bytes, rather than stop the partition for
-// good.
+// refuses a record without a key), then with its HeaderDLQError cut to 256
+// bytes, rather than stop the partition for good.
 var ErrDeadLetterTooLarge = errors.New("dead letter too large for its topic")
