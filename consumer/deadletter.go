@@ -33,6 +33,11 @@ const (
 	// topic, published without the original's value: it holds the value's
 	// size in bytes. The origin headers say where the original lies.
 	HeaderDLQValueOmitted = "onceflow-value-omitted"
+	// HeaderDLQTombstone is "true" on the dead letter of a tombstone (a
+	// record with a null value). The dead letter's value is empty, not
+	// null: on a compacted dead-letter topic a null value would delete the
+	// key's earlier dead letters, and then itself. A replay restores null.
+	HeaderDLQTombstone = "onceflow-tombstone"
 )
 
 // DeadLetter is a record for the dead-letter topic, built by the Processor
@@ -69,10 +74,15 @@ func (p *Processor) newDeadLetter(msg Message, attempts int, err error) DeadLett
 		Header{HeaderDLQOffset, itoa(msg.Offset)},
 		Header{HeaderDLQTime, []byte(time.Now().UTC().Format(time.RFC3339Nano))},
 	)
+	value := msg.Value
+	if value == nil {
+		value = []byte{}
+		hs = append(hs, Header{HeaderDLQTombstone, []byte("true")})
+	}
 	return DeadLetter{
 		Topic:    p.deadLetterTopic(msg),
 		Key:      msg.Key,
-		Value:    msg.Value,
+		Value:    value,
 		Headers:  hs,
 		Message:  msg,
 		Err:      err,
@@ -151,7 +161,7 @@ const errorCutMark = "... (cut to fit the topic)"
 
 // deadLetterHeaders are the headers newDeadLetter and shrinkDeadLetter add.
 var deadLetterHeaders = []string{HeaderDLQError, HeaderDLQAttempts, HeaderDLQConsumer, HeaderDLQTopic,
-	HeaderDLQPartition, HeaderDLQOffset, HeaderDLQTime, HeaderDLQValueOmitted}
+	HeaderDLQPartition, HeaderDLQOffset, HeaderDLQTime, HeaderDLQValueOmitted, HeaderDLQTombstone}
 
 // deadLetterTopic is Config.DeadLetterTopic's answer for msg, or the
 // default "<topic>.dlq" if it panics: the message must still go somewhere.
