@@ -608,6 +608,11 @@ func (p *Publisher) unknownTopics(ctx context.Context, cl *kgo.Client, records [
 // SASL settings). Publish never fails for an unreachable broker, it waits:
 // Ping is how to tell. Safe for concurrent use.
 func (p *Publisher) Ping(ctx context.Context) error {
+	if p.noClient.Load() {
+		// A relay judged cut off from Kafka owns no shards and may not
+		// call Publish, which would otherwise try again.
+		p.replaceRefusedClient(p.cl.Load())
+	}
 	if err := p.cl.Load().Ping(ctx); err != nil {
 		return fmt.Errorf("kgopublisher: no broker answers: %w", err)
 	}
