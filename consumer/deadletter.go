@@ -204,8 +204,9 @@ func (p *Processor) deadLetter(ctx context.Context, stop <-chan struct{}, msg Me
 		}
 		wait := bo.NextBackOff()
 		missing := errors.Is(err, ErrDeadLetterTopicMissing)
+		tooLarge := errors.Is(err, ErrDeadLetterTooLarge) // and nothing left to drop
 		switch {
-		case errors.Is(err, ErrDeadLetterTooLarge):
+		case tooLarge:
 			// Nothing left to drop: only an operator (a larger
 			// max.message.bytes) moves the partition on.
 			p.log.LogAttrs(ctx, slog.LevelError, "consumer: dead letter too large for its topic even at its smallest; the partition waits until the topic's max.message.bytes is raised",
@@ -221,7 +222,7 @@ func (p *Processor) deadLetter(ctx context.Context, stop <-chan struct{}, msg Me
 				slog.String("dlq", rec.Topic), slog.Int64("offset", msg.Offset), slog.Duration("backoff", wait), slog.Any("error", err))
 		}
 		for _, h := range p.hooks.dlqF {
-			h.OnDeadLetterFailed(DeadLetterFailedEvent{Consumer: p.name, Message: msg, Topic: rec.Topic, Err: err, TopicMissing: missing, Backoff: wait})
+			h.OnDeadLetterFailed(DeadLetterFailedEvent{Consumer: p.name, Message: msg, Topic: rec.Topic, Err: err, TopicMissing: missing, TooLarge: tooLarge, Backoff: wait})
 		}
 		if !sleep(ctx, stop, wait) {
 			return errAbandoned

@@ -98,13 +98,17 @@ type HookDeadLetter interface {
 // DeadLetterFailedEvent reports a dead-letter publish that failed and will
 // be retried after Backoff; the message's partition waits meanwhile.
 // TopicMissing is set when the broker said the topic does not exist (see
-// ErrDeadLetterTopicMissing), which lasts until someone creates it.
+// ErrDeadLetterTopicMissing), which lasts until someone creates it;
+// TooLarge when the dead letter is too large for its topic even after
+// every shrinking step (see ErrDeadLetterTooLarge), which lasts until
+// someone raises the topic's max.message.bytes.
 type DeadLetterFailedEvent struct {
 	Consumer     string
 	Message      Message
 	Topic        string
 	Err          error
 	TopicMissing bool
+	TooLarge     bool
 	Backoff      time.Duration
 }
 

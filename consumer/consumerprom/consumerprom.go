@@ -15,10 +15,12 @@
 //   - onceflow_consumer_lag_seconds{topic,partition}: age of the record
 //     finished last in the partition (now minus its Kafka timestamp), the
 //     consumer's time lag; it holds its value while nothing is finished
-//   - onceflow_consumer_dead_letter_failures_total{topic,reason="topic-missing|other"}:
+//   - onceflow_consumer_dead_letter_failures_total{topic,reason="topic-missing|too-large|other"}:
 //     failed publishes of topic's dead letters; the message's partition
-//     waits while they go on. Alert on any topic-missing failure: it lasts
-//     until the dead-letter topic is created
+//     waits while they go on. Alert on any topic-missing or too-large
+//     failure: they last until the dead-letter topic is created, or its
+//     max.message.bytes raised (a dead letter too large even without the
+//     original's value, headers and long key, and with its error cut)
 //   - onceflow_consumer_transaction_seconds{mode="message|batch"}: begin to
 //     commit of a committed transaction, the handler latency as the
 //     database sees it
@@ -69,7 +71,7 @@ func NewHook(reg prometheus.Registerer) *Hook {
 		lag: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "onceflow_consumer_lag_seconds",
 			Help: "Age (now minus Kafka timestamp) of the record finished last in the partition."}, []string{"consumer", "topic", "partition"}),
 		dlqFail: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "onceflow_consumer_dead_letter_failures_total",
-			Help: "Failed publishes of dead letters (retried; the message's partition waits), by the topic they came from. reason=topic-missing lasts until the dead-letter topic is created."}, []string{"consumer", "topic", "reason"}),
+			Help: "Failed publishes of dead letters (retried; the message's partition waits), by the topic they came from. reason=topic-missing lasts until the dead-letter topic is created; reason=too-large until its max.message.bytes is raised."}, []string{"consumer", "topic", "reason"}),
 		txn: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "onceflow_consumer_transaction_seconds",
 			Help:    "Begin to commit of committed consumer transactions (dedup record plus handler).",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16)}, []string{"consumer", "mode"}),
@@ -127,7 +129,7 @@ func (h *Hook) counters(name, topic string) *topicCounters {
 	}
 	// At 0 from the topic's first message: a counter born at 1 on the
 	// first failure shows no increase() to an alert.
-	for _, reason := range []string{"topic-missing", "other"} {
+	for _, reason := range []string{"topic-missing", "too-large", "other"} {
 		h.dlqFail.WithLabelValues(name, topic, reason)
 	}
 	got, _ := h.byTopic.LoadOrStore(k, c)
@@ -142,8 +144,11 @@ func (h *Hook) OnDeadLetter(e consumer.DeadLetterEvent) {
 // OnDeadLetterFailed implements consumer.HookDeadLetterFailed.
 func (h *Hook) OnDeadLetterFailed(e consumer.DeadLetterFailedEvent) {
 	reason := "other"
-	if e.TopicMissing {
+	switch {
+	case e.TopicMissing:
 		reason = "topic-missing"
+	case e.TooLarge:
+		reason = "too-large"
 	}
 	h.dlqFail.WithLabelValues(e.Consumer, e.Message.Topic, reason).Inc()
 }

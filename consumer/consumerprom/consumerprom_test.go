@@ -75,7 +75,7 @@ onceflow_consumer_dead_letters_total{consumer="ledger",topic="t"} 1
 	// The dead-letter failure counters exist at 0 from the topic's first
 	// message: born at 1 on the first failure, that failure was no
 	// increase() to the missing-topic alert.
-	checkDeadLetterFailures(t, reg, 0, 0)
+	checkDeadLetterFailures(t, reg, 0, 0, 0)
 	if n := testutil.CollectAndCount(reg, "onceflow_consumer_transaction_seconds"); n != 1 {
 		t.Fatalf("transaction histograms = %d, want 1", n)
 	}
@@ -104,7 +104,9 @@ onceflow_consumer_dead_letters_total{consumer="ledger",topic="t"} 1
 }
 
 // missingDLQ fails its first dead-letter publish as a missing topic, its
-// second as something else.
+// second as something else, its third as too large (and the dead letter,
+// of a message with no key, value or headers but its id, cannot be made
+// smaller: only an operator moves its partition on).
 type missingDLQ struct {
 	transport
 	calls int
@@ -117,6 +119,8 @@ func (m *missingDLQ) PublishDeadLetter(context.Context, consumer.DeadLetter) err
 		return fmt.Errorf("publish: %w", consumer.ErrDeadLetterTopicMissing)
 	case 2:
 		return errors.New("broker unavailable")
+	case 3:
+		return fmt.Errorf("publish: %w", consumer.ErrDeadLetterTooLarge)
 	}
 	return nil
 }
@@ -141,7 +145,7 @@ func TestHookCountsDeadLetterFailures(t *testing.T) {
 	case <-time.After(20 * time.Second):
 		t.Fatal("message not finished")
 	}
-	checkDeadLetterFailures(t, reg, 1, 1)
+	checkDeadLetterFailures(t, reg, 1, 1, 1)
 }
 
 // TestABatchTransactionIsTimedOnce: in batch mode a transaction's time is
@@ -199,14 +203,15 @@ func TestABatchTransactionIsTimedOnce(t *testing.T) {
 
 // checkDeadLetterFailures compares consumer "ledger"'s dead-letter failure
 // counters of topic "t" by reason.
-func checkDeadLetterFailures(t *testing.T, reg prometheus.Gatherer, other, topicMissing int) {
+func checkDeadLetterFailures(t *testing.T, reg prometheus.Gatherer, other, topicMissing, tooLarge int) {
 	t.Helper()
 	want := fmt.Sprintf(`
-# HELP onceflow_consumer_dead_letter_failures_total Failed publishes of dead letters (retried; the message's partition waits), by the topic they came from. reason=topic-missing lasts until the dead-letter topic is created.
+# HELP onceflow_consumer_dead_letter_failures_total Failed publishes of dead letters (retried; the message's partition waits), by the topic they came from. reason=topic-missing lasts until the dead-letter topic is created; reason=too-large until its max.message.bytes is raised.
 # TYPE onceflow_consumer_dead_letter_failures_total counter
 onceflow_consumer_dead_letter_failures_total{consumer="ledger",reason="other",topic="t"} %d
+onceflow_consumer_dead_letter_failures_total{consumer="ledger",reason="too-large",topic="t"} %d
 onceflow_consumer_dead_letter_failures_total{consumer="ledger",reason="topic-missing",topic="t"} %d
-`, other, topicMissing)
+`, other, tooLarge, topicMissing)
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "onceflow_consumer_dead_letter_failures_total"); err != nil {
 		t.Fatal(err)
 	}
