@@ -34,9 +34,12 @@ const (
 	// size in bytes. The origin headers say where the original lies.
 	HeaderDLQValueOmitted = "onceflow-value-omitted"
 	// HeaderDLQTombstone is "true" on the dead letter of a tombstone (a
-	// record with a null value). The dead letter's value is empty, not
-	// null: on a compacted dead-letter topic a null value would delete the
-	// key's earlier dead letters, and then itself. A replay restores null.
+	// record with a null value), and of a record that carried it (such a
+	// dead letter replayed as it is). The dead letter's value is empty, not
+	// null: on a compacted dead-letter topic a null value is a tombstone,
+	// which compaction removes after delete.retention.ms, taking the key's
+	// last dead letter with it. A tool replaying dead letters restores
+	// null where this header says so.
 	HeaderDLQTombstone = "onceflow-tombstone"
 )
 
@@ -56,8 +59,15 @@ type DeadLetter struct {
 }
 
 func (p *Processor) newDeadLetter(msg Message, attempts int, err error) DeadLetter {
-	hs := make([]Header, 0, len(msg.Headers)+7)
+	hs := make([]Header, 0, len(msg.Headers)+8)
+	tombstone := msg.Value == nil
 	for _, h := range msg.Headers {
+		if h.Key == HeaderDLQTombstone {
+			// A fact about the original record, not about a failure: a
+			// dead letter of a tombstone replayed as it is keeps it.
+			tombstone = true
+			continue
+		}
 		if slices.Contains(deadLetterHeaders, h.Key) {
 			// A message dead-lettered twice (replayed from a DLQ) reports
 			// its latest failure only.
@@ -77,6 +87,8 @@ func (p *Processor) newDeadLetter(msg Message, attempts int, err error) DeadLett
 	value := msg.Value
 	if value == nil {
 		value = []byte{}
+	}
+	if tombstone {
 		hs = append(hs, Header{HeaderDLQTombstone, []byte("true")})
 	}
 	return DeadLetter{

@@ -54,6 +54,9 @@
 // dead-letter topic (default "<topic>.dlq") with its key, value and
 // headers plus onceflow-error, onceflow-attempts, onceflow-consumer and
 // onceflow-origin-topic/-partition/-offset, and the partition moves on.
+// The dead letter of a tombstone has an empty value (a null one would be a
+// tombstone on a compacted dead-letter topic) and onceflow-tombstone: true
+// (HeaderDLQTombstone): a replay must send null where it says so.
 // The dead-letter publish itself is retried until the broker acknowledges
 // it: a message is never dropped. onceflow never creates topics: create the
 // dead-letter topic beside each consumed topic. While it is missing, the

@@ -26,6 +26,7 @@ func Run(t *testing.T, a Adapter) {
 	t.Run("MissingDeadLetterTopic", func(t *testing.T) { testMissingDeadLetterTopic(t, a) })
 	t.Run("ForbiddenDeadLetterTopicIsNotMissing", func(t *testing.T) { testForbiddenDeadLetterTopic(t, a) })
 	t.Run("DeadLetterTooLargeForItsTopic", func(t *testing.T) { testDeadLetterTooLarge(t, a) })
+	t.Run("TombstoneDeadLetters", func(t *testing.T) { testTombstoneDeadLetters(t, a) })
 	t.Run("InOrder", func(t *testing.T) { testMode(t, a, "in-order") })
 	t.Run("KeyParallel", func(t *testing.T) { testMode(t, a, "key-parallel") })
 	t.Run("Batch", func(t *testing.T) { testMode(t, a, "batch") })
