@@ -64,35 +64,8 @@ func TestClientOptsCannotTurnDeadLetterAcksOff(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	runCtx, stop := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- c.Run(runCtx) }()
-	var runErr error
-	defer func() {
-		stop()
-		<-done
-	}()
-	adm := k.Admin(t)
-	deadline := time.Now().Add(60 * time.Second)
-	var committed int64 = -1
-	for time.Now().Before(deadline) {
-		select {
-		case runErr = <-done:
-			done <- runErr
-			t.Fatalf("Run returned early: %v", runErr)
-		default:
-		}
-		offs, err := adm.FetchOffsets(context.Background(), "g")
-		if err == nil {
-			if o, ok := offs.Lookup(topic, 0); ok {
-				committed = o.At
-			}
-		}
-		if committed >= 2 {
-			break
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	done := runInBackground(t, c)
+	committed := waitCommitted(t, k, done, "g", topic, 2, 60*time.Second)
 	dead := k.ReadAll(t, topic+".dlq", 1, 5*time.Second)
 	if committed < 2 || len(dead) != 1 {
 		t.Fatalf("committed offset %d, dead-letter topic holds %d records; want 2 and the one dead letter (a committed offset with none: the dead letter was lost)",

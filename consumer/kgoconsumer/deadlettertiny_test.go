@@ -64,25 +64,8 @@ func TestDeadLetterWithLongErrorFitsSmallTopic(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	runCtx, stop := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- c.Run(runCtx) }()
-	defer func() {
-		stop()
-		<-done
-	}()
-	adm := k.Admin(t)
-	deadline := time.Now().Add(30 * time.Second)
-	var committed int64 = -1
-	for time.Now().Before(deadline) && committed < 2 {
-		if offs, err := adm.FetchOffsets(context.Background(), "g"); err == nil {
-			if o, ok := offs.Lookup(topic, 0); ok {
-				committed = o.At
-			}
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-	if committed < 2 {
+	done := runInBackground(t, c)
+	if committed := waitCommitted(t, k, done, "g", topic, 2, 30*time.Second); committed < 2 {
 		t.Fatalf("committed offset %d after 30s; want 2 (the poison message dead-lettered, the next handled)", committed)
 	}
 	dead := k.ReadAll(t, topic+".dlq", 1, 5*time.Second)

@@ -68,13 +68,7 @@ func TestDeadLetterRefusedIdempotentWriteSaysWhatToDo(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	runCtx, stop := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- c.Run(runCtx) }()
-	defer func() {
-		stop()
-		<-done
-	}()
+	done := runInBackground(t, c)
 	select {
 	case err := <-failures:
 		for _, want := range []string{"CLUSTER_AUTHORIZATION_FAILED", "IdempotentWrite", "WriteDataIdempotently", "restart"} {
