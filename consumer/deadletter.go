@@ -119,10 +119,10 @@ func errorText(err error) string {
 // original's headers but a usable message id (one too long to use is what
 // dead-lettered the message, and may be what does not fit), then its key
 // if longer than 64 bytes (replaced by its SHA-256 in hex), then the error
-// text past its first 256 bytes (once: a cut text is not
-// cut again). "" when nothing is left to drop. A message near its topic's
-// size limit gains the dead letter's headers, and a dead-letter topic may take less than the
-// consumed one: blocking the partition until an operator noticed would
+// text past its first 256 bytes (once: a cut text is not cut again). ""
+// when nothing is left to drop. A message near its topic's size limit
+// gains the dead letter's headers, and a dead-letter topic may take less
+// than the consumed one: blocking the partition until an operator noticed would
 // break G6, and the origin headers say where the original still lies.
 // The value left out is empty, not null: a null value is a tombstone,
 // which a compacted topic deletes along with the key's earlier records.
@@ -142,7 +142,7 @@ func shrinkDeadLetter(d DeadLetter) (DeadLetter, string) {
 		d.Headers = kept
 		return d, "the original's headers"
 	}
-	if len(d.Key) > len(hashedKeyExample) {
+	if len(d.Key) > hashedKeyLen {
 		// Not null: a compacted topic refuses a record without a key.
 		// The same key hashes alike, so compaction keeps its meaning.
 		sum := sha256.Sum256(d.Key)
@@ -164,9 +164,9 @@ func shrinkDeadLetter(d DeadLetter) (DeadLetter, string) {
 // key (an 8 KiB error against a small max.message.bytes).
 const shrunkErrorHeader = 256
 
-// hashedKeyExample is as long as the key shrinkDeadLetter puts in place of
-// a longer one.
-var hashedKeyExample = hex.EncodeToString(make([]byte, sha256.Size))
+// hashedKeyLen is the length of the key shrinkDeadLetter puts in place of
+// a longer one: a SHA-256 in hex.
+const hashedKeyLen = 2 * sha256.Size
 
 // errorCutMark ends an error text shrinkDeadLetter cut.
 const errorCutMark = "... (cut to fit the topic)"
