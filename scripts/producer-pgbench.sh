@@ -30,7 +30,12 @@ URL="$BASE_URL/$DATABASE?sslmode=disable"
 
 cd "$(dirname "$0")/.."
 work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
+# The database is dropped at the end too: it holds the last round's rows.
+cleanup() {
+	rm -rf "$work"
+	psql -qX "$BASE_URL/postgres?sslmode=disable" -c "DROP DATABASE IF EXISTS $DATABASE" >/dev/null 2>&1 || true
+}
+trap cleanup EXIT
 
 psql -qX -v ON_ERROR_STOP=1 "$BASE_URL/postgres?sslmode=disable" \
 	-c "SET client_min_messages = warning" -c "DROP DATABASE IF EXISTS $DATABASE" -c "CREATE DATABASE $DATABASE" >/dev/null
