@@ -112,7 +112,10 @@ type DeadLetterFailedEvent struct {
 	Backoff      time.Duration
 }
 
-// HookDeadLetterFailed is called after every failed dead-letter publish.
+// HookDeadLetterFailed is called after every failed dead-letter publish
+// that is retried after a backoff. A refusal for size that a smaller dead
+// letter is sent for at once (see ErrDeadLetterTooLarge) is logged at
+// Error instead; one with nothing left to drop is reported, TooLarge set.
 type HookDeadLetterFailed interface {
 	OnDeadLetterFailed(DeadLetterFailedEvent)
 }
