@@ -21,17 +21,12 @@ import (
 // "Compacted topic cannot accept message without key", INVALID_RECORD,
 // which kgoconsumer returns unwrapped, as a passing error).
 type compactedTransport struct {
-	memTransport
-	limit int
+	sizeLimitedTransport
 }
 
 func (c *compactedTransport) PublishDeadLetter(ctx context.Context, d consumer.DeadLetter) error {
-	n := len(d.Key) + len(d.Value)
-	for _, h := range d.Headers {
-		n += len(h.Key) + len(h.Value)
-	}
-	if n > c.limit {
-		return fmt.Errorf("%w: %d bytes", consumer.ErrDeadLetterTooLarge, n)
+	if err := c.refuseSize(d); err != nil {
+		return err
 	}
 	if d.Key == nil {
 		return fmt.Errorf("kgoconsumer: publish dead letter to %s: %w", d.Topic, kerr.InvalidRecord)
@@ -57,7 +52,7 @@ func TestDeadLetterShrinkKeepsAKeyForCompactedTopics(t *testing.T) {
 	}
 	big := msg(0, "id-0", strings.Repeat("k", 100))
 	big.Value = bytes.Repeat([]byte("v"), 5000)
-	tr := &compactedTransport{limit: 1000}
+	tr := &compactedTransport{sizeLimitedTransport{limit: 1000}}
 	w := start(t, p, tr, big, msg(1, "id-1", "k2"))
 	defer w.Stop(context.Background())
 	deadline := time.Now().Add(5 * time.Second)

@@ -31,7 +31,7 @@ func TestDeadLetterOfATombstoneIsNotATombstone(t *testing.T) {
 	first := msg(0, "id-0", "acct-1") // value "v0"
 	tomb := msg(1, "id-1", "acct-1")
 	tomb.Value = nil // a tombstone of the consumed compacted topic
-	tr := &compactedTransport{limit: 1 << 20}
+	tr := &compactedTransport{sizeLimitedTransport{limit: 1 << 20}}
 	w := start(t, p, tr, first, tomb)
 	defer w.Stop(context.Background())
 	deadline := time.Now().Add(5 * time.Second)

@@ -111,6 +111,14 @@ type sizeLimitedTransport struct {
 }
 
 func (s *sizeLimitedTransport) PublishDeadLetter(ctx context.Context, d consumer.DeadLetter) error {
+	if err := s.refuseSize(d); err != nil {
+		return err
+	}
+	return s.memTransport.PublishDeadLetter(ctx, d)
+}
+
+// refuseSize is the refusal of d, if it is over the limit.
+func (s *sizeLimitedTransport) refuseSize(d consumer.DeadLetter) error {
 	n := len(d.Key) + len(d.Value)
 	for _, h := range d.Headers {
 		n += len(h.Key) + len(h.Value)
@@ -118,7 +126,7 @@ func (s *sizeLimitedTransport) PublishDeadLetter(ctx context.Context, d consumer
 	if n > s.limit {
 		return fmt.Errorf("%w: %d bytes", consumer.ErrDeadLetterTooLarge, n)
 	}
-	return s.memTransport.PublishDeadLetter(ctx, d)
+	return nil
 }
 
 // A dead letter its topic refuses for its size goes out without the

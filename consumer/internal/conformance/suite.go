@@ -124,10 +124,7 @@ func testDeadLetters(t *testing.T, a Adapter) {
 		{consumer.HeaderDLQAttempts: "0", consumer.HeaderDLQOffset: "3"},
 	}
 	for i, r := range dead {
-		h := map[string]string{}
-		for _, x := range r.Headers {
-			h[x.Key] = string(x.Value)
-		}
+		h := headerMap(r)
 		for k, v := range want[i] {
 			if h[k] != v {
 				t.Errorf("dead letter %d: header %s = %q, want %q", i, k, h[k], v)
@@ -369,10 +366,7 @@ func testDeadLetterTooLarge(t *testing.T, a Adapter) {
 	if len(dead) != 1 {
 		t.Fatalf("dead letters = %d, want 1", len(dead))
 	}
-	h := map[string]string{}
-	for _, x := range dead[0].Headers {
-		h[x.Key] = string(x.Value)
-	}
+	h := headerMap(dead[0])
 	if dead[0].Value == nil || len(dead[0].Value) != 0 || h[consumer.HeaderDLQValueOmitted] != "150000" {
 		t.Errorf("dead letter of %d value bytes (null %v), %s %q; want an empty value (a null one is a tombstone), and the original's size",
 			len(dead[0].Value), dead[0].Value == nil, consumer.HeaderDLQValueOmitted, h[consumer.HeaderDLQValueOmitted])

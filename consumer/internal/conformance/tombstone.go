@@ -53,10 +53,7 @@ func testTombstoneDeadLetters(t *testing.T, a Adapter) {
 		t.Fatalf("dead letters = %d, want 3", len(dead))
 	}
 	for _, d := range dead {
-		h := map[string]string{}
-		for _, x := range d.Headers {
-			h[x.Key] = string(x.Value)
-		}
+		h := headerMap(d)
 		t.Logf("dead letter of %s: value null=%v len=%d, %s=%q", h[consumer.MessageIDHeader], d.Value == nil, len(d.Value), consumer.HeaderDLQTombstone, h[consumer.HeaderDLQTombstone])
 		want := map[string]string{"null": "true", "empty": "", "replayed": "true"}[h[consumer.MessageIDHeader]]
 		if d.Value == nil {
@@ -66,4 +63,13 @@ func testTombstoneDeadLetters(t *testing.T, a Adapter) {
 			t.Errorf("dead letter of %s: %s=%q, want %q", h[consumer.MessageIDHeader], consumer.HeaderDLQTombstone, h[consumer.HeaderDLQTombstone], want)
 		}
 	}
+}
+
+// headerMap is r's headers by key (the last of a repeated key).
+func headerMap(r *kgo.Record) map[string]string {
+	h := make(map[string]string, len(r.Headers))
+	for _, x := range r.Headers {
+		h[x.Key] = string(x.Value)
+	}
+	return h
 }
