@@ -68,8 +68,10 @@ func fenceUnderContention(t *testing.T, seed uint64) {
 	b := setup(t)
 	// The lease leaves renewals (every lease/3) room for a loaded machine
 	// under -race: at 300 ms a CI run lost the long run's lease, and with
-	// it the renewal this test must exercise.
-	const nKeys, callers, lease = 10, 30, time.Second
+	// it the renewal this test must exercise; at 1 s a CI run on a machine
+	// at a third of its speed did too (a renewal waited over 667 ms beside
+	// 300 callers' attempts).
+	const nKeys, callers, lease = 10, 30, 2 * time.Second
 	f := newFence(t, b, idempotency.FenceConfig{Lease: lease})
 	rng := rand.New(rand.NewPCG(seed, 0xfe9ce))
 	keys := make([]*contendedKey, nKeys)
@@ -83,7 +85,7 @@ func fenceUnderContention(t *testing.T, seed uint64) {
 	}
 	// Whatever the seed, one key's first run outlives its lease and
 	// succeeds: it holds the key on renewals alone.
-	keys[0].plan[0] = fenceRun{work: 1500 * time.Millisecond}
+	keys[0].plan[0] = fenceRun{work: lease + lease/2}
 	var longSucceeded, leaseLost atomic.Int32
 	results := make([][]string, nKeys)
 	var wg sync.WaitGroup
