@@ -92,13 +92,7 @@ func (l *leases) interval() time.Duration { return l.duration / 3 }
 // are skipped, see chargeCrashedSQL).
 func (l *leases) chargeCrashed(ctx context.Context) (bool, error) {
 	wait := max(l.duration/10, 10*time.Millisecond)
-	err := pgx.BeginFunc(ctx, l.st.pool, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, strconv.FormatInt(wait.Milliseconds(), 10)); err != nil {
-			return err
-		}
-		_, err := tx.Exec(ctx, l.st.chargeCrashedSQL)
-		return err
-	})
+	err := l.chargeStatement(ctx, wait, l.st.chargeCrashedSQL)
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == "55P03" { // lock_not_available
 		if !l.outboxLocked {
@@ -112,6 +106,28 @@ func (l *leases) chargeCrashed(ctx context.Context) (bool, error) {
 		l.log.Info("relay: the outbox is free again")
 	}
 	return err == nil, err
+}
+
+// chargeStatement runs one of the crash charges in a transaction of its
+// own, with JIT compilation off and, unless lockWait is 0, a lock_timeout.
+// Every tick runs the charge of dead relays' rounds, and on a large outbox
+// PostgreSQL costs it past jit_above_cost, however few rows it touches: it
+// was compiled on every tick (15-60 ms of a backend's CPU at 300,000
+// pending events, 120-250 ms at 1M, each tick of each relay). Set for the
+// transaction only, so it holds behind PgBouncer in transaction mode.
+func (l *leases) chargeStatement(ctx context.Context, lockWait time.Duration, sql string, args ...any) error {
+	return pgx.BeginFunc(ctx, l.st.pool, func(tx pgx.Tx) error {
+		settings, settingArgs := `SELECT set_config('jit', 'off', true)`, []any(nil)
+		if lockWait > 0 {
+			settings += `, set_config('lock_timeout', $1, true)`
+			settingArgs = append(settingArgs, strconv.FormatInt(lockWait.Milliseconds(), 10))
+		}
+		if _, err := tx.Exec(ctx, settings, settingArgs...); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, sql, args...)
+		return err
+	})
 }
 
 // tick does one round of lease upkeep.
@@ -131,7 +147,7 @@ func (l *leases) tick(ctx context.Context) error {
 	if !l.claimed {
 		// A relay restarted under the same id may find its own crashed
 		// round: charge it before taking any shard.
-		if _, err := l.st.pool.Exec(ctx, l.st.chargeOwnSQL, l.id); err != nil {
+		if err := l.chargeStatement(ctx, 0, l.st.chargeOwnSQL, l.id); err != nil {
 			return fmt.Errorf("charge a crashed round: %w", err)
 		}
 		l.claimed = true

@@ -229,13 +229,19 @@ WHERE owner = $1 AND EXISTS (SELECT 1 FROM ` + instances + ` WHERE id = $1 AND t
 		// operator's open transaction, the dead host's backend that has
 		// not noticed its client is gone) are skipped, uncharged for that
 		// crash: waiting for them would stop the relays taking shards.
+		// The charged rows are updated through the primary key, named as
+		// an array: joined to the CTE, which PostgreSQL estimates at
+		// hundreds of thousands of rows on a large outbox, they were
+		// updated through a hash of the whole table (0.3 s at 350,000
+		// rows, for one round's 1,000 ids). Both charges run with JIT off
+		// (leases.chargeStatement).
 		chargeOwnSQL: `WITH crashed AS (
     DELETE FROM ` + rounds + ` WHERE instance = $1 RETURNING lo, hi, shards),
 charged AS (
     SELECT o.id FROM ` + outbox + ` o JOIN crashed c ON o.id BETWEEN c.lo AND c.hi AND o.shard = ANY(c.shards)
     FOR UPDATE OF o SKIP LOCKED)
 UPDATE ` + outbox + ` o SET attempts = o.attempts + 1, last_error = coalesce(o.last_error, 'relay died while publishing')
-FROM charged WHERE o.id = charged.id`,
+WHERE o.id = ANY (ARRAY(SELECT id FROM charged))`,
 		// A round whose relay's lease lapsed (or whose instance row is gone)
 		// was cut short.
 		chargeCrashedSQL: `WITH crashed AS (
@@ -246,7 +252,7 @@ charged AS (
     SELECT o.id FROM ` + outbox + ` o JOIN crashed c ON o.id BETWEEN c.lo AND c.hi AND o.shard = ANY(c.shards)
     FOR UPDATE OF o SKIP LOCKED)
 UPDATE ` + outbox + ` o SET attempts = o.attempts + 1, last_error = coalesce(o.last_error, 'relay died while publishing')
-FROM charged WHERE o.id = charged.id`,
+WHERE o.id = ANY (ARRAY(SELECT id FROM charged))`,
 		forgetOldSQL: `DELETE FROM ` + instances + ` WHERE lease_until < now() - interval '1 hour'`,
 	}
 }
