@@ -47,8 +47,11 @@ func TestTheRelaysStatementsNeitherJITCompileNorScanALargeOutbox(t *testing.T) {
 	watch := &planWatch{}
 	pool := explainedPool(t, watch)
 	flaws := []string{planFlawJIT, planFlawScan}
+	if err := pool.Ping(ctx); err != nil { // its sessions' settings, at once
+		t.Fatal(err)
+	}
 	var jitAvailable bool
-	if err := pool.QueryRow(ctx, `SELECT pg_jit_available()`).Scan(&jitAvailable); err != nil {
+	if err := b.pool.QueryRow(ctx, `SELECT pg_jit_available()`).Scan(&jitAvailable); err != nil {
 		t.Fatal(err)
 	}
 	if !jitAvailable {
