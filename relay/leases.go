@@ -109,15 +109,20 @@ func (l *leases) chargeCrashed(ctx context.Context) (bool, error) {
 }
 
 // chargeStatement runs one of the crash charges in a transaction of its
-// own, with JIT compilation off and, unless lockWait is 0, a lock_timeout.
-// Every tick runs the charge of dead relays' rounds, and on a large outbox
-// PostgreSQL costs it past jit_above_cost, however few rows it touches: it
-// was compiled on every tick (15-60 ms of a backend's CPU at 300,000
-// pending events, 120-250 ms at 1M, each tick of each relay). Set for the
-// transaction only, so it holds behind PgBouncer in transaction mode.
+// own, with JIT compilation off, without a statement_timeout and, unless
+// lockWait is 0, with a lock_timeout. Every tick runs the charge of dead
+// relays' rounds, and on a large outbox PostgreSQL costs it past
+// jit_above_cost, however few rows it touches: it was compiled on every
+// tick (15-60 ms of a backend's CPU at 300,000 pending events, 120-250 ms
+// at 1M, each tick of each relay). A session's statement_timeout (a
+// role's, on managed PostgreSQL) shorter than the charge of a crashed
+// round stopped every relay for good: the charge comes before any shard
+// is taken, and each tick retried the same work; its work is bounded by
+// the rounds it charges (BatchSize ids each). Set for the transaction
+// only, so it holds behind PgBouncer in transaction mode.
 func (l *leases) chargeStatement(ctx context.Context, lockWait time.Duration, sql string, args ...any) error {
 	return pgx.BeginFunc(ctx, l.st.pool, func(tx pgx.Tx) error {
-		settings, settingArgs := `SELECT set_config('jit', 'off', true)`, []any(nil)
+		settings, settingArgs := `SELECT set_config('jit', 'off', true), set_config('statement_timeout', '0', true)`, []any(nil)
 		if lockWait > 0 {
 			settings += `, set_config('lock_timeout', $1, true)`
 			settingArgs = append(settingArgs, strconv.FormatInt(lockWait.Milliseconds(), 10))
