@@ -347,7 +347,7 @@ func ReadStatus(ctx context.Context, db Querier, schema string) (*Status, error)
     (SELECT min(created_at) FROM `+id("outbox")+`),
     (SELECT coalesce(max(attempts), 0) FROM `+id("outbox")+`),
     (SELECT count(*) FROM `+id("outbox_dead")+`),
-    (SELECT count(*) FROM `+id("relay_shards")+` WHERE owner IS NULL OR lease_until <= now())`).
+    (SELECT `+unownedShards(id("relay_shards"))+`)`).
 		Scan(&st.Backlog, &st.OldestPending, &st.MaxAttempts, &st.DeadLetters, &st.UnownedShards)
 	if err != nil {
 		return nil, fmt.Errorf("relay: read status: %w", err)

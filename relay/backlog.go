@@ -86,7 +86,7 @@ func ReadBacklog(ctx context.Context, db Querier, schema string, shards []int16)
 	if err := db.QueryRow(ctx, `SELECT
     (SELECT count(*) FROM (SELECT 1 FROM `+id("outbox_dead")+` LIMIT `+fmt.Sprint(DeadExactLimit)+`) AS d),
     (SELECT reltuples::bigint FROM pg_class WHERE oid = $1::regclass),
-    (SELECT count(*) FROM `+id("relay_shards")+` WHERE owner IS NULL OR lease_until <= now()),
+    (SELECT `+unownedShards(id("relay_shards"))+`),
     (SELECT id FROM `+id("outbox")+` ORDER BY id LIMIT 1),
     (SELECT id FROM `+id("outbox")+` ORDER BY id DESC LIMIT 1)`, id("outbox_dead")).
 		Scan(&out.DeadLetters, &estimate, &out.UnownedShards, &lo, &hi); err != nil {
@@ -189,6 +189,13 @@ CROSS JOIN LATERAL (
         min(y.created_at) AS oldest, max(y.attempts) AS max_attempts
     FROM (SELECT o.id, o.created_at, o.attempts FROM %s o
           WHERE o.shard = p.shard AND o.id >= p.start ORDER BY o.id LIMIT %d) AS y) AS x`, outbox, BacklogProbeRows)
+}
+
+// unownedShards is the SQL expression of the shards no live relay holds,
+// counted as all shards but those held: a shard whose row was deleted by
+// hand is held by none (the lease tick writes it back).
+func unownedShards(shardsTable string) string {
+	return fmt.Sprint(NumShards) + ` - (SELECT count(*) FROM ` + shardsTable + ` WHERE owner IS NOT NULL AND lease_until > now())`
 }
 
 // EveryShard returns the shard numbers 0 to NumShards-1, in order.

@@ -168,9 +168,17 @@ func (l *leases) tick(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("charge crashed rounds: %w", err)
 	}
-	var live, reaching int
-	if err := l.st.pool.QueryRow(ctx, l.st.liveInstancesSQL).Scan(&live, &reaching); err != nil {
+	var live, reaching, shardRows int
+	if err := l.st.pool.QueryRow(ctx, l.st.liveInstancesSQL).Scan(&live, &reaching, &shardRows); err != nil {
 		return fmt.Errorf("count live relays: %w", err)
+	}
+	if shardRows < NumShards {
+		tag, err := l.st.pool.Exec(ctx, l.st.restoreShardsSQL)
+		if err != nil {
+			return fmt.Errorf("restore the rows of relay_shards: %w", err)
+		}
+		l.log.Warn("relay: rows of relay_shards were missing (deleted by hand?); written back, unowned, for the relays to take",
+			"restored", tag.RowsAffected())
 	}
 	fair := l.fairShare(live, reaching, reaches)
 

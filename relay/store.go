@@ -110,6 +110,7 @@ type store struct {
 	chargeOwnSQL     string
 	forgetOldSQL     string
 	liveInstancesSQL string
+	restoreShardsSQL string
 	probeSQL         string // set by Relay.checkSchema
 }
 
@@ -200,8 +201,14 @@ ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), lease_until = excluded.leas
     started_at = CASE WHEN i.token IS NOT DISTINCT FROM excluded.token THEN i.started_at ELSE now() END
 WHERE i.token IS NOT DISTINCT FROM excluded.token OR i.lease_until <= now()
 RETURNING true`,
-		holderSQL:        `SELECT hostname, pid, heartbeat_at FROM ` + instances + ` WHERE id = $1`,
-		liveInstancesSQL: `SELECT count(*), count(*) FILTER (WHERE kafka_ok) FROM ` + instances + ` WHERE lease_until > now()`,
+		holderSQL: `SELECT hostname, pid, heartbeat_at FROM ` + instances + ` WHERE id = $1`,
+		// With the rows of relay_shards: the relays only update them, so
+		// a row deleted by hand would leave its shard's keys waiting for
+		// good (restoreShardsSQL writes it back).
+		liveInstancesSQL: `SELECT count(*), count(*) FILTER (WHERE kafka_ok), (SELECT count(*) FROM ` + shards + `)
+FROM ` + instances + ` WHERE lease_until > now()`,
+		restoreShardsSQL: `INSERT INTO ` + shards + ` (shard) SELECT g::smallint FROM generate_series(0, ` + strconv.Itoa(NumShards-1) + `) g
+ON CONFLICT (shard) DO NOTHING`,
 		renewSQL: `UPDATE ` + shards + ` SET lease_until = now() + $2::interval
 WHERE owner = $1 AND lease_until > now() RETURNING shard`,
 		takeSQL: `UPDATE ` + shards + ` SET owner = $1, lease_until = now() + $2::interval
