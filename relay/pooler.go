@@ -116,6 +116,14 @@ func (r *Relay) noteDBError(err error) {
 	}
 }
 
+// isReadOnly reports whether err says the database refused a write as
+// read-only: a standby the pool reconnected to after a failover, or
+// default_transaction_read_only.
+func isReadOnly(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "25006" // read_only_sql_transaction
+}
+
 // isSchemaError reports whether err says a table, column, schema or
 // function is missing: the schema changed under the relay (migrated down,
 // dropped), not a database away.

@@ -467,7 +467,11 @@ func (r *Relay) leaseLoop(ctx context.Context) {
 			r.log.Warn("relay: lease upkeep failed; shards lapse unless it recovers", "error", err)
 			r.noteDBError(err)
 			if lost := r.leases.lapse(); lost > 0 {
-				r.log.Warn("relay: shard leases lapsed; publishing paused until the database answers", "shards", lost)
+				if isReadOnly(err) {
+					r.log.Warn("relay: shard leases lapsed; publishing paused while the database is read-only (a standby after a failover?)", "shards", lost)
+				} else {
+					r.log.Warn("relay: shard leases lapsed; publishing paused until the database answers", "shards", lost)
+				}
 			}
 		case failing:
 			failing = false
