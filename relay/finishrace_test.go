@@ -62,7 +62,7 @@ func TestFinishDeletesEveryAckedEventOfAHeldShardWhileAShardIsTaken(t *testing.T
 	}
 	done := make(chan result, 1)
 	go func() {
-		d, err := st.finish(ctx, "me", held, acked, nil, nil, roundKey{ids[5], ids[150]})
+		d, _, err := st.finish(ctx, "me", held, acked, nil, nil, roundKey{ids[5], ids[150]})
 		done <- result{d, err}
 	}()
 	deadline := time.Now().Add(10 * time.Second)

@@ -58,6 +58,11 @@ type leases struct {
 	lapsed     bool      // the leases lapsed before a renewal: reported as 0 owned
 	claimed    bool      // the instance row is this process's (charged its crashed round)
 	changed    chan struct{}
+	// recheck asks the lease loop for a tick now (recheckSoon): a delete
+	// refused for a shard this relay no longer holds means its leases may
+	// have lapsed, and until a tick says which shards it lost the publish
+	// loop would read and publish their events again, round after round.
+	recheck chan struct{}
 
 	outboxLocked bool // tick's: the last charge found the outbox locked (logged once)
 	// reachesKafka says whether this relay has reached Kafka within its
@@ -71,7 +76,16 @@ func newLeases(st *store, id string, duration time.Duration, obs Observer, log *
 	host, _ := os.Hostname()
 	b := make([]byte, 16)
 	_, _ = rand.Read(b)
-	return &leases{st: st, id: id, token: hex.EncodeToString(b), host: host, duration: duration, obs: obs, log: log, changed: make(chan struct{}, 1)}
+	return &leases{st: st, id: id, token: hex.EncodeToString(b), host: host, duration: duration, obs: obs, log: log,
+		changed: make(chan struct{}, 1), recheck: make(chan struct{}, 1)}
+}
+
+// recheckSoon asks for a tick before the next interval's; it never waits.
+func (l *leases) recheckSoon() {
+	select {
+	case l.recheck <- struct{}{}:
+	default:
+	}
 }
 
 // snapshot returns the shards this relay may publish now.

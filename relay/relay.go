@@ -445,6 +445,8 @@ func (r *Relay) leaseLoop(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-t.C:
+		case <-r.leases.recheck:
+			t.Reset(r.leases.interval())
 		}
 		// A tick that hangs (a database that drops packets) must not stop
 		// the leases from being reported lapsed: give up after twice the
@@ -900,7 +902,7 @@ func (r *Relay) record(ctx context.Context, start time.Time, o outcome, shards [
 	acked, failed := o.acked, o.failed
 	finishCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	defer cancel()
-	deleted, err := r.st.finish(finishCtx, r.cfg.InstanceID, shards, acked, o.dead, failed, round)
+	deleted, leftToOthers, err := r.st.finish(finishCtx, r.cfg.InstanceID, shards, acked, o.dead, failed, round)
 	stats := BatchStats{
 		Published:              int(deleted),
 		Failed:                 len(failed),
@@ -909,7 +911,7 @@ func (r *Relay) record(ctx context.Context, start time.Time, o outcome, shards [
 		SickPartitions:         o.sickPartitions,
 		SickPartitionsReported: r.sickObs != nil,
 		DeadLettered:           len(o.dead),
-		NotDeleted:             len(acked) - int(deleted),
+		NotDeleted:             int(leftToOthers),
 		Duration:               time.Since(start),
 		OldestCreatedAt:        o.oldest,
 	}
@@ -922,6 +924,11 @@ func (r *Relay) record(ctx context.Context, start time.Time, o outcome, shards [
 	r.cfg.Observer.ObserveBatch(stats)
 	if stats.NotDeleted > 0 {
 		r.log.Warn("relay: lost shard ownership mid-round; the new owner republishes", "events", stats.NotDeleted)
+		r.leases.recheckSoon()
+	}
+	if gone := len(acked) - int(deleted) - stats.NotDeleted; err == nil && gone > 0 {
+		r.log.Warn("relay: published events were no longer in the outbox: deleted by hand, or published again by a relay that took their shard",
+			"events", gone)
 	}
 	if o.timedOut > 0 {
 		r.log.Warn("relay: events not acknowledged within the publish timeout; their keys wait and are retried beside the other keys",

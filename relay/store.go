@@ -161,9 +161,15 @@ ON CONFLICT (instance, lo) DO UPDATE SET hi = excluded.hi, shards = excluded.sha
 		deleteRunSQL: `DELETE FROM ` + outbox + ` o WHERE o.id BETWEEN $1 AND $2
     AND (SELECT array_agg(shard ORDER BY shard) FROM ` + shards + ` WHERE owner = $3 AND lease_until > now()) = $4::smallint[]`,
 		// Row by row: a hashed subplan of the shards not (or no longer)
-		// held.
-		deleteOwnedSQL: `DELETE FROM ` + outbox + ` o WHERE o.id = ANY($1::bigint[])
-    AND o.shard NOT IN (SELECT shard FROM ` + shards + ` WHERE (owner = $2 AND lease_until > now()) IS NOT TRUE)`,
+		// held. It also counts the ids still in the outbox (in the
+		// statement's snapshot, so with the rows it deletes): those it
+		// left are for their shard's new owner; the others were gone
+		// already (deleted by hand, or by a relay that took their shard).
+		deleteOwnedSQL: `WITH deleted AS (
+    DELETE FROM ` + outbox + ` o WHERE o.id = ANY($1::bigint[])
+    AND o.shard NOT IN (SELECT shard FROM ` + shards + ` WHERE (owner = $2 AND lease_until > now()) IS NOT TRUE)
+    RETURNING 1)
+SELECT (SELECT count(*) FROM deleted), (SELECT count(*) FROM ` + outbox + ` o WHERE o.id = ANY($1::bigint[]))`,
 		// Dead letters take their ids in outbox id order (the DELETE
 		// returns rows in table order, where a retried row lies after
 		// its key's later ones): lists and replays go by the outbox id
@@ -1153,10 +1159,11 @@ func putUUID(b []byte, u [16]byte) {
 // finish records one round's outcome in one round trip: deletes the
 // acknowledged events and moves the refused ones to outbox_dead (both only
 // on shards this relay still owns), and notes the errors of the ones to
-// retry. It returns how many acknowledged events it deleted.
-// shards are the shards the round was read from, sorted; round is its
-// relay_rounds row.
-func (s *store) finish(ctx context.Context, owner string, shards []int16, acked []int64, dead []deadEvent, failed []failedEvent, round roundKey) (deleted int64, err error) {
+// retry. It returns how many acknowledged events it deleted, and how many
+// it left in the outbox for a shard's new owner (the rest of acked were
+// gone already). shards are the shards the round was read from, sorted;
+// round is its relay_rounds row.
+func (s *store) finish(ctx context.Context, owner string, shards []int16, acked []int64, dead []deadEvent, failed []failedEvent, round roundKey) (deleted, leftToOthers int64, err error) {
 	b := &pgx.Batch{}
 	// Generic plans, as for the claims (local to the batch's implicit
 	// transaction): beside a large backlog PostgreSQL kept a custom plan
@@ -1208,7 +1215,7 @@ func (s *store) finish(ctx context.Context, owner string, shards []int16, acked 
 	}
 	b.Queue(s.landedSQL, owner, round.lo, round.hi)
 	if err := s.pool.SendBatch(ctx, b).Close(); err != nil {
-		return deleted, fmt.Errorf("record outcome: %w", err)
+		return deleted, 0, fmt.Errorf("record outcome: %w", err)
 	}
 	if deleted < int64(len(acked)) {
 		// The shards held changed since the round was read (one of them
@@ -1216,13 +1223,14 @@ func (s *store) finish(ctx context.Context, owner string, shards []int16, acked 
 		// shards still held. The range and the "= ANY" deletes each look
 		// at relay_shards in a snapshot of their own, so the set may
 		// change between them: one deleting and the other not.
-		tag, err := s.pool.Exec(ctx, s.deleteOwnedSQL, acked, owner)
-		if err != nil {
-			return deleted, fmt.Errorf("record outcome: %w", err)
+		var rowByRow, present int64
+		if err := s.pool.QueryRow(ctx, s.deleteOwnedSQL, acked, owner).Scan(&rowByRow, &present); err != nil {
+			return deleted, 0, fmt.Errorf("record outcome: %w", err)
 		}
-		deleted += tag.RowsAffected()
+		deleted += rowByRow
+		leftToOthers = present - rowByRow
 	}
-	return deleted, nil
+	return deleted, leftToOthers, nil
 }
 
 // sortByID returns events in id order. A claim's statements each read in
