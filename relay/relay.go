@@ -895,13 +895,25 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 }
 
 // record writes a round's outcome: even when ctx is done, since
-// acknowledged events must not be published again needlessly. A failure
-// leaves the events pending: they are published again (duplicates, not
-// loss).
+// acknowledged events must not be published again needlessly, but once it
+// is (a stop) for stopGrace at most, as the publish: a lock on the outbox
+// (a migration, VACUUM FULL) held the stop for the whole 30 s, past an
+// orchestrator's grace. A failure leaves the events pending: they are
+// published again (duplicates, not loss).
 func (r *Relay) record(ctx context.Context, start time.Time, o outcome, shards []int16, round roundKey) {
 	acked, failed := o.acked, o.failed
 	finishCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	defer cancel()
+	stopWatch := context.AfterFunc(ctx, func() {
+		t := time.NewTimer(stopGrace)
+		defer t.Stop()
+		select {
+		case <-t.C:
+			cancel()
+		case <-finishCtx.Done():
+		}
+	})
+	defer stopWatch()
 	deleted, leftToOthers, err := r.st.finish(finishCtx, r.cfg.InstanceID, shards, acked, o.dead, failed, round)
 	stats := BatchStats{
 		Published:              int(deleted),
