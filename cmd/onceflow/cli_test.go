@@ -160,3 +160,30 @@ func TestAdminCommandsOnAnUnmigratedSchemaSaySo(t *testing.T) {
 		}
 	}
 }
+
+// A linger the publish timeout cannot cover is bad input: each value was
+// accepted on its own, and then a round's records waited out the linger
+// before they were sent, so every round timed out and nothing was
+// published (6 of 10 events pending after 25 s with --linger 3s
+// --publish-timeout 2s, on both publishers; helper 71). franz-go's own
+// limit on the linger (1 min) was a runtime error after connecting,
+// naming no flag.
+func TestALingerThePublishTimeoutCannotCoverIsRefused(t *testing.T) {
+	url := pgtest.URL(t)
+	base := []string{"relay", "--database-url", url, "--brokers", "127.0.0.1:1"}
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--linger", "3s", "--publish-timeout", "2s"}, "--linger: 3s is not shorter than --publish-timeout (2s)"},
+		{[]string{"--publisher", "kafka-go", "--linger", "2s", "--publish-timeout", "2s"}, "--linger: 2s is not shorter than --publish-timeout (2s)"},
+		{[]string{"--linger", "45s"}, "--linger: 45s is not shorter than --publish-timeout (30s)"},
+		{[]string{"--linger", "61s", "--publish-timeout", "5m"}, "--linger: 1m1s is longer than franz-go allows (1m0s)"},
+	} {
+		var out, errOut bytes.Buffer
+		err := run(context.Background(), append(base, c.args...), &out, &errOut)
+		if !errors.Is(err, errUsage) || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%v: err = %v, want a usage error saying %q", c.args, err, c.want)
+		}
+	}
+}

@@ -52,7 +52,7 @@ func (k *kafkaFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&k.clientID, "kafka-client-id", env("ONCEFLOW_KAFKA_CLIENT_ID", "onceflow-relay"), "client id shown in the brokers' logs, quotas and metrics (env ONCEFLOW_KAFKA_CLIENT_ID)")
 	fs.StringVar(&k.compression, "compression", env("ONCEFLOW_COMPRESSION", ""), "produce compression: none, gzip, snappy, lz4 or zstd; default the client's (snappy for franz-go, none for kafka-go) (env ONCEFLOW_COMPRESSION)")
 	fs.IntVar(&k.maxRecordBytes, "max-record-bytes", envInt("ONCEFLOW_MAX_RECORD_BYTES", 1000012), "largest record the relay sends; a larger one is dead-lettered. Keep at or below the topics' max.message.bytes (env ONCEFLOW_MAX_RECORD_BYTES)")
-	fs.DurationVar(&k.linger, "linger", envDuration("ONCEFLOW_LINGER", 0), "how long the producer waits to fill a batch; franz-go default 0, kafka-go 1ms (env ONCEFLOW_LINGER)")
+	fs.DurationVar(&k.linger, "linger", envDuration("ONCEFLOW_LINGER", 0), "how long the producer waits to fill a batch, shorter than --publish-timeout; franz-go default 0 (at most 1m), kafka-go 1ms (env ONCEFLOW_LINGER)")
 }
 
 // conn checks the flags against the brokers' listener prefix

@@ -49,7 +49,7 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	grace := fs.Duration("unknown-topic-grace", envDuration("ONCEFLOW_UNKNOWN_TOPIC_GRACE", time.Minute), "retry an unknown topic this long before dead-lettering (env ONCEFLOW_UNKNOWN_TOPIC_GRACE)")
 	waitDB := fs.Bool("wait-for-database", kafkaEnvBoolDefault("ONCEFLOW_WAIT_FOR_DATABASE", true), "at start, wait (with backoff, saying so) for a database that does not answer instead of exiting 1; bad credentials or a missing database still exit 1 (env ONCEFLOW_WAIT_FOR_DATABASE)")
 	checkEvery := fs.Duration("kafka-check-interval", envDuration("ONCEFLOW_KAFKA_CHECK_INTERVAL", 5*time.Second), "how often to check a broker answers (logged at Warn and exported as onceflow_relay_kafka_up) (env ONCEFLOW_KAFKA_CHECK_INTERVAL)")
-	handoff := fs.Duration("kafka-handoff", envDuration("ONCEFLOW_KAFKA_HANDOFF", time.Minute), "a relay no Kafka broker has answered for this long hands its shards to the relays that reach Kafka, if any does; at least --lease-duration, which it follows when only that is given (env ONCEFLOW_KAFKA_HANDOFF)")
+	handoff := fs.Duration("kafka-handoff", envDuration("ONCEFLOW_KAFKA_HANDOFF", time.Minute), "a relay no Kafka broker has answered for this long hands its shards to the relays that reach Kafka, if any does; at least --lease-duration; by default 1m, or --lease-duration if that is longer (env ONCEFLOW_KAFKA_HANDOFF)")
 	forbiddenGrace := fs.Duration("topic-forbidden-grace", envDuration("ONCEFLOW_TOPIC_FORBIDDEN_GRACE", time.Minute), "retry a topic that answers \"not authorized\" this long before dead-lettering (env ONCEFLOW_TOPIC_FORBIDDEN_GRACE)")
 	var kf kafkaFlags
 	kf.register(fs)
@@ -98,6 +98,14 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	}
 	if *publisher != "franz-go" && *publisher != "kafka-go" {
 		return fmt.Errorf("%w: --publisher: %q is not franz-go or kafka-go", errUsage, *publisher)
+	}
+	// A round's records wait out the linger before they are sent: one the
+	// publish timeout cannot cover times every round out.
+	if kf.linger >= *publishTimeout {
+		return fmt.Errorf("%w: --linger: %s is not shorter than --publish-timeout (%s)", errUsage, kf.linger, *publishTimeout)
+	}
+	if *publisher == "franz-go" && kf.linger > time.Minute {
+		return fmt.Errorf("%w: --linger: %s is longer than franz-go allows (%s)", errUsage, kf.linger, time.Minute)
 	}
 
 	if *checkEvery <= 0 {
