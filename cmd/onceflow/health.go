@@ -216,14 +216,22 @@ func (p *probes) readyz(w http.ResponseWriter, req *http.Request) {
 	fmt.Fprintln(w, "ok")
 }
 
+// databaseBackoff is waitForDatabase's: about 1 s growing to about 30 s,
+// each wait ±50% at random, never giving up.
+func databaseBackoff() *backoff.ExponentialBackOff {
+	bo := backoff.NewExponentialBackOff()
+	bo.InitialInterval, bo.MaxInterval, bo.MaxElapsedTime = time.Second, 30*time.Second, 0
+	bo.Reset() // takes InitialInterval: the constructor reset to its own
+	return bo
+}
+
 // waitForDatabase pings until the database answers, with backoff (about 1 s
 // up to about 30 s, ±50% at random), logging each failure at Warn. Errors
 // that waiting cannot fix (authentication, a database that does not exist, a
 // certificate that does not verify) return at once, as does every error
 // when wait is false.
 func waitForDatabase(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger, wait bool) error {
-	bo := backoff.NewExponentialBackOff()
-	bo.InitialInterval, bo.MaxInterval, bo.MaxElapsedTime = time.Second, 30*time.Second, 0
+	bo := databaseBackoff()
 	start := time.Now()
 	for {
 		pingCtx, cancel := context.WithTimeout(ctx, 10*time.Second)

@@ -252,3 +252,15 @@ func (p *proxy) forward(c net.Conn) {
 	_, _ = io.Copy(c, u)
 	c.Close()
 }
+
+// The wait for the database starts at about 1 s (±50%), as the docs say:
+// the interval set after the backoff was built was not taken until a
+// Reset, so the first waits were the library's 500 ms (helper 72 saw
+// 600 ms, 500 ms, 1.7 s).
+func TestTheWaitForTheDatabaseStartsAtAboutASecond(t *testing.T) {
+	for range 20 {
+		if first := databaseBackoff().NextBackOff(); first < 500*time.Millisecond || first > 1500*time.Millisecond {
+			t.Fatalf("first wait %s, want 1 s ±50%%", first)
+		}
+	}
+}
