@@ -142,7 +142,7 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 
 	reg := prometheus.NewRegistry()
 	// Traces go out over OTLP when the OTEL_* variables ask for it.
-	tp, stopTracing, err := otelenv.Setup(ctx, "onceflow-relay")
+	tp, stopTracing, err := otelenv.Setup(ctx, "onceflow-relay", func(w string) { log.Warn("relay: tracing: " + w) })
 	if err != nil {
 		return err
 	}

@@ -5,6 +5,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -51,6 +52,33 @@ func TestRelayExportsTracesOverOTLPWhenConfigured(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitUntil(t, "an OTLP trace export", 60*time.Second, func() bool { return exports.Load() > 0 })
+	_ = p.Signal(syscall.SIGTERM)
+	if err, exited := p.Wait(30 * time.Second); !exited || err != nil {
+		t.Fatalf("after SIGTERM: exited %v, err %v", exited, err)
+	}
+}
+
+// OTEL_* settings the relay cannot honour (a platform injects them into
+// every pod: the gRPC protocol, a console exporter) are a warning, not a
+// reason to stop: the relay exited 1 before it started, and crash-looped
+// over tracing it was not asked to do.
+func TestRelayStartsDespiteOTELSettingsItCannotHonour(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs the binary; skipped with -short")
+	}
+	t.Parallel()
+	bin := buildBinary(t)
+	schema := pgtest.Schema(t)
+	k := kafkatest.New(t)
+	env := append(relayEnv(t, schema, k), "OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:1", "OTEL_EXPORTER_OTLP_PROTOCOL=grpc", "OTEL_TRACES_EXPORTER=otlp,console")
+	p := startRelayProc(t, bin, env, "--log-level", "info")
+	waitUntil(t, "the relay to start", 30*time.Second, relayStarted(p))
+	out := p.Output()
+	for _, want := range []string{`OTEL_TRACES_EXPORTER: \"console\" is not supported`, `OTEL_EXPORTER_OTLP_PROTOCOL=\"grpc\" is not supported`} {
+		if !strings.Contains(out, want) {
+			t.Errorf("the relay's log does not say %s:\n%s", want, out)
+		}
+	}
 	_ = p.Signal(syscall.SIGTERM)
 	if err, exited := p.Wait(30 * time.Second); !exited || err != nil {
 		t.Fatalf("after SIGTERM: exited %v, err %v", exited, err)

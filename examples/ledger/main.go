@@ -78,7 +78,7 @@ func run(ctx context.Context, args []string, log *slog.Logger) error {
 
 	cfg := &consumer.Config{Schema: *schema, Logger: log}
 	if *tracing {
-		tp, shutdown, err := otelenv.Setup(ctx, "ledger")
+		tp, shutdown, err := otelenv.Setup(ctx, "ledger", func(w string) { log.Warn("tracing: " + w) })
 		if err != nil {
 			return err
 		}

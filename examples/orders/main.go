@@ -82,7 +82,7 @@ func run(ctx context.Context, args []string, log *slog.Logger) error {
 
 	var tp trace.TracerProvider
 	if *tracing {
-		provider, shutdown, err := otelenv.Setup(ctx, "orders")
+		provider, shutdown, err := otelenv.Setup(ctx, "orders", func(w string) { log.Warn("tracing: " + w) })
 		if err != nil {
 			return err
 		}

@@ -25,21 +25,42 @@ import (
 // OTEL_TRACES_EXPORTER=otlp, or an OTLP endpoint
 // (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) with
 // OTEL_TRACES_EXPORTER unset. OTEL_SDK_DISABLED=true and
-// OTEL_TRACES_EXPORTER=none turn it off.
-func Enabled(getenv func(string) string) (bool, error) {
+// OTEL_TRACES_EXPORTER=none turn it off. A value it does not support is
+// passed to warn and ignored, as the OpenTelemetry specification asks of
+// an unrecognised value (platforms inject these variables into every
+// process; tracing must not stop one from starting): an exporter other
+// than otlp in the list, and a protocol other than http/protobuf, which
+// turns export off (HTTP sent to a gRPC collector's port cannot work).
+func Enabled(getenv func(string) string, warn func(string)) bool {
 	if strings.EqualFold(getenv("OTEL_SDK_DISABLED"), "true") {
-		return false, nil
+		return false
 	}
-	switch exp := strings.TrimSpace(getenv("OTEL_TRACES_EXPORTER")); exp {
-	case "none":
-		return false, nil
-	case "otlp":
-		return true, nil
-	case "":
-		return getenv("OTEL_EXPORTER_OTLP_ENDPOINT") != "" || getenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") != "", nil
-	default:
-		return false, fmt.Errorf("OTEL_TRACES_EXPORTER=%q: only otlp and none are supported", exp)
+	on := getenv("OTEL_EXPORTER_OTLP_ENDPOINT") != "" || getenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") != ""
+	if list := strings.TrimSpace(getenv("OTEL_TRACES_EXPORTER")); list != "" {
+		on = false
+		for _, exp := range strings.Split(list, ",") {
+			switch exp = strings.TrimSpace(exp); exp {
+			case "otlp":
+				on = true
+			case "none":
+				return false
+			default:
+				warn(fmt.Sprintf("OTEL_TRACES_EXPORTER: %q is not supported (only otlp and none): ignored", exp))
+			}
+		}
 	}
+	if !on {
+		return false
+	}
+	name, proto := "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", getenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+	if proto == "" {
+		name, proto = "OTEL_EXPORTER_OTLP_PROTOCOL", getenv("OTEL_EXPORTER_OTLP_PROTOCOL")
+	}
+	if proto != "" && proto != "http/protobuf" {
+		warn(fmt.Sprintf("%s=%q is not supported (only http/protobuf): traces are not exported", name, proto))
+		return false
+	}
+	return true
 }
 
 // Setup returns the tracer provider the environment asks for and a
@@ -48,18 +69,11 @@ func Enabled(getenv func(string) string) (bool, error) {
 // and baggage propagators. The exporter speaks OTLP over HTTP
 // (http/protobuf) and reads the other OTEL_EXPORTER_OTLP_* variables itself
 // (headers, timeout, TLS); OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES
-// name the service (service defaults to service).
-func Setup(ctx context.Context, service string) (trace.TracerProvider, func(), error) {
-	on, err := Enabled(os.Getenv)
-	if err != nil || !on {
-		return noop.NewTracerProvider(), func() {}, err
-	}
-	proto := os.Getenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-	if proto == "" {
-		proto = os.Getenv("OTEL_EXPORTER_OTLP_PROTOCOL")
-	}
-	if proto != "" && proto != "http/protobuf" {
-		return nil, nil, fmt.Errorf("OTEL_EXPORTER_OTLP_PROTOCOL=%q: only http/protobuf is supported", proto)
+// name the service (service defaults to service). Settings it does not
+// support go to warn (see Enabled).
+func Setup(ctx context.Context, service string, warn func(string)) (trace.TracerProvider, func(), error) {
+	if !Enabled(os.Getenv, warn) {
+		return noop.NewTracerProvider(), func() {}, nil
 	}
 	exp, err := otlptracehttp.New(ctx)
 	if err != nil {

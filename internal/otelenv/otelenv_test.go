@@ -1,13 +1,23 @@
 package otelenv
 
-import "testing"
+import (
+	"context"
+	"strings"
+	"testing"
 
+	"go.opentelemetry.io/otel/trace/noop"
+)
+
+// A value this package does not support is a warning and is ignored, as
+// the OpenTelemetry specification asks of an unrecognised enum value: a
+// platform that injects OTEL_* variables into every pod (an exporter list
+// with console, the gRPC protocol) made the relay exit before it started.
 func TestEnabledFollowsTheStandardVariables(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
-		env     map[string]string
-		want    bool
-		wantErr bool
+		env      map[string]string
+		want     bool
+		wantWarn string
 	}{
 		{env: nil, want: false},
 		{env: map[string]string{"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}, want: true},
@@ -15,11 +25,34 @@ func TestEnabledFollowsTheStandardVariables(t *testing.T) {
 		{env: map[string]string{"OTEL_TRACES_EXPORTER": "otlp"}, want: true},
 		{env: map[string]string{"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, want: false},
 		{env: map[string]string{"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_EXPORTER": "otlp"}, want: false},
-		{env: map[string]string{"OTEL_TRACES_EXPORTER": "zipkin"}, wantErr: true},
+		{env: map[string]string{"OTEL_TRACES_EXPORTER": "zipkin"}, want: false, wantWarn: `OTEL_TRACES_EXPORTER: "zipkin" is not supported`},
+		{env: map[string]string{"OTEL_TRACES_EXPORTER": "otlp, console"}, want: true, wantWarn: `OTEL_TRACES_EXPORTER: "console" is not supported`},
+		{env: map[string]string{"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, want: false,
+			wantWarn: `OTEL_EXPORTER_OTLP_PROTOCOL="grpc" is not supported`},
+		{env: map[string]string{"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}, want: true},
+		{env: map[string]string{"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, want: false},
 	} {
-		got, err := Enabled(func(k string) string { return tc.env[k] })
-		if got != tc.want || (err != nil) != tc.wantErr {
-			t.Errorf("Enabled(%v) = %v, %v; want %v, error %v", tc.env, got, err, tc.want, tc.wantErr)
+		var warnings []string
+		got := Enabled(func(k string) string { return tc.env[k] }, func(w string) { warnings = append(warnings, w) })
+		warned := strings.Join(warnings, "\n")
+		if got != tc.want || (tc.wantWarn == "") != (warned == "") || !strings.Contains(warned, tc.wantWarn) {
+			t.Errorf("Enabled(%v) = %v, warned %q; want %v, a warning with %q", tc.env, got, warned, tc.want, tc.wantWarn)
 		}
+	}
+}
+
+// Setup with a protocol it cannot speak runs without tracing and says so,
+// rather than failing the program that asked for it.
+func TestSetupWithAnUnsupportedProtocolDoesNotFail(t *testing.T) {
+	t.Setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:1")
+	t.Setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+	var warnings []string
+	tp, shutdown, err := Setup(context.Background(), "test", func(w string) { warnings = append(warnings, w) })
+	if err != nil {
+		t.Fatalf("Setup: %v", err)
+	}
+	defer shutdown()
+	if _, off := tp.(noop.TracerProvider); !off || len(warnings) != 1 {
+		t.Fatalf("provider %T, warnings %q: want no tracing and one warning", tp, warnings)
 	}
 }
