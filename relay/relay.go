@@ -914,21 +914,21 @@ func (r *Relay) record(ctx context.Context, start time.Time, o outcome, shards [
 		}
 	})
 	defer stopWatch()
-	deleted, leftToOthers, err := r.st.finish(finishCtx, r.cfg.InstanceID, shards, acked, o.dead, failed, round)
+	f, err := r.st.finish(finishCtx, r.cfg.InstanceID, shards, acked, o.dead, failed, round)
 	stats := BatchStats{
-		Published:              int(deleted),
+		Published:              int(f.deleted),
 		Failed:                 len(failed),
 		TimedOut:               o.timedOut,
 		HeldBack:               o.held,
 		SickPartitions:         o.sickPartitions,
 		SickPartitionsReported: r.sickObs != nil,
-		DeadLettered:           len(o.dead),
-		NotDeleted:             int(leftToOthers),
+		DeadLettered:           int(f.deadMoved),
+		NotDeleted:             int(f.leftToOthers),
 		Duration:               time.Since(start),
 		OldestCreatedAt:        o.oldest,
 	}
 	if err != nil {
-		stats.Published, stats.NotDeleted = 0, 0
+		stats.Published, stats.NotDeleted, stats.DeadLettered = 0, 0, 0
 		r.log.Warn("relay: events were published but their outcome could not be recorded; they will be published again",
 			"events", len(acked), "error", err)
 		r.noteDBError(err)
@@ -936,11 +936,21 @@ func (r *Relay) record(ctx context.Context, start time.Time, o outcome, shards [
 	r.cfg.Observer.ObserveBatch(stats)
 	if stats.NotDeleted > 0 {
 		r.log.Warn("relay: lost shard ownership mid-round; the new owner republishes", "events", stats.NotDeleted)
-		r.leases.recheckSoon()
 	}
-	if gone := len(acked) - int(deleted) - stats.NotDeleted; err == nil && gone > 0 {
+	gone := len(acked) - stats.Published - stats.NotDeleted
+	if err == nil && gone > 0 {
 		r.log.Warn("relay: published events were no longer in the outbox: deleted by hand, or published again by a relay that took their shard",
 			"events", gone)
+	}
+	deadLeft := len(o.dead) - stats.DeadLettered
+	if err == nil && deadLeft > 0 {
+		r.log.Warn("relay: refused events were not moved to outbox_dead: their shard has another owner now (which retries them), or they were deleted",
+			"events", deadLeft)
+	}
+	if err == nil && (stats.Published < len(acked) || deadLeft > 0) {
+		// A shard may have changed hands: until a lease tick says which,
+		// the rounds would read and publish its events again.
+		r.leases.recheckSoon()
 	}
 	if o.timedOut > 0 {
 		r.log.Warn("relay: events not acknowledged within the publish timeout; their keys wait and are retried beside the other keys",

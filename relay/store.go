@@ -161,15 +161,16 @@ ON CONFLICT (instance, lo) DO UPDATE SET hi = excluded.hi, shards = excluded.sha
 		deleteRunSQL: `DELETE FROM ` + outbox + ` o WHERE o.id BETWEEN $1 AND $2
     AND (SELECT array_agg(shard ORDER BY shard) FROM ` + shards + ` WHERE owner = $3 AND lease_until > now()) = $4::smallint[]`,
 		// Row by row: a hashed subplan of the shards not (or no longer)
-		// held. It also counts the ids still in the outbox (in the
-		// statement's snapshot, so with the rows it deletes): those it
-		// left are for their shard's new owner; the others were gone
-		// already (deleted by hand, or by a relay that took their shard).
-		deleteOwnedSQL: `WITH deleted AS (
-    DELETE FROM ` + outbox + ` o WHERE o.id = ANY($1::bigint[])
-    AND o.shard NOT IN (SELECT shard FROM ` + shards + ` WHERE (owner = $2 AND lease_until > now()) IS NOT TRUE)
+		// held. It also counts the ids it leaves on those shards, for
+		// their new owner; the others not deleted were gone already
+		// (deleted by hand, or by a relay that took their shard).
+		deleteOwnedSQL: `WITH lost AS (
+    SELECT shard FROM ` + shards + ` WHERE (owner = $2 AND lease_until > now()) IS NOT TRUE),
+deleted AS (
+    DELETE FROM ` + outbox + ` o WHERE o.id = ANY($1::bigint[]) AND o.shard NOT IN (SELECT shard FROM lost)
     RETURNING 1)
-SELECT (SELECT count(*) FROM deleted), (SELECT count(*) FROM ` + outbox + ` o WHERE o.id = ANY($1::bigint[]))`,
+SELECT (SELECT count(*) FROM deleted),
+    (SELECT count(*) FROM ` + outbox + ` o WHERE o.id = ANY($1::bigint[]) AND o.shard IN (SELECT shard FROM lost))`,
 		// Dead letters take their ids in outbox id order (the DELETE
 		// returns rows in table order, where a retried row lies after
 		// its key's later ones): lists and replays go by the outbox id
@@ -1156,14 +1157,23 @@ func putUUID(b []byte, u [16]byte) {
 	hex.Encode(b[24:], u[10:])
 }
 
+// finished is what finish recorded of a round.
+type finished struct {
+	deleted int64 // acknowledged events deleted
+	// leftToOthers are acknowledged events left in the outbox on shards
+	// this relay no longer holds, for their new owner; the others not
+	// deleted were gone already (by hand, or published and deleted by a
+	// relay that took their shard).
+	leftToOthers int64
+	deadMoved    int64 // refused events moved to outbox_dead
+}
+
 // finish records one round's outcome in one round trip: deletes the
 // acknowledged events and moves the refused ones to outbox_dead (both only
 // on shards this relay still owns), and notes the errors of the ones to
-// retry. It returns how many acknowledged events it deleted, and how many
-// it left in the outbox for a shard's new owner (the rest of acked were
-// gone already). shards are the shards the round was read from, sorted;
-// round is its relay_rounds row.
-func (s *store) finish(ctx context.Context, owner string, shards []int16, acked []int64, dead []deadEvent, failed []failedEvent, round roundKey) (deleted, leftToOthers int64, err error) {
+// retry. shards are the shards the round was read from, sorted; round is
+// its relay_rounds row.
+func (s *store) finish(ctx context.Context, owner string, shards []int16, acked []int64, dead []deadEvent, failed []failedEvent, round roundKey) (f finished, err error) {
 	b := &pgx.Batch{}
 	// Generic plans, as for the claims (local to the batch's implicit
 	// transaction): beside a large backlog PostgreSQL kept a custom plan
@@ -1172,7 +1182,7 @@ func (s *store) finish(ctx context.Context, owner string, shards []int16, acked 
 	b.Queue(`SELECT set_config('plan_cache_mode', 'force_generic_plan', true)`)
 	if len(acked) > 0 {
 		count := func(tag pgconn.CommandTag) error {
-			deleted += tag.RowsAffected()
+			f.deleted += tag.RowsAffected()
 			return nil
 		}
 		// The longest run of consecutive ids by a range of the primary
@@ -1194,7 +1204,10 @@ func (s *store) finish(ctx context.Context, owner string, shards []int16, acked 
 		for i, d := range dead {
 			ids[i], errs[i] = d.id, d.err
 		}
-		b.Queue(s.deadSQL, ids, errs, owner)
+		b.Queue(s.deadSQL, ids, errs, owner).Exec(func(tag pgconn.CommandTag) error {
+			f.deadMoved = tag.RowsAffected()
+			return nil
+		})
 	}
 	var ids []int64
 	var errs []string
@@ -1215,22 +1228,21 @@ func (s *store) finish(ctx context.Context, owner string, shards []int16, acked 
 	}
 	b.Queue(s.landedSQL, owner, round.lo, round.hi)
 	if err := s.pool.SendBatch(ctx, b).Close(); err != nil {
-		return deleted, 0, fmt.Errorf("record outcome: %w", err)
+		return finished{}, fmt.Errorf("record outcome: %w", err)
 	}
-	if deleted < int64(len(acked)) {
+	if f.deleted < int64(len(acked)) {
 		// The shards held changed since the round was read (one of them
 		// lost, or one more taken): delete, row by row, the events of the
 		// shards still held. The range and the "= ANY" deletes each look
 		// at relay_shards in a snapshot of their own, so the set may
 		// change between them: one deleting and the other not.
-		var rowByRow, present int64
-		if err := s.pool.QueryRow(ctx, s.deleteOwnedSQL, acked, owner).Scan(&rowByRow, &present); err != nil {
-			return deleted, 0, fmt.Errorf("record outcome: %w", err)
+		var rowByRow int64
+		if err := s.pool.QueryRow(ctx, s.deleteOwnedSQL, acked, owner).Scan(&rowByRow, &f.leftToOthers); err != nil {
+			return f, fmt.Errorf("record outcome: %w", err)
 		}
-		deleted += rowByRow
-		leftToOthers = present - rowByRow
+		f.deleted += rowByRow
 	}
-	return deleted, leftToOthers, nil
+	return f, nil
 }
 
 // sortByID returns events in id order. A claim's statements each read in

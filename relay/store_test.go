@@ -216,11 +216,11 @@ func TestFinishDeletesOnlyOnShardsStillHeld(t *testing.T) {
 	for _, key := range []string{"a", "b", "c"} {
 		round = append(round, insert(st.pool, key))
 	}
-	deleted, _, err := st.finish(ctx, "me", everyShard(), round, nil, nil, roundKey{round[0], round[len(round)-1]})
+	f, err := st.finish(ctx, "me", everyShard(), round, nil, nil, roundKey{round[0], round[len(round)-1]})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if deleted != 3 || len(pending()) != 0 {
+	if deleted := f.deleted; deleted != 3 || len(pending()) != 0 {
 		t.Fatalf("holding every shard, finish deleted %d of 3 and left %v", deleted, pending())
 	}
 
@@ -239,12 +239,12 @@ func TestFinishDeletesOnlyOnShardsStillHeld(t *testing.T) {
 			want = append(want, id)
 		}
 	}
-	deleted, left, err := st.finish(ctx, "me", everyShard(), round, nil, nil, roundKey{round[0], round[len(round)-1]})
+	f, err = st.finish(ctx, "me", everyShard(), round, nil, nil, roundKey{round[0], round[len(round)-1]})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := pending(); !slices.Equal(got, want) || deleted != int64(len(round)-len(want)) || left != int64(len(want)) {
-		t.Fatalf("after losing shard %d, finish deleted %d and left %v (reported %d), want %v left", lost, deleted, got, left, want)
+	if got := pending(); !slices.Equal(got, want) || f.deleted != int64(len(round)-len(want)) || f.leftToOthers != int64(len(want)) {
+		t.Fatalf("after losing shard %d, finish deleted %d and left %v (reported %d), want %v left", lost, f.deleted, got, f.leftToOthers, want)
 	}
 }
 
@@ -273,13 +273,13 @@ func TestRoundRecordsSharingALowestIDAreForgottenByTheirOwnRound(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if _, _, err := st.finish(ctx, "me", everyShard(), nil, nil, nil, earlier); err != nil {
+	if _, err := st.finish(ctx, "me", everyShard(), nil, nil, nil, earlier); err != nil {
 		t.Fatal(err)
 	}
 	if got := left(); !slices.Equal(got, []roundKey{later}) {
 		t.Fatalf("after the earlier round landed, relay_rounds holds %v, want %v", got, []roundKey{later})
 	}
-	if _, _, err := st.finish(ctx, "me", everyShard(), nil, nil, nil, later); err != nil {
+	if _, err := st.finish(ctx, "me", everyShard(), nil, nil, nil, later); err != nil {
 		t.Fatal(err)
 	}
 	if got := left(); len(got) != 0 {
@@ -484,7 +484,8 @@ func TestFinishDeletesExactlyTheAcknowledgedIDs(t *testing.T) {
 		{"one", []int64{ids[11]}, []int64{ids[5]}},
 	} {
 		round := roundKey{slices.Min(c.acked), slices.Max(c.acked)}
-		deleted, _, err := st.finish(ctx, "me", everyShard(), c.acked, nil, nil, round)
+		f, err := st.finish(ctx, "me", everyShard(), c.acked, nil, nil, round)
+		deleted := f.deleted
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -603,7 +604,8 @@ func TestFinishDeletesTheLongestRunByARangeAndTheRestByID(t *testing.T) {
 	if lo, hi, rest := longestRun(acked); hi-lo+1 < minDeleteRun || len(rest) != 2 {
 		t.Fatalf("the round is not one long run and two more: %d..%d, %v", lo, hi, rest)
 	}
-	deleted, _, err := st.finish(ctx, "me", everyShard(), acked, nil, nil, roundKey{ids[5], ids[150]})
+	f, err := st.finish(ctx, "me", everyShard(), acked, nil, nil, roundKey{ids[5], ids[150]})
+	deleted := f.deleted
 	if err != nil {
 		t.Fatal(err)
 	}
