@@ -40,6 +40,7 @@ func Enabled(getenv func(string) string, warn func(string)) bool {
 		on = false
 		for _, exp := range strings.Split(list, ",") {
 			switch exp = strings.TrimSpace(exp); exp {
+			case "":
 			case "otlp":
 				on = true
 			case "none":

@@ -31,6 +31,7 @@ func TestEnabledFollowsTheStandardVariables(t *testing.T) {
 			wantWarn: `OTEL_EXPORTER_OTLP_PROTOCOL="grpc" is not supported`},
 		{env: map[string]string{"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}, want: true},
 		{env: map[string]string{"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, want: false},
+		{env: map[string]string{"OTEL_TRACES_EXPORTER": "otlp,"}, want: true},
 	} {
 		var warnings []string
 		got := Enabled(func(k string) string { return tc.env[k] }, func(w string) { warnings = append(warnings, w) })
