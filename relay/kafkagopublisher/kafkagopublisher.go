@@ -543,6 +543,13 @@ func (p *Publisher) Ping(ctx context.Context) error {
 
 // Close flushes and closes the writers, and the connections of the
 // transport New built. A Publish call after Close fails every record.
+// It waits closeWait at most: kafka-go's Writer.Close waits for every write
+// still in flight, a Publish its context abandoned included, and against a
+// broker that does not answer that is MaxAttempts times the write timeout
+// (51 s with the defaults), which held a stopping relay past its
+// orchestrator's grace. Writes still in flight then end in the background,
+// acknowledged or not (their events are pending: published again, never
+// lost).
 func (p *Publisher) Close() error {
 	p.mu.Lock()
 	all := p.all
@@ -550,15 +557,29 @@ func (p *Publisher) Close() error {
 	p.mu.Unlock()
 	p.stopLooks()
 	p.looking.Wait()
-	var errs []error
-	for _, w := range all {
-		errs = append(errs, w.Close())
+	closed := make(chan error, 1)
+	go func() {
+		errs := make([]error, 0, len(all))
+		for _, w := range all {
+			errs = append(errs, w.Close())
+		}
+		if p.own != nil {
+			p.own.CloseIdleConnections()
+		}
+		closed <- errors.Join(errs...)
+	}()
+	t := time.NewTimer(closeWait)
+	defer t.Stop()
+	select {
+	case err := <-closed:
+		return err
+	case <-t.C:
+		return fmt.Errorf("kafkagopublisher: writes still in flight after %s; left to end in the background", closeWait)
 	}
-	if p.own != nil {
-		p.own.CloseIdleConnections()
-	}
-	return errors.Join(errs...)
 }
+
+// closeWait bounds Close.
+const closeWait = 5 * time.Second
 
 func classify(err error) error {
 	switch {
