@@ -312,9 +312,13 @@ func (p *Publisher) Publish(ctx context.Context, records []relay.Record) []error
 	out, stale, wasRefused := errs, staleIDs, refused
 	errs = nil // later promises return at once: finished no longer changes
 	mu.Unlock()
+	why := "before the call was cancelled (shutdown)"
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		why = "within the call's deadline (the relay's publish timeout)"
+	}
 	for i := range out {
 		if !finished[i] {
-			out[i] = fmt.Errorf("kgopublisher: not acknowledged before shutdown: %w", ctx.Err())
+			out[i] = fmt.Errorf("kgopublisher: not acknowledged %s: %w", why, ctx.Err())
 		}
 	}
 	adoptNewTopicIDs(cl, stale)
