@@ -38,8 +38,11 @@ type Config struct {
 	// may then be written twice). Defaults to none.
 	ClientOpts []kgo.Opt
 	// CommitInterval is how often marked offsets are committed; they are
-	// also committed when partitions are revoked and at shutdown. Defaults
-	// to 1s.
+	// also committed when partitions are revoked (waiting half the
+	// rebalance timeout at most) and at shutdown (10s at most, so Run
+	// returns within ShutdownGrace and 10s even while the coordinator
+	// refuses commits; what was not committed is delivered again and
+	// skipped as a duplicate). Defaults to 1s.
 	CommitInterval time.Duration
 	// ShutdownGrace is how long a transaction in flight may take to finish
 	// when the consumer stops, before its context is canceled and it
@@ -84,6 +87,9 @@ type Consumer struct {
 	procCtx context.Context // parent of every partition's work; see Run
 	stopRun context.CancelFunc
 	err     error // why Run stopped on its own
+	// closing bounds the commits of Run's shutdown, the one the client
+	// makes as it leaves the group (revoked) included; nil until then.
+	closing context.Context
 }
 
 type tp struct {
@@ -212,12 +218,15 @@ func (c *Consumer) Run(ctx context.Context) error {
 	// Shutdown: stop every partition (finishing in-flight work within the
 	// grace), commit what finished, leave the group.
 	c.stopAll(c.cfg.ShutdownGrace)
-	commitCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-	if err := cl.CommitMarkedOffsets(commitCtx); err != nil {
+	commitCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), shutdownCommitWait)
+	c.mu.Lock()
+	c.closing = commitCtx
+	c.mu.Unlock()
+	if err := commitMarked(commitCtx, cl); err != nil {
 		c.log.Warn("kgoconsumer: final commit failed; the last messages will be delivered again and skipped as duplicates", "error", err)
 	}
-	cancel()
 	cl.CloseAllowingRebalance()
+	cancel()
 	if outer.Err() != nil {
 		return nil
 	}
@@ -300,8 +309,46 @@ func (c *Consumer) revoked(ctx context.Context, cl *kgo.Client, revoked map[stri
 		grace = min(grace, rt/4)
 	}
 	c.stop(cl, revoked, grace)
-	if err := cl.CommitMarkedOffsets(ctx); err != nil {
+	c.mu.Lock()
+	commitCtx, cancel := c.closing, context.CancelFunc(func() {})
+	c.mu.Unlock()
+	if commitCtx == nil {
+		// Within the rebalance: a member that overstays it is evicted.
+		commitCtx, cancel = context.WithTimeout(ctx, revokeCommitWait(cl))
+	}
+	defer cancel()
+	if err := commitMarked(commitCtx, cl); err != nil {
 		c.log.Warn("kgoconsumer: commit on revoke failed; those messages will be delivered again and skipped as duplicates", "error", err)
+	}
+}
+
+// shutdownCommitWait bounds the commits of Run's shutdown.
+const shutdownCommitWait = 10 * time.Second
+
+// revokeCommitWait bounds the commit on revoke: half the rebalance timeout
+// (the stop before it takes a quarter at most), 10 s if the client does not
+// say.
+func revokeCommitWait(cl *kgo.Client) time.Duration {
+	if rt, ok := cl.OptValue(kgo.RebalanceTimeout).(time.Duration); ok && rt > 0 {
+		return rt / 2
+	}
+	return shutdownCommitWait
+}
+
+// commitMarked commits the marked offsets, waiting no longer than ctx:
+// franz-go queues a commit behind the one in flight, which retries a
+// coordinator that refuses it (COORDINATOR_LOAD_IN_PROGRESS while a moved
+// coordinator loads its offsets) for up to its retry timeout, and does not
+// watch ctx while it waits its turn. A commit given up on may still land:
+// its offsets were processed.
+func commitMarked(ctx context.Context, cl *kgo.Client) error {
+	done := make(chan error, 1)
+	go func() { done <- cl.CommitMarkedOffsets(ctx) }()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		return ctx.Err()
 	}
 }
 

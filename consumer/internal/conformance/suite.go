@@ -45,6 +45,7 @@ func Run(t *testing.T, a Adapter) {
 	})
 	t.Run("CommittedOffsetsNeverGoBackAcrossRebalances", func(t *testing.T) { testOffsetsNeverGoBack(t, a) })
 	t.Run("ShutdownFinishesInFlight", func(t *testing.T) { testShutdownDrains(t, a) })
+	t.Run("ShutdownWhileTheCoordinatorLoads", func(t *testing.T) { testShutdownWhileTheCoordinatorLoads(t, a) })
 	t.Run("CrashAfterDatabaseCommit", func(t *testing.T) { testCrashAfterCommit(t, a) })
 	t.Run("CrashBeforeDatabaseCommit", func(t *testing.T) { testCrashBeforeCommit(t, a) })
 	t.Run("TwoProcessesRaceOnOneID", func(t *testing.T) { testRacingProcesses(t, a) })
