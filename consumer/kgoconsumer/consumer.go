@@ -39,10 +39,12 @@ type Config struct {
 	ClientOpts []kgo.Opt
 	// CommitInterval is how often marked offsets are committed; they are
 	// also committed when partitions are revoked (waiting half the
-	// rebalance timeout at most) and at shutdown (10s at most, so Run
-	// returns within ShutdownGrace and 10s even while the coordinator
-	// refuses commits; what was not committed is delivered again and
-	// skipped as a duplicate). Defaults to 1s.
+	// rebalance timeout at most) and at shutdown (10s at most), so Run
+	// returns within ShutdownGrace and 10s while the coordinator refuses
+	// commits, and within about 10s more while it does not answer them
+	// (leaving the group waits out a commit's read timeout,
+	// kgo.RequestTimeoutOverhead); what was not committed is delivered
+	// again and skipped as a duplicate. Defaults to 1s.
 	CommitInterval time.Duration
 	// ShutdownGrace is how long a transaction in flight may take to finish
 	// when the consumer stops, before its context is canceled and it
@@ -225,6 +227,10 @@ func (c *Consumer) Run(ctx context.Context) error {
 	if err := commitMarked(commitCtx, cl); err != nil {
 		c.log.Warn("kgoconsumer: final commit failed; the last messages will be delivered again and skipped as duplicates", "error", err)
 	}
+	// Leaving the group waits for the commits in flight: against a
+	// coordinator that does not answer, up to a request's read timeout
+	// (kgo.RequestTimeoutOverhead, 10s by default) past the bound above; a
+	// LeaveGroupContext given the bound's end did not shorten it.
 	cl.CloseAllowingRebalance()
 	cancel()
 	if outer.Err() != nil {
