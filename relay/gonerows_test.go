@@ -81,12 +81,8 @@ func TestEventsDeletedByHandMidRoundAreNotCountedAsOwnershipLost(t *testing.T) {
 			t.Parallel()
 			b := setup(t)
 			topic := b.kafka.Topic(t, 4)
-			var msgs []outbox.Message
-			for i := range 20 {
-				msgs = append(msgs, outbox.Message{Topic: topic, Key: []byte(fmt.Sprint("k", i%5)), Value: []byte(fmt.Sprint(i))})
-			}
-			b.write(t, msgs...)
-			pub := &gatedPublisher{Publisher: b.publisher(t), inFlight: make(chan struct{}), release: make(chan struct{})}
+			b.writeOverFiveKeys(t, topic, 20)
+			pub := gate(b.publisher(t))
 			logger, logs := newLogger(slog.LevelInfo)
 			obs := &notDeletedObserver{}
 			_, stop := b.startRelayWith(t, b.pool, pub, relay.Config{Logger: logger, Observer: obs, BatchSize: 100, LeaseDuration: 6 * time.Second})
@@ -163,11 +159,7 @@ func TestEventsTheNewOwnerDeletedAlsoBringTheTickForward(t *testing.T) {
 	b := setup(t)
 	ctx := context.Background()
 	topic := b.kafka.Topic(t, 4)
-	var msgs []outbox.Message
-	for i := range 20 {
-		msgs = append(msgs, outbox.Message{Topic: topic, Key: []byte(fmt.Sprint("k", i%5)), Value: []byte(fmt.Sprint(i))})
-	}
-	b.write(t, msgs...)
+	b.writeOverFiveKeys(t, topic, 20)
 	pub := &racingPublisher{Publisher: b.publisher(t), inFlight: make(chan struct{}), release: make(chan struct{})}
 	pub.deleteEvents = func(ids []string) {
 		if _, err := b.pool.Exec(ctx, `DELETE FROM `+pgx.Identifier{b.schema, "outbox"}.Sanitize()+` WHERE event_id::text = ANY($1)`, ids); err != nil {
@@ -232,7 +224,7 @@ func TestRefusedEventsOfALostShardAreNotReportedDeadLettered(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = small.Close() })
-	pub := &gatedPublisher{Publisher: small, inFlight: make(chan struct{}), release: make(chan struct{})}
+	pub := gate(small)
 	logger, logs := newLogger(slog.LevelInfo)
 	obs := &deadObserver{}
 	_, stop := b.startRelayWith(t, b.pool, pub, relay.Config{Logger: logger, Observer: obs, LeaseDuration: 30 * time.Second})

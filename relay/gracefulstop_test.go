@@ -32,6 +32,23 @@ func (p *gatedPublisher) Publish(ctx context.Context, records []relay.Record) []
 	}
 }
 
+// gate returns a gatedPublisher in front of pub.
+func gate(pub relay.Publisher) *gatedPublisher {
+	return &gatedPublisher{Publisher: pub, inFlight: make(chan struct{}), release: make(chan struct{})}
+}
+
+// writeOverFiveKeys writes n events of topic, keys k0 to k4 in turn, each
+// its index as value, and returns them.
+func (b *bundle) writeOverFiveKeys(t *testing.T, topic string, n int) []outbox.Message {
+	t.Helper()
+	var msgs []outbox.Message
+	for i := range n {
+		msgs = append(msgs, outbox.Message{Topic: topic, Key: []byte(fmt.Sprint("k", i%5)), Value: []byte(fmt.Sprint(i))})
+	}
+	b.write(t, msgs...)
+	return msgs
+}
+
 // failAll fails each of n records with err.
 func failAll(n int, err error) []error {
 	errs := make([]error, n)
@@ -50,12 +67,8 @@ func TestAStoppedRelayRecordsTheRoundInFlight(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	topic := b.kafka.Topic(t, 4)
-	var msgs []outbox.Message
-	for i := range 20 {
-		msgs = append(msgs, outbox.Message{Topic: topic, Key: []byte(fmt.Sprint("k", i%5)), Value: []byte(fmt.Sprint(i))})
-	}
-	b.write(t, msgs...)
-	pub := &gatedPublisher{Publisher: b.publisher(t), inFlight: make(chan struct{}), release: make(chan struct{})}
+	msgs := b.writeOverFiveKeys(t, topic, 20)
+	pub := gate(b.publisher(t))
 	_, stop := b.startRelayWith(t, b.pool, pub, relay.Config{})
 	select {
 	case <-pub.inFlight:

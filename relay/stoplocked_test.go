@@ -2,14 +2,12 @@ package relay_test
 
 import (
 	"context"
-	"fmt"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/internal/pgtest"
-	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/relay"
 )
 
@@ -25,12 +23,8 @@ func TestAStopUnderAnOutboxLockEndsWithinTheGrace(t *testing.T) {
 	b := setup(t)
 	ctx := context.Background()
 	topic := b.kafka.Topic(t, 2)
-	var msgs []outbox.Message
-	for i := range 20 {
-		msgs = append(msgs, outbox.Message{Topic: topic, Key: []byte(fmt.Sprint("k", i%5)), Value: []byte(fmt.Sprint(i))})
-	}
-	b.write(t, msgs...)
-	pub := &gatedPublisher{Publisher: b.publisher(t), inFlight: make(chan struct{}), release: make(chan struct{})}
+	msgs := b.writeOverFiveKeys(t, topic, 20)
+	pub := gate(b.publisher(t))
 	_, stop := b.startRelayWith(t, b.pool, pub, relay.Config{})
 	select {
 	case <-pub.inFlight:
