@@ -24,6 +24,22 @@ var ErrPreparedStatementsLost = errors.New("relay: the database connections lose
 	"a pooler in transaction mode (PgBouncer before 1.21, or without max_prepared_statements) lends each transaction another server connection; " +
 	"add default_query_exec_mode=exec to the database URL, or pool in session mode")
 
+// ErrInsufficientPrivilege is returned by Run (wrapping the database error,
+// which names the table, sequence or function) when the relay's role lacks
+// a privilege it needs (SQLSTATE 42501; README, "Roles and privileges"). A
+// relay without it cannot work, and retrying does not mend a grant: without
+// DELETE on the outbox it published the same events round after round,
+// without a grant at start it owned no shard while reporting itself ready,
+// and without SELECT on the outbox's sequence it fell back to polling,
+// silently ten times slower.
+var ErrInsufficientPrivilege = errors.New("relay: the database role lacks a privilege the relay needs (README, \"Roles and privileges\")")
+
+// isInsufficientPrivilege reports whether err is a permission refusal.
+func isInsufficientPrivilege(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "42501"
+}
+
 // isStatementLoss reports whether err says a prepared statement is missing
 // on the server connection (26000), or already there (42P05).
 func isStatementLoss(err error) bool {
@@ -100,6 +116,11 @@ func behindPooler(pool *pgxpool.Pool) (bool, error) {
 func (r *Relay) noteDBError(err error) {
 	stop := r.stmtLoss.check(r.pool, err)
 	switch {
+	case isInsufficientPrivilege(err):
+		if r.privilegeStop.CompareAndSwap(false, true) {
+			r.log.Error("relay: stopping: the database role lacks a privilege the relay needs", "error", err)
+			r.stopRun(fmt.Errorf("%w: %w", ErrInsufficientPrivilege, err))
+		}
 	case stop != nil:
 		r.stmtLoss.mu.Lock()
 		first := !r.stmtLoss.stopped

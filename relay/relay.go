@@ -92,6 +92,7 @@ type Relay struct {
 	finishingFailed map[string]bool
 	stopRun         func(error) // ends Run (its context) with a cause
 	stmtLoss        statementLoss
+	privilegeStop   atomic.Bool // the run was stopped for a missing privilege
 	// sideDone delivers the side retry in flight, nil if none (sideretry.go).
 	sideDone chan sideResult
 	sideSQL  string
@@ -194,12 +195,13 @@ func (r *Relay) LastLoop() time.Time {
 // or later if this relay's lease lapsed and another process took the id:
 // then it stops publishing at once and hands nothing back). Later database
 // and broker failures are logged and retried: events are never lost or
-// dead-lettered because of them. The one exception: a pool that talks to a
-// pooler whose server connections do not keep the statements pgx prepares
-// on them (transaction mode, without default_query_exec_mode=exec) ends
-// the run with an error wrapping ErrPreparedStatementsLost, at start or
-// once a statement is found lost (the round with Kafka gets its stop's
-// grace, the shards are handed back).
+// dead-lettered because of them. The exceptions, which retrying does not
+// mend: a pool that talks to a pooler whose server connections do not keep
+// the statements pgx prepares on them (transaction mode, without
+// default_query_exec_mode=exec) ends the run with an error wrapping
+// ErrPreparedStatementsLost, and a role that lacks a privilege the relay
+// needs with one wrapping ErrInsufficientPrivilege, at start or once seen
+// (the round with Kafka gets its stop's grace, the shards are handed back).
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.ran.CompareAndSwap(false, true) {
 		return errors.New("relay: Run called twice")
@@ -248,7 +250,7 @@ func (r *Relay) Run(ctx context.Context) error {
 	}
 	var stopErr error
 	var missing *migrations.MissingError
-	if cause := context.Cause(ctx); errors.Is(cause, ErrPreparedStatementsLost) || errors.As(cause, &missing) {
+	if cause := context.Cause(ctx); errors.Is(cause, ErrPreparedStatementsLost) || errors.Is(cause, ErrInsufficientPrivilege) || errors.As(cause, &missing) {
 		stopErr = cause
 	}
 	r.handBack()
@@ -378,6 +380,10 @@ func (r *Relay) start(ctx context.Context) error {
 			if stop := r.stmtLoss.check(r.pool, err); stop != nil {
 				return stop
 			}
+			if isInsufficientPrivilege(err) {
+				r.log.Error("relay: refusing to start: the database role lacks a privilege the relay needs", "error", err)
+				return fmt.Errorf("%w: %w", ErrInsufficientPrivilege, err)
+			}
 			r.log.Warn("relay: first lease round failed; retrying", "error", err)
 		}
 		sleep(ctx, min(bo.NextBackOff(), r.leases.interval()))
@@ -390,7 +396,7 @@ func (r *Relay) start(ctx context.Context) error {
 // statements) is reported whatever ctx says.
 func stoppedWhileStarting(ctx context.Context, err error) error {
 	var inUse *InstanceInUseError
-	if ctx.Err() != nil && !errors.As(err, &inUse) && !errors.Is(err, ErrPreparedStatementsLost) {
+	if ctx.Err() != nil && !errors.As(err, &inUse) && !errors.Is(err, ErrPreparedStatementsLost) && !errors.Is(err, ErrInsufficientPrivilege) {
 		return nil
 	}
 	return err

@@ -1,0 +1,138 @@
+package relay_test
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceflow/onceflow/internal/pgtest"
+	"github.com/onceflow/onceflow/outbox"
+	"github.com/onceflow/onceflow/relay"
+)
+
+// relayRole creates a login role with the grants README's "Roles and
+// privileges" gives the relay on schema, but for the one named by skip
+// (a GRANT statement's text, as in relayGrants), and returns a pool
+// connecting as it. The role is dropped when the test ends.
+func relayRole(t *testing.T, schema, skip string) *pgxpool.Pool {
+	t.Helper()
+	ctx := context.Background()
+	admin := pgtest.Pool(t)
+	b := make([]byte, 6)
+	_, _ = rand.Read(b)
+	role := "oftest_role_" + hex.EncodeToString(b)
+	if _, err := admin.Exec(ctx, `CREATE ROLE `+role+` LOGIN`); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_, _ = admin.Exec(ctx, `DROP OWNED BY `+role)
+		_, _ = admin.Exec(ctx, `DROP ROLE `+role)
+	})
+	var seq string
+	if err := admin.QueryRow(ctx, `SELECT pg_get_serial_sequence($1, 'id')`, pgx.Identifier{schema, "outbox"}.Sanitize()).Scan(&seq); err != nil {
+		t.Fatal(err)
+	}
+	found := false
+	for _, g := range relayGrants {
+		if g == skip {
+			found = true
+			continue
+		}
+		q := strings.NewReplacer("{s}", pgx.Identifier{schema}.Sanitize(), "{seq}", seq, "{role}", role).Replace(g)
+		if _, err := admin.Exec(ctx, q); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+	if skip != "" && !found {
+		t.Fatalf("no grant %q", skip)
+	}
+	cfg, err := pgxpool.ParseConfig(pgtest.URL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.User = role
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// relayGrants are the relay's privileges as README's "Roles and
+// privileges" lists them.
+var relayGrants = []string{
+	`GRANT USAGE ON SCHEMA {s} TO {role}`,
+	`GRANT SELECT ON {s}.schema_migrations TO {role}`,
+	`GRANT SELECT, UPDATE ON {s}.outbox TO {role}`,
+	`GRANT DELETE ON {s}.outbox TO {role}`,
+	`GRANT SELECT, INSERT ON {s}.outbox_dead TO {role}`,
+	`GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.relay_instances TO {role}`,
+	`GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.relay_rounds TO {role}`,
+	`GRANT SELECT, UPDATE ON {s}.relay_shards TO {role}`,
+	`GRANT SELECT ON SEQUENCE {seq} TO {role}`,
+}
+
+// A relay whose role lacks a privilege it needs stops with an error saying
+// so, at start or when it first meets the refusal, instead of retrying
+// what a grant alone mends (helper 76): without UPDATE on relay_instances
+// it retried its first lease round for ever, owning no shard while
+// /readyz said ready; without DELETE on the outbox it published the same
+// 5 events 235 times in 10 s; without SELECT on the outbox's sequence its
+// probe failed silently and it fell back to polling, ten times slower.
+// With every grant the README lists, it drains the outbox.
+func TestARelayWithoutAPrivilegeItNeedsStopsAndSaysSo(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		name, skip string
+	}{
+		{"every grant", ""},
+		{"no UPDATE on relay_instances", `GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.relay_instances TO {role}`},
+		{"no DELETE on the outbox", `GRANT DELETE ON {s}.outbox TO {role}`},
+		{"no SELECT on the sequence", `GRANT SELECT ON SEQUENCE {seq} TO {role}`},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			pool := relayRole(t, b.schema, c.skip)
+			topic := b.kafka.Topic(t, 2)
+			var msgs []outbox.Message
+			for i := range 5 {
+				msgs = append(msgs, outbox.Message{Topic: topic, Key: []byte(fmt.Sprint("k", i)), Value: []byte("v")})
+			}
+			b.write(t, msgs...)
+			r, err := relay.New(pool, b.publisher(t), &relay.Config{Schema: b.schema, PollInterval: 50 * time.Millisecond, LeaseDuration: time.Second})
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			done := make(chan error, 1)
+			go func() { done <- r.Run(ctx) }()
+			if c.skip == "" {
+				waitFor(t, "the relay to drain the outbox", 30*time.Second, func() bool { return b.count(t, "outbox") == 0 })
+				cancel()
+				if err := <-done; err != nil {
+					t.Fatalf("Run: %v", err)
+				}
+				return
+			}
+			select {
+			case err := <-done:
+				if !errors.Is(err, relay.ErrInsufficientPrivilege) || !strings.Contains(err.Error(), "permission denied") {
+					t.Fatalf("Run returned %v, want an error wrapping ErrInsufficientPrivilege and the database's refusal", err)
+				}
+			case <-time.After(20 * time.Second):
+				t.Fatal("the relay still runs 20 s after its role was refused: it retries what only a grant mends")
+			}
+		})
+	}
+}
