@@ -171,7 +171,7 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	}
 	// Each relay reports the backlog of the shards it owns: a sum across
 	// relays is the whole.
-	reg.MustRegister(relayprom.NewBacklogCollector(pool, c.schema, &relayprom.CollectorConfig{Owned: r.OwnedShards}))
+	reg.MustRegister(relayprom.NewBacklogCollector(pool, c.schema, &relayprom.CollectorConfig{Owned: r.OwnedShards, Logger: log}))
 
 	pr := &probes{pool: pool, watch: watch, stallAt: 2*time.Minute + 4**poll}
 	if *httpAddr != "" {

@@ -3,6 +3,7 @@ package relayprom_test
 import (
 	"context"
 	"crypto/sha256"
+	"log/slog"
 	"strings"
 	"testing"
 	"time"
@@ -224,5 +225,42 @@ func TestScrapesWithinMinIntervalReadOnce(t *testing.T) {
 			t.Fatal("a scrape after MinInterval did not read again")
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// A backlog read that fails says why in the log, once for each new error
+// and again when reads succeed: onceflow_outbox_scrape_ok went to 0 with
+// nothing logged at any level, so an operator could not tell a missing
+// grant (SELECT on outbox_dead, which only the metrics read) from a
+// database down (helper 76).
+func TestAFailedBacklogReadIsLoggedOnce(t *testing.T) {
+	t.Parallel()
+	schema := pgtest.Schema(t)
+	pool := pgtest.Pool(t)
+	ctx := context.Background()
+	var logs strings.Builder
+	log := slog.New(slog.NewTextHandler(&logs, nil))
+	reg := prometheus.NewPedanticRegistry()
+	reg.MustRegister(relayprom.NewBacklogCollector(pool, schema, &relayprom.CollectorConfig{MinInterval: time.Nanosecond, Logger: log}))
+	dead := pgx.Identifier{schema, "outbox_dead"}.Sanitize()
+	if _, err := pool.Exec(ctx, `ALTER TABLE `+dead+` RENAME TO outbox_dead_away`); err != nil {
+		t.Fatal(err)
+	}
+	for range 3 {
+		if got := gather(t, reg)["onceflow_outbox_scrape_ok"][""]; got != 0 {
+			t.Fatalf("scrape_ok %v with outbox_dead gone", got)
+		}
+	}
+	if n := strings.Count(logs.String(), "level=WARN msg=\"relayprom: the backlog could not be read"); n != 1 || !strings.Contains(logs.String(), "outbox_dead") {
+		t.Fatalf("%d warnings for three failed reads of the same error, want one naming it:\n%s", n, logs.String())
+	}
+	if _, err := pool.Exec(ctx, `ALTER TABLE `+pgx.Identifier{schema, "outbox_dead_away"}.Sanitize()+` RENAME TO outbox_dead`); err != nil {
+		t.Fatal(err)
+	}
+	if got := gather(t, reg)["onceflow_outbox_scrape_ok"][""]; got != 1 {
+		t.Fatalf("scrape_ok %v once outbox_dead is back", got)
+	}
+	if !strings.Contains(logs.String(), "level=INFO msg=\"relayprom: the backlog is read again\"") {
+		t.Fatalf("no word of the recovery:\n%s", logs.String())
 	}
 }

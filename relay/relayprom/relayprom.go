@@ -6,6 +6,7 @@ package relayprom
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -115,10 +116,11 @@ type BacklogCollector struct {
 	schema string
 	cfg    CollectorConfig
 
-	mu   sync.Mutex // held while reading, so concurrent scrapes read once
-	last *relay.Backlog
-	at   time.Time // when last was read
-	ok   bool      // whether the last read succeeded
+	mu      sync.Mutex // held while reading, so concurrent scrapes read once
+	last    *relay.Backlog
+	at      time.Time // when last was read
+	ok      bool      // whether the last read succeeded
+	lastErr string    // the last read's error, logged once
 
 	backlog, oldest, dead, total, estimated, attempts, unowned, up *prometheus.Desc
 }
@@ -136,6 +138,10 @@ type CollectorConfig struct {
 	MinInterval time.Duration
 	// Timeout bounds one database read. Defaults to 5 s.
 	Timeout time.Duration
+	// Logger is told why a read failed (Warn, once for each new error:
+	// a missing grant, the database away) and when reads succeed again
+	// (Info). Defaults to discarding.
+	Logger *slog.Logger
 }
 
 // NewBacklogCollector returns a collector for schema; register it yourself.
@@ -150,6 +156,9 @@ func NewBacklogCollector(db relay.Querier, schema string, cfg *CollectorConfig) 
 	}
 	if c.cfg.Timeout <= 0 {
 		c.cfg.Timeout = 5 * time.Second
+	}
+	if c.cfg.Logger == nil {
+		c.cfg.Logger = slog.New(slog.DiscardHandler)
 	}
 	estimate := fmt.Sprintf(" Exact while the shard holds fewer than %d events between two of %d evenly spaced ids, estimated beyond.", relay.BacklogProbeRows, relay.BacklogProbes)
 	c.backlog = prometheus.NewDesc("onceflow_outbox_backlog", "Pending events per shard this relay owns (sum across relays)."+estimate, []string{"shard"}, nil)
@@ -186,8 +195,16 @@ func (c *BacklogCollector) read() (*relay.Backlog, bool) {
 	defer cancel()
 	b, err := relay.ReadBacklog(ctx, c.db, c.schema, shards)
 	c.at, c.ok = time.Now(), err == nil
-	if err == nil {
+	switch {
+	case err == nil:
 		c.last = b
+		if c.lastErr != "" {
+			c.lastErr = ""
+			c.cfg.Logger.Info("relayprom: the backlog is read again")
+		}
+	case err.Error() != c.lastErr:
+		c.lastErr = err.Error()
+		c.cfg.Logger.Warn("relayprom: the backlog could not be read; onceflow_outbox_scrape_ok is 0", "error", err)
 	}
 	return b, c.ok
 }
