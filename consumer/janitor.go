@@ -55,7 +55,8 @@ type JanitorConfig struct {
 	// Interval is the time between sweeps in Run. At least one second.
 	// Defaults to 1 minute.
 	Interval time.Duration
-	// Logger receives sweep errors (Warn). Defaults to discarding.
+	// Logger receives sweep errors (Warn). Defaults to slog.Default():
+	// a janitor whose sweeps fail lets the table grow without end.
 	Logger *slog.Logger
 }
 
@@ -91,7 +92,7 @@ func NewJanitor(db Execer, cfg *JanitorConfig) (*Janitor, error) {
 		c.Interval = time.Minute
 	}
 	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
+		c.Logger = slog.Default()
 	}
 	if err := migrations.ValidateSchema(c.Schema); err != nil {
 		return nil, fmt.Errorf("consumer: JanitorConfig.Schema: %w", err)
@@ -153,12 +154,19 @@ func (j *Janitor) Sweep(ctx context.Context) (int64, error) {
 }
 
 // Run sweeps at once and then every Interval until ctx is canceled, when it
-// returns nil. Sweep errors are logged and retried at the next interval.
+// returns nil. Sweep errors are logged and retried at the next interval,
+// but for a privilege the role lacks (SQLSTATE 42501), which retrying does
+// not mend: Run returns that error at once (README, "Roles and
+// privileges").
 func (j *Janitor) Run(ctx context.Context) error {
 	t := time.NewTicker(j.cfg.Interval)
 	defer t.Stop()
 	for {
 		if n, err := j.Sweep(ctx); err != nil && ctx.Err() == nil {
+			if isInsufficientPrivilege(err) {
+				j.cfg.Logger.Error("consumer: janitor stopping: the database role lacks a privilege it needs", "error", err)
+				return err
+			}
 			j.cfg.Logger.Warn("consumer: janitor sweep failed", "error", err)
 		} else if n > 0 {
 			j.cfg.Logger.Debug("consumer: janitor deleted expired dedup records", "deleted", n)
@@ -169,4 +177,10 @@ func (j *Janitor) Run(ctx context.Context) error {
 		case <-t.C:
 		}
 	}
+}
+
+// isInsufficientPrivilege reports whether err is a permission refusal.
+func isInsufficientPrivilege(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "42501"
 }

@@ -2,12 +2,14 @@ package consumer_test
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/consumer"
+	"github.com/onceflow/onceflow/internal/pgtest"
 )
 
 func TestJanitorDeletesOnlyExpiredRecordsInBatches(t *testing.T) {
@@ -218,5 +220,29 @@ func TestAWindowIsNeverCutToWholeSeconds(t *testing.T) {
 	}
 	if n, err := j.Sweep(ctx); err != nil || n != 0 {
 		t.Fatalf("Sweep = %d, %v; want the 3600.3 s old record kept by a 3600.9 s window", n, err)
+	}
+}
+
+// A janitor whose role lacks a privilege its sweep needs (UPDATE on
+// processed_messages: the sweep locks the rows it deletes) returns an
+// error from Run saying so, rather than logging a warning (to a logger
+// that discarded it by default) every interval while the table grows
+// without end (helper 76).
+func TestAJanitorWithoutItsPrivilegesStopsAndSaysSo(t *testing.T) {
+	t.Parallel()
+	schema := pgtest.Schema(t)
+	pool := pgtest.RolePool(t, schema,
+		`GRANT USAGE ON SCHEMA {s} TO {role}`,
+		`GRANT SELECT, DELETE ON {s}.processed_messages TO {role}`, // no UPDATE
+		`GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.janitor_windows TO {role}`)
+	j, err := consumer.NewJanitor(pool, &consumer.JanitorConfig{Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	err = j.Run(ctx)
+	if ctx.Err() != nil || err == nil || !strings.Contains(err.Error(), "permission denied") {
+		t.Fatalf("Run returned %v (context: %v), want the refusal at once", err, ctx.Err())
 	}
 }

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"log/slog"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // PurgeConfig configures a Purger. The zero value is usable.
@@ -17,7 +19,8 @@ type PurgeConfig struct {
 	BatchSize int
 	// Interval is how often Run purges. Defaults to 1 minute.
 	Interval time.Duration
-	// Logger receives warnings from Run. Defaults to discarding.
+	// Logger receives warnings from Run. Defaults to slog.Default(): a
+	// purger whose purges fail lets the table grow without end.
 	Logger *slog.Logger
 }
 
@@ -43,7 +46,7 @@ func NewPurger(db DB, cfg *PurgeConfig) (*Purger, error) {
 	setDefault(&c.BatchSize, 1000)
 	setDefault(&c.Interval, time.Minute)
 	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
+		c.Logger = slog.Default()
 	}
 	switch {
 	case c.BatchSize < 0:
@@ -75,12 +78,19 @@ func (p *Purger) Purge(ctx context.Context) (int64, error) {
 }
 
 // Run purges every Interval until ctx is done, then returns nil. Failures
-// are logged and retried at the next interval.
+// are logged and retried at the next interval, but for a privilege the
+// role lacks (SQLSTATE 42501), which retrying does not mend: Run returns
+// that error at once (README, "Roles and privileges").
 func (p *Purger) Run(ctx context.Context) error {
 	t := time.NewTicker(p.cfg.Interval)
 	defer t.Stop()
 	for {
 		if _, err := p.Purge(ctx); err != nil && ctx.Err() == nil {
+			var pgErr *pgconn.PgError
+			if errors.As(err, &pgErr) && pgErr.Code == "42501" {
+				p.cfg.Logger.Error("idempotency: purger stopping: the database role lacks a privilege it needs", "error", err)
+				return err
+			}
 			p.cfg.Logger.Warn("idempotency: purge failed", "error", err)
 		}
 		select {

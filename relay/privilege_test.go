@@ -2,8 +2,6 @@ package relay_test
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"strings"
@@ -18,53 +16,24 @@ import (
 	"github.com/onceflow/onceflow/relay"
 )
 
-// relayRole creates a login role with the grants README's "Roles and
-// privileges" gives the relay on schema, but for the one named by skip
-// (a GRANT statement's text, as in relayGrants), and returns a pool
-// connecting as it. The role is dropped when the test ends.
+// relayRole returns a pool of a role with the grants README's "Roles and
+// privileges" gives the relay on schema, but for skip (one of relayGrants).
 func relayRole(t *testing.T, schema, skip string) *pgxpool.Pool {
 	t.Helper()
-	ctx := context.Background()
-	admin := pgtest.Pool(t)
-	b := make([]byte, 6)
-	_, _ = rand.Read(b)
-	role := "oftest_role_" + hex.EncodeToString(b)
-	if _, err := admin.Exec(ctx, `CREATE ROLE `+role+` LOGIN`); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_, _ = admin.Exec(ctx, `DROP OWNED BY `+role)
-		_, _ = admin.Exec(ctx, `DROP ROLE `+role)
-	})
 	var seq string
-	if err := admin.QueryRow(ctx, `SELECT pg_get_serial_sequence($1, 'id')`, pgx.Identifier{schema, "outbox"}.Sanitize()).Scan(&seq); err != nil {
+	if err := pgtest.Pool(t).QueryRow(context.Background(), `SELECT pg_get_serial_sequence($1, 'id')`, pgx.Identifier{schema, "outbox"}.Sanitize()).Scan(&seq); err != nil {
 		t.Fatal(err)
 	}
-	found := false
+	var grants []string
 	for _, g := range relayGrants {
-		if g == skip {
-			found = true
-			continue
-		}
-		q := strings.NewReplacer("{s}", pgx.Identifier{schema}.Sanitize(), "{seq}", seq, "{role}", role).Replace(g)
-		if _, err := admin.Exec(ctx, q); err != nil {
-			t.Fatalf("%s: %v", q, err)
+		if g != skip {
+			grants = append(grants, strings.ReplaceAll(g, "{seq}", seq))
 		}
 	}
-	if skip != "" && !found {
+	if skip != "" && len(grants) == len(relayGrants) {
 		t.Fatalf("no grant %q", skip)
 	}
-	cfg, err := pgxpool.ParseConfig(pgtest.URL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.ConnConfig.User = role
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	return pool
+	return pgtest.RolePool(t, schema, grants...)
 }
 
 // relayGrants are the relay's privileges as README's "Roles and
