@@ -105,3 +105,37 @@ func TestARelayWithoutAPrivilegeItNeedsStopsAndSaysSo(t *testing.T) {
 		})
 	}
 }
+
+// Row-level security on the outbox that applies to the relay's role (a
+// policy letting the writer insert) hid every row from the relay without
+// an error: it published nothing, its backlog read 0 and no alert fired
+// (helper 76). The relay refuses to start, naming the table; as a role
+// row-level security does not bind (the tests' superuser, or the table's
+// owner), it runs.
+func TestARelayRefusesRowLevelSecurityThatHidesTheOutbox(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	outboxTable := pgx.Identifier{b.schema, "outbox"}.Sanitize()
+	for _, q := range []string{
+		`ALTER TABLE ` + outboxTable + ` ENABLE ROW LEVEL SECURITY`,
+		`CREATE POLICY writers_insert ON ` + outboxTable + ` FOR INSERT WITH CHECK (true)`,
+	} {
+		if _, err := b.pool.Exec(context.Background(), q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	pool := relayRole(t, b.schema, "")
+	r, err := relay.New(pool, b.publisher(t), &relay.Config{Schema: b.schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	if err := r.Run(ctx); err == nil || ctx.Err() != nil || !strings.Contains(err.Error(), "row-level security applies to this relay's role on "+b.schema+".outbox") {
+		t.Fatalf("Run returned %v (context: %v), want a refusal naming the outbox's row-level security", err, ctx.Err())
+	}
+	b.write(t, outbox.Message{Topic: b.kafka.Topic(t, 1), Key: []byte("k"), Value: []byte("v")})
+	_, stop := b.startRelay(t, relay.Config{})
+	defer stop()
+	waitFor(t, "the relay to drain the outbox", 30*time.Second, func() bool { return b.count(t, "outbox") == 0 })
+}

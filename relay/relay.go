@@ -8,6 +8,7 @@ import (
 	"slices"
 	"sort"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -439,8 +440,28 @@ func (r *Relay) checkSchema(ctx context.Context) error {
 	}
 	r.st.probeSQL = `SELECT s.v, EXISTS (SELECT 1 FROM ` + table + ` o WHERE o.id = s.v)
 FROM (SELECT CASE WHEN is_called THEN last_value ELSE 0 END AS v FROM ` + *seq + `) s`
+	// Row-level security that applies to this role hides rows from every
+	// statement without an error: the relay published nothing, and its
+	// backlog read 0, so no alert fired.
+	var hidden []string
+	if err := r.pool.QueryRow(ctx, rowSecuritySQL, r.cfg.Schema).Scan(&hidden); err != nil {
+		return fmt.Errorf("relay: check row-level security: %w", err)
+	}
+	if len(hidden) > 0 {
+		return fmt.Errorf("relay: row-level security applies to this relay's role on %s.%s: it would hide the rows the relay must publish (not supported; README, \"Roles and privileges\"): "+
+			"disable it on onceflow's tables, or run the relay as their owner or a role with BYPASSRLS", r.cfg.Schema, strings.Join(hidden, ", "))
+	}
 	return nil
 }
+
+// rowSecuritySQL names the tables of schema $1 whose row-level security
+// applies to the current role: not a superuser nor BYPASSRLS, and not the
+// table's owner unless FORCE ROW LEVEL SECURITY.
+const rowSecuritySQL = `SELECT coalesce(array_agg(c.relname::text ORDER BY c.relname), '{}')
+FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE n.nspname = $1 AND c.relkind IN ('r', 'p') AND c.relrowsecurity
+    AND (c.relforcerowsecurity OR NOT pg_has_role(c.relowner, 'USAGE'))
+    AND NOT (SELECT rolsuper OR rolbypassrls FROM pg_roles WHERE rolname = current_user)`
 
 func (r *Relay) leaseLoop(ctx context.Context) {
 	t := time.NewTicker(r.leases.interval())
