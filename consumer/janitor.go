@@ -154,20 +154,20 @@ func (j *Janitor) Sweep(ctx context.Context) (int64, error) {
 }
 
 // Run sweeps at once and then every Interval until ctx is canceled, when it
-// returns nil. Sweep errors are logged and retried at the next interval,
-// but for a privilege the role lacks (SQLSTATE 42501), which retrying does
-// not mend: Run returns that error at once (README, "Roles and
-// privileges").
+// returns nil. Sweep errors are logged and retried at the next interval: a
+// privilege the role lacks (SQLSTATE 42501; README, "Roles and
+// privileges") at Error, since only a grant mends it, and the sweeps go
+// on once it is given.
 func (j *Janitor) Run(ctx context.Context) error {
 	t := time.NewTicker(j.cfg.Interval)
 	defer t.Stop()
 	for {
 		if n, err := j.Sweep(ctx); err != nil && ctx.Err() == nil {
 			if isInsufficientPrivilege(err) {
-				j.cfg.Logger.Error("consumer: janitor stopping: the database role lacks a privilege it needs", "error", err)
-				return err
+				j.cfg.Logger.Error("consumer: janitor sweep refused: the database role lacks a privilege it needs; expired records stay until it is granted", "error", err)
+			} else {
+				j.cfg.Logger.Warn("consumer: janitor sweep failed", "error", err)
 			}
-			j.cfg.Logger.Warn("consumer: janitor sweep failed", "error", err)
 		} else if n > 0 {
 			j.cfg.Logger.Debug("consumer: janitor deleted expired dedup records", "deleted", n)
 		}

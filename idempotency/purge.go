@@ -78,9 +78,9 @@ func (p *Purger) Purge(ctx context.Context) (int64, error) {
 }
 
 // Run purges every Interval until ctx is done, then returns nil. Failures
-// are logged and retried at the next interval, but for a privilege the
-// role lacks (SQLSTATE 42501), which retrying does not mend: Run returns
-// that error at once (README, "Roles and privileges").
+// are logged and retried at the next interval: a privilege the role lacks
+// (SQLSTATE 42501; README, "Roles and privileges") at Error, since only a
+// grant mends it, and the purges go on once it is given.
 func (p *Purger) Run(ctx context.Context) error {
 	t := time.NewTicker(p.cfg.Interval)
 	defer t.Stop()
@@ -88,10 +88,10 @@ func (p *Purger) Run(ctx context.Context) error {
 		if _, err := p.Purge(ctx); err != nil && ctx.Err() == nil {
 			var pgErr *pgconn.PgError
 			if errors.As(err, &pgErr) && pgErr.Code == "42501" {
-				p.cfg.Logger.Error("idempotency: purger stopping: the database role lacks a privilege it needs", "error", err)
-				return err
+				p.cfg.Logger.Error("idempotency: purge refused: the database role lacks a privilege it needs; expired records stay until it is granted", "error", err)
+			} else {
+				p.cfg.Logger.Warn("idempotency: purge failed", "error", err)
 			}
-			p.cfg.Logger.Warn("idempotency: purge failed", "error", err)
 		}
 		select {
 		case <-ctx.Done():

@@ -65,6 +65,9 @@ type leases struct {
 	recheck chan struct{}
 
 	outboxLocked bool // tick's: the last charge found the outbox locked (logged once)
+	// restoreRefused is tick's: writing back missing rows of relay_shards
+	// failed (logged once until it succeeds).
+	restoreRefused bool
 	// reachesKafka says whether this relay has reached Kafka within its
 	// handoff period (nil: always). standingAside is tick's: it handed its
 	// shards over for want of Kafka (logged once each way).
@@ -190,8 +193,12 @@ func (l *leases) tick(ctx context.Context) error {
 		// Not this tick's failure if it cannot (a role without INSERT on
 		// relay_shards): the owned shards are renewed all the same.
 		if tag, err := l.st.pool.Exec(ctx, l.st.restoreShardsSQL); err != nil {
-			l.log.Warn("relay: rows of relay_shards are missing (deleted by hand?), and writing them back failed; their shards' events wait", "missing", NumShards-shardRows, "error", err)
+			if !l.restoreRefused { // once, not every tick
+				l.log.Warn("relay: rows of relay_shards are missing (deleted by hand?), and writing them back failed; their shards' events wait", "missing", NumShards-shardRows, "error", err)
+			}
+			l.restoreRefused = true
 		} else {
+			l.restoreRefused = false
 			l.log.Warn("relay: rows of relay_shards were missing (deleted by hand?); written back, unowned, for the relays to take",
 				"restored", tag.RowsAffected())
 		}

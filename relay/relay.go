@@ -424,6 +424,9 @@ func (r *Relay) checkSchema(ctx context.Context) error {
 		if stop := r.stmtLoss.check(r.pool, err); stop != nil {
 			return stop
 		}
+		if isInsufficientPrivilege(err) {
+			return fmt.Errorf("%w: %w", ErrInsufficientPrivilege, err)
+		}
 		return fmt.Errorf("relay: %w", err)
 	}
 	// The probe reads the sequence behind outbox.id (quoted by the server).
@@ -432,6 +435,9 @@ func (r *Relay) checkSchema(ctx context.Context) error {
 	if err := r.pool.QueryRow(ctx, `SELECT pg_get_serial_sequence($1, 'id')`, table).Scan(&seq); err != nil {
 		if stop := r.stmtLoss.check(r.pool, err); stop != nil {
 			return stop
+		}
+		if isInsufficientPrivilege(err) {
+			return fmt.Errorf("%w: find the id sequence of %s: %w", ErrInsufficientPrivilege, table, err)
 		}
 		return fmt.Errorf("relay: find the id sequence of %s: %w", table, err)
 	}
@@ -448,18 +454,20 @@ FROM (SELECT CASE WHEN is_called THEN last_value ELSE 0 END AS v FROM ` + *seq +
 		return fmt.Errorf("relay: check row-level security: %w", err)
 	}
 	if len(hidden) > 0 {
-		return fmt.Errorf("relay: row-level security applies to this relay's role on %s.%s: it would hide the rows the relay must publish (not supported; README, \"Roles and privileges\"): "+
-			"disable it on onceflow's tables, or run the relay as their owner or a role with BYPASSRLS", r.cfg.Schema, strings.Join(hidden, ", "))
+		return fmt.Errorf("%w: row-level security applies to this relay's role on %s.%s, and a policy can hide rows the relay must publish without an error (not supported; README, \"Roles and privileges\"): "+
+			"disable it on those tables, or run the relay as their owner or a role with BYPASSRLS", ErrInsufficientPrivilege, r.cfg.Schema, strings.Join(hidden, ", "))
 	}
 	return nil
 }
 
-// rowSecuritySQL names the tables of schema $1 whose row-level security
-// applies to the current role: not a superuser nor BYPASSRLS, and not the
-// table's owner unless FORCE ROW LEVEL SECURITY.
+// rowSecuritySQL names the relay's tables in schema $1 whose row-level
+// security applies to the current role: not a superuser nor BYPASSRLS, and
+// not the table's owner unless FORCE ROW LEVEL SECURITY. The consumer's
+// and the middleware's tables are not the relay's concern.
 const rowSecuritySQL = `SELECT coalesce(array_agg(c.relname::text ORDER BY c.relname), '{}')
 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE n.nspname = $1 AND c.relkind IN ('r', 'p') AND c.relrowsecurity
+    AND c.relname IN ('outbox', 'outbox_dead', 'relay_shards', 'relay_instances', 'relay_rounds', 'schema_migrations')
     AND (c.relforcerowsecurity OR NOT pg_has_role(c.relowner, 'USAGE'))
     AND NOT (SELECT rolsuper OR rolbypassrls FROM pg_roles WHERE rolname = current_user)`
 
