@@ -55,7 +55,8 @@ type JanitorConfig struct {
 	// Interval is the time between sweeps in Run. At least one second.
 	// Defaults to 1 minute.
 	Interval time.Duration
-	// Logger receives sweep errors (Warn). Defaults to slog.Default():
+	// Logger receives sweep errors (Warn; a missing privilege at Error).
+	// Defaults to slog.Default():
 	// a janitor whose sweeps fail lets the table grow without end.
 	Logger *slog.Logger
 }

@@ -19,7 +19,8 @@ type PurgeConfig struct {
 	BatchSize int
 	// Interval is how often Run purges. Defaults to 1 minute.
 	Interval time.Duration
-	// Logger receives warnings from Run. Defaults to slog.Default(): a
+	// Logger receives Run's failures (Warn; a missing privilege at
+	// Error). Defaults to slog.Default(): a
 	// purger whose purges fail lets the table grow without end.
 	Logger *slog.Logger
 }
