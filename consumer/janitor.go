@@ -56,8 +56,8 @@ type JanitorConfig struct {
 	// Defaults to 1 minute.
 	Interval time.Duration
 	// Logger receives sweep errors (Warn; a missing privilege at Error).
-	// Defaults to slog.Default():
-	// a janitor whose sweeps fail lets the table grow without end.
+	// Defaults to slog.Default(): a janitor whose sweeps fail lets the
+	// table grow without end.
 	Logger *slog.Logger
 }
 

@@ -20,8 +20,8 @@ type PurgeConfig struct {
 	// Interval is how often Run purges. Defaults to 1 minute.
 	Interval time.Duration
 	// Logger receives Run's failures (Warn; a missing privilege at
-	// Error). Defaults to slog.Default(): a
-	// purger whose purges fail lets the table grow without end.
+	// Error). Defaults to slog.Default(): a purger whose purges fail lets
+	// the table grow without end.
 	Logger *slog.Logger
 }
 
