@@ -208,8 +208,14 @@ func (p *Processor) run(ctx context.Context, stop <-chan struct{}, msg Message, 
 			return errAbandoned
 		case errors.As(err, &unavailable):
 			// The database, not the message, failed: wait for it
-			// without spending the message's budgets.
-			if !p.retryAfter(ctx, stop, msg, bo, runs, err, "consumer: database unavailable; retrying") {
+			// without spending the message's budgets. A refused grant
+			// is waited out too (README, "Roles and privileges"), but
+			// said as what it is: no outage will end it.
+			level, what := slog.LevelWarn, "consumer: database unavailable; retrying"
+			if isInsufficientPrivilege(err) {
+				level, what = slog.LevelError, `consumer: the database role lacks a privilege the consumer needs (README, "Roles and privileges"); retrying`
+			}
+			if !p.retryAfterAt(ctx, level, stop, msg, bo, runs, err, what) {
 				return errAbandoned
 			}
 		case errors.As(err, &lostConn):
@@ -235,8 +241,13 @@ func (p *Processor) run(ctx context.Context, stop <-chan struct{}, msg Message, 
 // retryAfter logs and reports a failed attempt of msg and waits its backoff;
 // it reports false when ctx or stop ended the wait.
 func (p *Processor) retryAfter(ctx context.Context, stop <-chan struct{}, msg Message, bo backoff.BackOff, runs int, err error, what string, attrs ...slog.Attr) bool {
+	return p.retryAfterAt(ctx, slog.LevelWarn, stop, msg, bo, runs, err, what, attrs...)
+}
+
+// retryAfterAt is retryAfter logging at level.
+func (p *Processor) retryAfterAt(ctx context.Context, level slog.Level, stop <-chan struct{}, msg Message, bo backoff.BackOff, runs int, err error, what string, attrs ...slog.Attr) bool {
 	wait := bo.NextBackOff()
-	p.log.LogAttrs(ctx, slog.LevelWarn, what, append([]slog.Attr{
+	p.log.LogAttrs(ctx, level, what, append([]slog.Attr{
 		slog.String("topic", msg.Topic), slog.Int("partition", int(msg.Partition)), slog.Int64("offset", msg.Offset),
 		slog.String("message_id", msg.ID), slog.Duration("backoff", wait), slog.Any("error", err)}, attrs...)...)
 	for _, h := range p.hooks.retry {
