@@ -31,7 +31,8 @@ var ErrPreparedStatementsLost = errors.New("relay: the database connections lose
 // DELETE on the outbox it published the same events round after round,
 // without a grant at start it owned no shard while reporting itself ready,
 // and without SELECT on the outbox's sequence it fell back to polling,
-// silently ten times slower.
+// silently ten times slower. It is also returned when row-level security
+// applies to the relay's role on its tables, at start or at a lease tick.
 var ErrInsufficientPrivilege = errors.New("relay: the database role lacks a privilege the relay needs (README, \"Roles and privileges\")")
 
 // isInsufficientPrivilege reports whether err is a permission refusal.

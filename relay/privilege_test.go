@@ -174,3 +174,41 @@ func TestARefusedWriteBackOfShardRowsIsLoggedOnce(t *testing.T) {
 		t.Fatalf("%d warnings of the refused write-back over 3 s, want one:\n%s", n, logs.String())
 	}
 }
+
+// Row-level security switched on while a relay runs hid every event from
+// it, as at start, but the check ran only at start: the relay idled with a
+// backlog it could not see (its backlog gauge, read by the same role, said
+// 0), until someone noticed the consumers had gone quiet. It is checked on
+// every lease tick now: the relay stops, naming the table, and the events
+// it could not see stay in the outbox for a relay that can.
+func TestARelayStopsWhenRowLevelSecurityIsSwitchedOnUnderIt(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	topic := b.kafka.Topic(t, 1)
+	pool := relayRole(t, b.schema, "")
+	r, err := relay.New(pool, b.publisher(t), &relay.Config{Schema: b.schema, PollInterval: 50 * time.Millisecond, LeaseDuration: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	b.write(t, outbox.Message{Topic: topic, Key: []byte("k"), Value: []byte("before")})
+	waitFor(t, "the relay to publish the first event", 20*time.Second, func() bool { return b.count(t, "outbox") == 0 })
+	if _, err := b.pool.Exec(context.Background(), `ALTER TABLE `+pgx.Identifier{b.schema, "outbox"}.Sanitize()+` ENABLE ROW LEVEL SECURITY`); err != nil {
+		t.Fatal(err)
+	}
+	b.write(t, outbox.Message{Topic: topic, Key: []byte("k"), Value: []byte("after")})
+	select {
+	case err := <-done:
+		if !errors.Is(err, relay.ErrInsufficientPrivilege) || !strings.Contains(err.Error(), b.schema+".outbox") {
+			t.Fatalf("Run returned %v, want a refusal naming the outbox's row-level security", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the relay ran on for 10 s with row-level security hiding the outbox from its role")
+	}
+	if n := b.count(t, "outbox"); n != 1 {
+		t.Fatalf("outbox holds %d events, want the one written after row-level security was switched on", n)
+	}
+}

@@ -446,9 +446,16 @@ func (r *Relay) checkSchema(ctx context.Context) error {
 	}
 	r.st.probeSQL = `SELECT s.v, EXISTS (SELECT 1 FROM ` + table + ` o WHERE o.id = s.v)
 FROM (SELECT CASE WHEN is_called THEN last_value ELSE 0 END AS v FROM ` + *seq + `) s`
-	// Row-level security that applies to this role hides rows from every
-	// statement without an error: the relay published nothing, and its
-	// backlog read 0, so no alert fired.
+	return r.checkRowSecurity(ctx)
+}
+
+// checkRowSecurity returns an error wrapping ErrInsufficientPrivilege when
+// row-level security applies to the relay's role on its tables. Such
+// security hides rows from every statement without an error: the relay
+// published nothing, and its backlog read 0, so no alert fired. It runs at
+// start and on every lease tick, since it can be switched on under a
+// running relay.
+func (r *Relay) checkRowSecurity(ctx context.Context) error {
 	var hidden []string
 	if err := r.pool.QueryRow(ctx, rowSecuritySQL, r.cfg.Schema).Scan(&hidden); err != nil {
 		return fmt.Errorf("relay: check row-level security: %w", err)
@@ -513,6 +520,13 @@ func (r *Relay) leaseLoop(ctx context.Context) {
 		case failing:
 			failing = false
 			r.log.Info("relay: lease upkeep recovered", "shards", len(r.leases.snapshot()))
+		}
+		if err == nil {
+			if err := r.checkRowSecurity(ctx); errors.Is(err, ErrInsufficientPrivilege) {
+				r.log.Error("relay: stopping", "error", err)
+				r.stopRun(err)
+				return
+			}
 		}
 		if n%100 == 0 {
 			_, _ = r.pool.Exec(ctx, r.st.forgetOldSQL)
