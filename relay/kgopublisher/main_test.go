@@ -1,0 +1,14 @@
+package kgopublisher_test
+
+import (
+	"testing"
+
+	"go.uber.org/goleak"
+)
+
+// A publisher's Close must end every goroutine its client started: a relay
+// replaces its publisher after some failures, and a leak there grows for
+// the process's life.
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m)
+}
