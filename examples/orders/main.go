@@ -20,6 +20,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -183,7 +184,7 @@ func createOrder(events *outbox.Writer) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		ctx := r.Context()
 		var req orderRequest
-		if err := json.NewDecoder(r.Body).Decode(&req); err != nil {
+		if err := decodeOne(r.Body, &req); err != nil {
 			http.Error(w, "malformed JSON: "+err.Error(), http.StatusBadRequest)
 			return
 		}
@@ -243,4 +244,17 @@ func envOr(name, fallback string) string {
 		return v
 	}
 	return fallback
+}
+
+// decodeOne decodes the one JSON value body holds into v: a decoder alone
+// stops after the first value and ignores what follows it.
+func decodeOne(body io.Reader, v any) error {
+	dec := json.NewDecoder(body)
+	if err := dec.Decode(v); err != nil {
+		return err
+	}
+	if _, err := dec.Token(); err != io.EOF {
+		return errors.New("data after the JSON value")
+	}
+	return nil
 }

@@ -161,6 +161,10 @@ func TestOrdersStatusCodes(t *testing.T) {
 	want(t, "malformed JSON", s.post(t, "u1", "k2", `{"customer":`), http.StatusBadRequest, false)
 	want(t, "malformed JSON retried", s.post(t, "u1", "k2", `{"customer":`), http.StatusBadRequest, true)
 	s.wantCounts(t, 2, 2)
+	// Two objects in one body are malformed too: the decoder read the
+	// first, and the order was created from it (helper 79).
+	want(t, "trailing data", s.post(t, "u1", "k3", order1+`{"customer":"c2","amount_cents":1}`), http.StatusBadRequest, false)
+	s.wantCounts(t, 2, 2)
 
 	s.proc.Stop(t, 20*time.Second)
 }
