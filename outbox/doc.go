@@ -20,7 +20,11 @@
 // otelonceflow.NewInjector records the W3C trace context there, so the
 // consumer's span joins the request's trace.
 //
-// Producers in other languages write the same rows with plain SQL:
+// Producers in other languages write the same rows with plain SQL. key
+// and value are bytea: bind bytes, or text through convert_to, since text
+// given as it is reads in bytea's escape format (a JSON "\\" would lose a
+// backslash); event_id, when set, must not be the nil UUID:
 //
-//	INSERT INTO onceflow.outbox (topic, key, value, headers) VALUES ('orders', 'k1', '{}', '{"h":"v"}');
+//	INSERT INTO onceflow.outbox (topic, key, value, headers)
+//	VALUES ('orders', convert_to('k1', 'UTF8'), convert_to('{"id":"o-1"}', 'UTF8'), '{"h":"v"}');
 package outbox

@@ -108,7 +108,9 @@ var defaultWriter, _ = NewWriter(nil)
 // Write inserts msgs into the "onceflow" schema's outbox with one statement
 // (one round trip, however many messages). With a transaction, the events
 // exist if and only if it commits, and an idle relay finds them within its
-// probe interval (5 ms by default) of the commit.
+// probe interval (5 ms by default) of the commit; one whose transaction
+// commits more than 20 probe intervals after this call, once a newer event
+// was published, within the relay's PollInterval (250 ms by default).
 // With a pool or a connection outside a transaction each call commits on its
 // own, so the events can outlive a business change that later fails.
 func Write(ctx context.Context, db DB, msgs ...Message) error {

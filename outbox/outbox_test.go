@@ -190,18 +190,34 @@ WHERE tgrelid = $1::regclass AND NOT tgisinternal`, pgx.Identifier{schema, "outb
 	}
 }
 
+// The plain-SQL form README and the package doc give keeps a JSON value
+// byte for byte. Their first form gave key and value as text literals,
+// which bytea reads in its escape format: a JSON "\\" lost a backslash,
+// a JSON \" was refused, and the key '\x6b32' became "k2" (helper 79).
 func TestPlainSQLInsert(t *testing.T) {
 	t.Parallel()
 	schema := pgtest.Schema(t)
 	db := pgtest.Pool(t)
 	table := pgx.Identifier{schema, "outbox"}.Sanitize()
-	_, err := db.Exec(context.Background(), `INSERT INTO `+table+` (topic, key, value, headers) VALUES ('orders', 'k1', 'v', '{"a":"b"}')`)
+	const key, value = `\x6b32`, `{"path":"C:\\temp","say":"\"hi\"\n\u00e9"}`
+	_, err := db.Exec(context.Background(), `INSERT INTO `+table+` (topic, key, value, headers) VALUES ('orders', convert_to('`+key+`', 'UTF8'), convert_to('`+value+`', 'UTF8'), '{"a":"b"}')`)
 	if err != nil {
 		t.Fatalf("plain SQL insert: %v", err)
 	}
+	// The same through parameters, text on the wire.
+	_, err = db.Exec(context.Background(), `INSERT INTO `+table+` (topic, key, value, headers) VALUES ('orders', convert_to($1, 'UTF8'), convert_to($2, 'UTF8'), $3)`,
+		key, value, `{"a":"b"}`)
+	if err != nil {
+		t.Fatalf("plain SQL insert with parameters: %v", err)
+	}
 	got := readOutbox(t, db, schema)
-	if len(got) != 1 || got[0].headers["a"] != "b" || len(got[0].eventID) != 36 {
+	if len(got) != 2 {
 		t.Fatalf("got %+v", got)
+	}
+	for _, r := range got {
+		if string(r.key) != key || string(r.value) != value || r.headers["a"] != "b" || len(r.eventID) != 36 {
+			t.Fatalf("stored key %q value %q headers %v, want key %q value %q", r.key, r.value, r.headers, key, value)
+		}
 	}
 	// Header values must be strings: Kafka headers are bytes, and a number
 	// would be ambiguous.
