@@ -29,6 +29,7 @@ func TestKafkaGoMissingTopicDoesNotStormConnections(t *testing.T) {
 		dials.Add(1)
 		return (&net.Dialer{}).DialContext(ctx, network, addr)
 	}}
+	t.Cleanup(tr.CloseIdleConnections) // the caller's transport: Close leaves it open
 	pub, err := kafkagopublisher.New(b.kafka.Brokers, &kafkagopublisher.Config{Transport: tr})
 	if err != nil {
 		t.Fatal(err)

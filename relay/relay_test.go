@@ -65,6 +65,7 @@ func (b *bundle) publisher(t testing.TB) *kgopublisher.Publisher {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(func() { _ = pub.Close() }) // a second Close does nothing
 	return pub
 }
 
