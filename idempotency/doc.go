@@ -29,7 +29,9 @@
 // any point leaves no claim and no business row, and a retry runs afresh.
 // In Leased mode the claim commits first with a lease, renewed while the
 // handler runs (a held lease is never taken over, whatever Window says; if
-// renewals fail, the request's context is cancelled before the lease lapses);
+// renewals fail, the request's context is cancelled before the lease lapses;
+// a handler whose context ended and that wrote nothing is answered 503, with
+// nothing stored and the key released);
 // use it for handlers whose effects leave the database, and pass Key(ctx) to
 // the downstream service. A request that dies holds its key
 // until the lease lapses, then a retry runs the handler again: the

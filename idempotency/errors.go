@@ -1,6 +1,7 @@
 package idempotency
 
 import (
+	"context"
 	"errors"
 	"net/http"
 )
@@ -28,7 +29,9 @@ var (
 	// replayed nor safely run again (HTTP 422). Use a new key.
 	ErrNotStored = errors.New("idempotency: the first response to this key was too large to store; use a new key")
 	// ErrLeaseLost: a leased claim expired and was taken over (or deleted)
-	// before its result could be stored: the work may run twice.
+	// before its result could be stored: the work may run twice. It is
+	// also the cause with which a lease's holder is told to stop when
+	// renewals fail (HTTP 503 if a Leased handler then answers nothing).
 	ErrLeaseLost = errors.New("idempotency: lease lost before the result was stored")
 )
 
@@ -44,7 +47,9 @@ func (e *ScopeError) Error() string { return "idempotency: scope: " + e.Err.Erro
 func (e *ScopeError) Unwrap() error { return e.Err }
 
 // StatusCode returns the HTTP status the middleware answers err with: 400,
-// 401, 409, 413 or 422 for the package's errors, 500 for anything else.
+// 401, 409, 413 or 422 for the package's errors; 503 for ErrLeaseLost and
+// for a request whose context ended (the client left, a timeout) before it
+// was answered; 500 for anything else.
 func StatusCode(err error) int {
 	var scopeErr *ScopeError
 	switch {
@@ -58,6 +63,8 @@ func StatusCode(err error) int {
 		return http.StatusRequestEntityTooLarge
 	case errors.Is(err, ErrMismatch), errors.Is(err, ErrNotStored):
 		return http.StatusUnprocessableEntity
+	case errors.Is(err, ErrLeaseLost), errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
+		return http.StatusServiceUnavailable
 	}
 	return http.StatusInternalServerError
 }

@@ -99,8 +99,11 @@ type Config struct {
 	// whose lease holds is never taken over, however long the handler runs.
 	// If renewals fail until only Lease/6 is left, the request's context is
 	// cancelled (cause ErrLeaseLost) so the handler can stop before a retry
-	// may claim the key. After a crash the key is claimable again once the
-	// lease lapses. Defaults to 1 minute.
+	// may claim the key. A handler whose context ends (so, or because the
+	// client left) and that returns without writing is answered 503; nothing
+	// is stored and the key is released, so a retry runs it again. After a
+	// crash the key is claimable again once the lease lapses. Defaults to 1
+	// minute.
 	Lease time.Duration
 	// Window is how long a key's record, and so its replay, lives after the
 	// claim, and at least that long after its response is stored (a Leased
@@ -125,7 +128,7 @@ type Config struct {
 	// 1 second.
 	RetryAfter time.Duration
 	// ErrorHandler writes the middleware's own error answers (400, 401, 409,
-	// 413, 422, 500); StatusCode(err) gives the status. Defaults to a
+	// 413, 422, 500, 503); StatusCode(err) gives the status. Defaults to a
 	// text/plain answer with StatusCode(err) and err's message (500s say
 	// only "internal error").
 	ErrorHandler func(w http.ResponseWriter, r *http.Request, err error)
@@ -465,6 +468,19 @@ func (m *Middleware) serveLeased(w http.ResponseWriter, r *http.Request, next ht
 	}()
 	next.ServeHTTP(rw, r.WithContext(hctx))
 	finished = true
+	if rw.status == 0 && hctx.Err() != nil {
+		// The handler returned without answering after its context ended:
+		// the client left, an outer timeout fired, or the lease was lost
+		// (cause ErrLeaseLost). The recorder's default 200 would be stored
+		// and replayed as a success for work that never happened, so
+		// nothing is stored and the key is released, as for a 5xx: the
+		// retry runs the handler. Release deletes only this claim's row, so
+		// it is harmless if another holder has taken the key over.
+		stop()
+		m.release(bg, c)
+		m.fail(w, r, fmt.Errorf("idempotency: the handler returned without answering after its context ended: %w", context.Cause(hctx)))
+		return
+	}
 	if rw.statusCode() >= 500 && !m.cfg.StoreServerErrors {
 		stop()
 		m.release(bg, c)
