@@ -68,6 +68,11 @@
 //		return gateway.Charge(ctx, orderID, idempotency.Key(ctx)) // the gateway dedups on the key too
 //	})
 //
+// Pass a *pgxpool.Pool, in a consumer handler too: the claim commits on its
+// own, so a rollback of the handler's transaction and the redelivery it
+// causes do not run fn again. A pgx.Tx or a single connection is refused
+// (see DB).
+//
 // Do cannot make an outside effect and its stored result atomic: if the
 // process dies after the effect and before the store, the next call after the
 // lease runs fn again. It makes re-runs rare and never concurrent; the key

@@ -50,11 +50,13 @@ type Fence struct {
 	cfg   FenceConfig
 }
 
-// NewFence returns a Fence storing its records through db (a
-// *pgxpool.Pool). cfg may be nil.
+// NewFence returns a Fence storing its records through db, a
+// *pgxpool.Pool: a pgx.Tx or a single connection is refused (see DB), as
+// the claim must commit on its own and its lease is renewed from another
+// goroutine. cfg may be nil.
 func NewFence(db DB, cfg *FenceConfig) (*Fence, error) {
-	if db == nil {
-		return nil, errors.New("idempotency: db is nil")
+	if err := checkDB(db); err != nil {
+		return nil, err
 	}
 	c := FenceConfig{}
 	if cfg != nil {
@@ -109,6 +111,11 @@ func NewFence(db DB, cfg *FenceConfig) (*Fence, error) {
 // lease runs fn again. Give the downstream the key (most payment APIs take
 // an idempotency key) so it deduplicates that re-run: the fence makes
 // re-runs rare and serial, the downstream makes them harmless.
+//
+// The claim commits on its own, outside any transaction of the caller's:
+// in a consumer handler, pass the pool, not the handler's pgx.Tx, so that a
+// rollback of the handler's transaction and the redelivery it causes do not
+// run fn again (NewFence refuses a pgx.Tx and a single connection; see DB).
 //
 // If storing the result fails after fn succeeded, Do tries again, backing
 // off, for up to Lease (a database blip must not let a later call run fn
@@ -201,7 +208,8 @@ func runGuarded(ctx context.Context, fn func(context.Context) ([]byte, error)) (
 }
 
 // Do runs fn at most once per key in the "onceflow" schema's default
-// namespace, with the defaults of FenceConfig. See Fence.Do.
+// namespace, with the defaults of FenceConfig. db is a *pgxpool.Pool (a
+// pgx.Tx or a single connection is refused: see DB). See Fence.Do.
 func Do(ctx context.Context, db DB, key string, fn func(ctx context.Context) ([]byte, error)) ([]byte, error) {
 	f, err := NewFence(db, nil)
 	if err != nil {

@@ -155,12 +155,12 @@ type Middleware struct {
 // keys by the authenticated principal.
 func SharedScope(*http.Request) (string, error) { return "", nil }
 
-// New returns a Middleware storing keys through db, which should be a
-// *pgxpool.Pool. cfg must set Scope (the authenticated principal, or
+// New returns a Middleware storing keys through db, a *pgxpool.Pool (a
+// pgx.Tx or a single connection is refused: see DB). cfg must set Scope (the authenticated principal, or
 // SharedScope explicitly); New fails without it.
 func New(db DB, cfg *Config) (*Middleware, error) {
-	if db == nil {
-		return nil, errors.New("idempotency: db is nil")
+	if err := checkDB(db); err != nil {
+		return nil, err
 	}
 	c := Config{}
 	if cfg != nil {

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/onceflow/onceflow/idempotency"
+	"github.com/onceflow/onceflow/internal/pgtest"
 )
 
 // A Leased handler runs on the request's context, so a client that gives up
@@ -115,4 +116,90 @@ func TestLeasedHandlerStoppedForALostLeaseThatWroteNothingIsAnswered503AndRunAga
 		t.Fatalf("retry: %d (replayed %v); the handler ran %d times and completed %d, want a fresh 201",
 			retry.status, retry.replayed, runs.Load(), completed.Load())
 	}
+}
+
+// A consumer handler is given a pgx.Tx, which satisfies DB. Passed to Do,
+// the claim and the stored result would live in the consumer's transaction
+// and vanish with its rollback, so the redelivery would run fn (the charge)
+// again. Do refuses a transaction and names what to pass. Before the fix
+// both deliveries succeeded and fn ran twice: "the card was charged 2 times".
+func TestDoGivenATransactionRefusesItInsteadOfRunningFnAgainAfterItsRollback(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	var charges atomic.Int64
+	deliver := func() error {
+		tx, err := b.pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer tx.Rollback(ctx) // a later write of the handler failed
+		return doOn(ctx, b, tx, "msg-1", func(context.Context) ([]byte, error) {
+			charges.Add(1)
+			return []byte("receipt"), nil
+		})
+	}
+	for i := 0; i < 2; i++ { // the message and its redelivery
+		err := deliver()
+		if err == nil || !strings.Contains(err.Error(), "*pgxpool.Pool") {
+			t.Errorf("delivery %d: Do given a pgx.Tx = %v, want an error naming *pgxpool.Pool", i+1, err)
+		}
+	}
+	if n := charges.Load(); n != 0 {
+		t.Fatalf("fn ran %d times on a transaction that rolled back", n)
+	}
+}
+
+// Do renews its lease from a goroutine of its own while fn runs and while
+// it stores the result; on a single connection (*pgx.Conn, *pgxpool.Conn)
+// those renewals would share the connection with Do and with fn, which a
+// pgx connection does not allow. NewFence, Do and New refuse one and name
+// what to pass. Before the fix they accepted it, and 40 Do calls on a
+// *pgx.Conn with a 30 ms lease were a DATA RACE under -race (the renewal
+// against the store of the result, in pgconn).
+func TestASingleConnectionIsRefusedRatherThanSharedWithTheLeaseRenewals(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	conn := pgtest.Conn(t)
+	pconn, err := b.pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pconn.Release()
+	for name, db := range map[string]idempotency.DB{"*pgx.Conn": conn, "*pgxpool.Conn": pconn} {
+		var runs atomic.Int64
+		err := doOn(ctx, b, db, "k", func(context.Context) ([]byte, error) {
+			runs.Add(1)
+			time.Sleep(25 * time.Millisecond)
+			return []byte("ok"), nil
+		})
+		if err == nil || !strings.Contains(err.Error(), "*pgxpool.Pool") || runs.Load() != 0 {
+			t.Errorf("Do on a %s: %v, fn ran %d times; want it refused, naming *pgxpool.Pool", name, err, runs.Load())
+		}
+		if _, err := idempotency.New(db, &idempotency.Config{Schema: b.schema, Scope: idempotency.SharedScope}); err == nil {
+			t.Errorf("New accepted a %s", name)
+		}
+	}
+	tx, err := b.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if _, err := idempotency.New(tx, &idempotency.Config{Schema: b.schema, Scope: idempotency.SharedScope}); err == nil {
+		t.Error("New accepted a pgx.Tx")
+	}
+	if b.records(t) != 0 {
+		t.Errorf("%d records written through a refused connection", b.records(t))
+	}
+}
+
+// doOn is idempotency.Do on db, in b's schema.
+func doOn(ctx context.Context, b bundle, db idempotency.DB, key string, fn func(context.Context) ([]byte, error)) error {
+	f, err := idempotency.NewFence(db, &idempotency.FenceConfig{Schema: b.schema})
+	if err != nil {
+		return err
+	}
+	_, err = f.Do(ctx, key, fn)
+	return err
 }

@@ -19,19 +19,46 @@ import (
 	"github.com/cenkalti/backoff/v4"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"golang.org/x/net/http/httpguts"
 
 	"github.com/onceflow/onceflow/migrations"
 )
 
-// DB is what the package needs from PostgreSQL. *pgxpool.Pool satisfies it
-// (use a pool: the middleware serves concurrent requests); so does *pgx.Conn
-// for single-goroutine use. Any pgx QueryExecMode works, exec and
-// simple_protocol included (PgBouncer in transaction mode).
+// DB is what the package needs from PostgreSQL: pass a *pgxpool.Pool.
+// Any pgx QueryExecMode works, exec and simple_protocol included (PgBouncer
+// in transaction mode).
+//
+// Unlike the outbox's writers, which take the caller's transaction, New,
+// NewFence and Do refuse a pgx.Tx and a single connection (*pgx.Conn,
+// *pgxpool.Conn). A claim and its stored result must commit on their own:
+// in the caller's transaction they would vanish with its rollback, and a
+// redelivered message would run the work again. And a lease is renewed
+// from a goroutine of its own while the work runs and its result is
+// stored, which one connection cannot serve. A DB of another type (a
+// wrapper) must likewise run each statement in its own transaction and be
+// safe for concurrent use.
 type DB interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// checkDB refuses what DB's doc says cannot work.
+func checkDB(db DB) error {
+	const pass = "pass the *pgxpool.Pool"
+	switch db.(type) {
+	case nil:
+		return errors.New("idempotency: db is nil")
+	case pgx.Tx:
+		return errors.New("idempotency: db is a pgx.Tx: the claim and its stored result would commit or roll back " +
+			"with that transaction, and after a rollback the work would run again; " + pass +
+			" (in a consumer handler too: the fence must outlive the handler's transaction)")
+	case *pgx.Conn, *pgxpool.Conn:
+		return fmt.Errorf("idempotency: db is a single connection (%T): the lease is renewed from another goroutine "+
+			"while the work runs, and a connection serves one goroutine at a time; %s", db, pass)
+	}
+	return nil
 }
 
 // querier is what one claim statement needs: DB, pgx.Tx and *pgx.Conn fit.
