@@ -42,7 +42,8 @@
 // gets 422 until the key's Window ends.
 //
 // 5xx responses and panics release the key (Config.StoreServerErrors stores
-// 5xx instead); 4xx responses are stored. Responses larger than
+// 5xx instead; in Transactional mode their writes through Tx roll back
+// either way); 4xx responses are stored. Responses larger than
 // Config.MaxResponseBytes reach the client but are not stored: a retry gets
 // 422 (ErrNotStored), never a second run. Memory holds at most
 // MaxResponseBytes of a response; in Transactional mode the rest waits in a

@@ -111,9 +111,12 @@ type Config struct {
 	// again and Purger deletes the record.
 	// Defaults to 24 hours.
 	Window time.Duration
-	// StoreServerErrors stores 5xx responses like any other. By default a
-	// 5xx response (or a panic) releases the claim, so a retry runs the
-	// handler again; 4xx responses are always stored. Defaults to false.
+	// StoreServerErrors stores 5xx responses like any other, so a retry
+	// gets the 5xx instead of running the handler again. By default a 5xx
+	// response (or a panic) releases the claim, so a retry runs the handler
+	// again; 4xx responses are always stored. In Transactional mode a 5xx
+	// rolls the handler's writes back either way: a stored 5xx is stored in
+	// a transaction of its own. Defaults to false.
 	StoreServerErrors bool
 	// ReplayHeaders lists the response headers stored and replayed. Defaults
 	// to every header the handler set except Set-Cookie, Date,
@@ -373,8 +376,15 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 		return
 	}
 	status := rw.statusCode()
-	if status >= 500 && !m.cfg.StoreServerErrors {
+	if status >= 500 {
+		// A 5xx says the request failed: its writes roll back, so no
+		// business row outlives it. With StoreServerErrors the answer is
+		// then stored under a claim of its own, and replayed.
 		_ = tx.Rollback(context.WithoutCancel(ctx))
+		if m.cfg.StoreServerErrors {
+			m.storeErrorAlone(w, r, c, rw)
+			return
+		}
 		rw.flush(false)
 		return
 	}
@@ -404,9 +414,9 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 }
 
 // storeErrorAlone stores and sends an error answer whose handler's
-// transaction was aborted (a unique violation answered as 409, say): the
-// answer is stored like any other, with a claim of its own since the first
-// one was rolled back. Should another request have claimed the key in
+// transaction was rolled back (aborted by a unique violation answered as
+// 409, say, or a 5xx under StoreServerErrors): the answer is stored like
+// any other, with a claim of its own since the first one was rolled back. Should another request have claimed the key in
 // between, this answer goes out unstored and that request answers for the
 // key.
 func (m *Middleware) storeErrorAlone(w http.ResponseWriter, r *http.Request, c claim, rw *recorder) {

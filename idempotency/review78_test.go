@@ -203,3 +203,31 @@ func doOn(ctx context.Context, b bundle, db idempotency.DB, key string, fn func(
 	_, err = f.Do(ctx, key, fn)
 	return err
 }
+
+// Transactional mode with StoreServerErrors: a handler that wrote its row
+// through Tx and then failed answers 500. The 500 is stored and replayed,
+// but the handler's writes roll back, as for any 5xx: the client is never
+// told of a failure whose effect exists. Before the fix the row committed
+// with the stored 500 (1 business row, the retry a replayed 500).
+func TestTransactionalStoredServerErrorDoesNotCommitTheHandlersWrites(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	var runs atomic.Int64
+	srv := newServer(t, b, idempotency.Config{StoreServerErrors: true}, func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		if err := writeEffect(r.Context(), b.pool, b.schema, "order"); err != nil {
+			t.Error(err)
+		}
+		http.Error(w, "payment step failed", http.StatusInternalServerError)
+	})
+	first := send(t, srv, request{key: "k", body: "{}"})
+	retry := send(t, srv, request{key: "k", body: "{}"})
+	if first.status != http.StatusInternalServerError || retry.status != http.StatusInternalServerError || !retry.replayed ||
+		retry.body != first.body || runs.Load() != 1 {
+		t.Errorf("first %d %q, retry %d %q (replayed %v), %d runs: want the 500 stored and replayed",
+			first.status, first.body, retry.status, retry.body, retry.replayed, runs.Load())
+	}
+	if n := b.effects(t); n != 0 {
+		t.Fatalf("%d business row(s) committed with a stored 500", n)
+	}
+}
