@@ -35,6 +35,11 @@ var (
 	ErrLeaseLost = errors.New("idempotency: lease lost before the result was stored")
 )
 
+// errScopeText: Config.Scope returned a scope PostgreSQL text cannot hold
+// (HTTP 400). It comes from the request (a header with obs-text, say), so it
+// is the request's to fix, not a server fault.
+var errScopeText = errors.New("idempotency: the request's scope cannot be stored")
+
 // ScopeError is returned when Config.Scope fails for a request, typically
 // because the caller is not authenticated (HTTP 401).
 type ScopeError struct {
@@ -53,7 +58,7 @@ func (e *ScopeError) Unwrap() error { return e.Err }
 func StatusCode(err error) int {
 	var scopeErr *ScopeError
 	switch {
-	case errors.Is(err, ErrKeyMissing), errors.Is(err, ErrKeyInvalid):
+	case errors.Is(err, ErrKeyMissing), errors.Is(err, ErrKeyInvalid), errors.Is(err, errScopeText):
 		return http.StatusBadRequest
 	case errors.As(err, &scopeErr):
 		return http.StatusUnauthorized

@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -65,7 +66,9 @@ type Config struct {
 	// Scope returns whose key a request carries, typically the
 	// authenticated principal: the same key under two scopes is two
 	// independent operations, and no scope can read another's responses. An
-	// error answers 401 (see ScopeError). Required: New fails without it.
+	// error answers 401 (see ScopeError); a scope that is not valid UTF-8,
+	// or holds NUL, answers 400, as PostgreSQL text cannot hold it.
+	// Required: New fails without it.
 	// Only when every caller is one trusted party may it be SharedScope,
 	// which lets any caller replay any other caller's stored responses.
 	// There is no default.
@@ -304,6 +307,14 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	scope, err := m.cfg.Scope(r)
 	if err != nil {
 		m.fail(w, r, &ScopeError{Err: err})
+		return
+	}
+	if !utf8.ValidString(scope) || strings.ContainsRune(scope, 0) {
+		// The scope is stored as PostgreSQL text: such a scope, taken from
+		// the request (a header with obs-text), would fail every request
+		// with a database error. It is the request's to fix.
+		// The scope itself is not echoed: it may be the principal.
+		m.fail(w, r, fmt.Errorf("%w: it is not valid UTF-8 without NUL", errScopeText))
 		return
 	}
 	body, err := readBody(r, m.cfg.MaxRequestBytes)
@@ -632,6 +643,11 @@ func readBody(r *http.Request, max int64) ([]byte, error) {
 	}
 	body, err := io.ReadAll(io.LimitReader(r.Body, max+1))
 	_ = r.Body.Close()
+	var tooBig *http.MaxBytesError
+	if errors.As(err, &tooBig) {
+		// An outer body limit (http.MaxBytesReader) smaller than ours.
+		return nil, fmt.Errorf("%w: more than %d bytes", ErrRequestTooLarge, tooBig.Limit)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("idempotency: read request body: %w", err)
 	}

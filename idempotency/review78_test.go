@@ -4,8 +4,12 @@ package idempotency_test
 // before its fix, as its comment says.
 
 import (
+	"bytes"
 	"context"
+	"log/slog"
 	"net/http"
+	"net/http/httptest"
+	"net/url"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -229,5 +233,49 @@ func TestTransactionalStoredServerErrorDoesNotCommitTheHandlersWrites(t *testing
 	}
 	if n := b.effects(t); n != 0 {
 		t.Fatalf("%d business row(s) committed with a stored 500", n)
+	}
+}
+
+// An outer http.MaxBytesReader (a server-wide body limit smaller than
+// MaxRequestBytes) refuses the body while the middleware reads it for the
+// fingerprint: the client sent too much, so 413, as for the middleware's
+// own limit. Before the fix: 500 "internal error", logged as a server
+// fault.
+func TestBodyOverAnOuterMaxBytesReaderIsAnswered413(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	h := newMiddleware(t, b, idempotency.Config{}).Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusCreated)
+	}))
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		r.Body = http.MaxBytesReader(w, r.Body, 16)
+		h.ServeHTTP(w, r)
+	}))
+	defer srv.Close()
+	if got := send(t, srv, request{key: "k", body: strings.Repeat("x", 100)}); got.status != http.StatusRequestEntityTooLarge {
+		t.Fatalf("body over an outer MaxBytesReader: %d %q, want 413", got.status, got.body)
+	}
+}
+
+// A Scope returning what PostgreSQL text cannot hold (a tenant taken from
+// a header with obs-text, or a NUL) is the request's fault: 400, not logged
+// as a server fault. Before the fix every keyed request of such a tenant
+// was a 500 "internal error", logged at Warn.
+func TestScopePostgreSQLTextCannotHoldIsAnswered400(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	var logged bytes.Buffer
+	srv := newServer(t, b, idempotency.Config{
+		Scope:  func(r *http.Request) (string, error) { return url.PathUnescape(r.Header.Get("X-Tenant")) },
+		Logger: slog.New(slog.NewTextHandler(&logged, nil)),
+	}, func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusCreated) })
+	for _, tenant := range []string{"caf%E9", "a%00b"} {
+		got := send(t, srv, request{key: "k", body: "{}", header: map[string]string{"X-Tenant": tenant}})
+		if got.status != http.StatusBadRequest {
+			t.Errorf("tenant %q: %d %q, want 400", tenant, got.status, got.body)
+		}
+	}
+	if logged.Len() != 0 {
+		t.Errorf("logged as a server fault:\n%s", logged.String())
 	}
 }
