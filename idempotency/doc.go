@@ -7,9 +7,12 @@
 //
 // Wrap the routes that change state. The first request with a key claims it
 // and runs the handler; its status, headers and body are stored. A retry gets
-// the stored response with "Idempotent-Replayed: true"; a retry while the
-// first still runs gets 409 with Retry-After; the key with a different request
-// (method, path, body) gets 422; no key gets 400. Keys are scoped by
+// the stored response with "Idempotent-Replayed: true"; any request with the
+// key while the first still runs gets 409 with Retry-After, as a request still
+// being processed (a Transactional claim in progress is not yet visible, so
+// both modes wait for the first to finish before comparing requests); the key
+// with a different request (method, path, body) then gets 422; no key gets
+// 400. Keys are scoped by
 // Config.Scope, the authenticated principal, so one client can never replay
 // another's response. Scope is required: New fails without it. Only a
 // service whose callers are all one trusted party may choose SharedScope

@@ -19,7 +19,8 @@ var (
 	// it cannot be fingerprinted (HTTP 413).
 	ErrRequestTooLarge = errors.New("idempotency: request body too large")
 	// ErrInProgress: another request or Do call holds the key and is still
-	// running (HTTP 409, with Retry-After). Retry later.
+	// running (HTTP 409, with Retry-After), whatever the fingerprints: they
+	// are compared once it is done. Retry later.
 	ErrInProgress = errors.New("idempotency: a request with this key is in progress")
 	// ErrMismatch: the key was first used with a different request (another
 	// fingerprint) (HTTP 422). Use a new key for a new request.

@@ -74,7 +74,8 @@ type Config struct {
 	// There is no default.
 	Scope func(r *http.Request) (string, error)
 	// Fingerprint identifies the request a key was first used with; a retry
-	// with a different fingerprint is refused with 422. body is the whole
+	// with a different fingerprint is refused with 422 (409 while the first
+	// still runs, as any request under the key is then). body is the whole
 	// request body. Defaults to SHA-256 over the method, the path with its
 	// query, and the body. A nil fingerprint is an empty one: every request
 	// under a key matches.
@@ -268,9 +269,10 @@ func Key(ctx context.Context) string {
 
 // Handler wraps next. Per request: no key answers 400 (unless KeyOptional);
 // a new key runs next once and stores its response; a retry gets the stored
-// status, headers and body with "Idempotent-Replayed: true"; a retry while
-// the first still runs gets 409 with Retry-After; the key with another
-// request (fingerprint) gets 422.
+// status, headers and body with "Idempotent-Replayed: true"; any request
+// with the key while the first still runs gets 409 with Retry-After, whatever
+// its fingerprint; once the first is done, the key with another request
+// (fingerprint) gets 422.
 //
 // Responses are buffered and stored before they reach the client, so
 // handlers cannot stream (Flush) or hijack the connection.

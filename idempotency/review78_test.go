@@ -279,3 +279,35 @@ func TestScopePostgreSQLTextCannotHoldIsAnswered400(t *testing.T) {
 		t.Errorf("logged as a server fault:\n%s", logged.String())
 	}
 }
+
+// A different body under a key whose first request still runs is answered
+// 409 in both modes, as a request still being processed (the IETF draft's
+// 409): in Transactional mode the running claim is not committed, so its
+// fingerprint cannot be compared yet. Once the first is done, the different
+// body gets 422. Before the fix Transactional answered 409 and Leased 422.
+func TestDifferentBodyUnderAKeyStillInFlightIsAnswered409InBothModes(t *testing.T) {
+	t.Parallel()
+	for _, mode := range modes {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			started, release := make(chan struct{}), make(chan struct{})
+			srv := newServer(t, b, idempotency.Config{Mode: mode}, func(w http.ResponseWriter, r *http.Request) {
+				close(started)
+				<-release
+				w.WriteHeader(http.StatusCreated)
+			})
+			done := make(chan response, 1)
+			go func() { done <- send(t, srv, request{key: "k", body: `{"amount":1}`}) }()
+			<-started
+			during := send(t, srv, request{key: "k", body: `{"amount":2}`})
+			close(release)
+			<-done
+			after := send(t, srv, request{key: "k", body: `{"amount":2}`})
+			if during.status != http.StatusConflict || during.header.Get("Retry-After") == "" || after.status != http.StatusUnprocessableEntity {
+				t.Fatalf("different body while the first runs: %d (Retry-After %q), once it is done: %d; want 409 with Retry-After, then 422",
+					during.status, during.header.Get("Retry-After"), after.status)
+			}
+		})
+	}
+}

@@ -74,18 +74,29 @@ const (
 	stateUnstored = "unstored"
 )
 
-// record is a live idempotency_keys row as another caller sees it.
+// record is an idempotency_keys row as another caller sees it: live, or a
+// dead holder's running claim (lapsed) refused to another request.
 type record struct {
 	state       string
 	fingerprint []byte
 	status      int
 	headers     map[string][]string
 	body        []byte
+	lapsed      bool
 }
 
 // check decides what a caller with fingerprint fp gets from an existing
 // record: nil means replay it. A nil fp skips the fingerprint comparison.
 func (r *record) check(fp []byte) error {
+	if r.state == stateRunning && !r.lapsed {
+		// In progress, whatever the fingerprint: a Transactional claim
+		// still running is not committed, so its fingerprint cannot be
+		// compared, and both modes answer alike (409, the IETF draft's
+		// answer for a request still being processed). Another request is
+		// told 422 once the first is done, or once a dead holder's lease
+		// has lapsed.
+		return ErrInProgress
+	}
 	if fp != nil && !bytes.Equal(fp, r.fingerprint) {
 		return ErrMismatch
 	}
@@ -313,6 +324,7 @@ func (s *store) tryClaim(ctx context.Context, db querier, c claim, lease, window
 			if rec.state == stateRunning && !bytes.Equal(rec.fingerprint, c.fingerprint) {
 				// A dead holder's key, another request: refused
 				// (takeoverSQL), not raced.
+				rec.lapsed = true
 				return false, rec, nil
 			}
 		}
