@@ -15,8 +15,9 @@ var (
 	// ErrKeyInvalid: the key is too long, empty or holds characters other
 	// than printable ASCII (HTTP 400). Returned wrapped with the reason.
 	ErrKeyInvalid = errors.New("idempotency: invalid Idempotency-Key")
-	// ErrRequestTooLarge: the request body exceeds Config.MaxRequestBytes, so
-	// it cannot be fingerprinted (HTTP 413).
+	// ErrRequestTooLarge: the request body exceeds Config.MaxRequestBytes, or
+	// the limit of an http.MaxBytesReader around it, so it cannot be
+	// fingerprinted (HTTP 413).
 	ErrRequestTooLarge = errors.New("idempotency: request body too large")
 	// ErrInProgress: another request or Do call holds the key and is still
 	// running (HTTP 409, with Retry-After), whatever the fingerprints: they
