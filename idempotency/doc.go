@@ -12,11 +12,11 @@
 // being processed (a Transactional claim in progress is not yet visible, so
 // both modes wait for the first to finish before comparing requests); the key
 // with a different request (method, path, body) then gets 422; no key gets
-// 400. Keys are scoped by
-// Config.Scope, the authenticated principal, so one client can never replay
-// another's response. Scope is required: New fails without it. Only a
-// service whose callers are all one trusted party may choose SharedScope
-// instead, which lets any caller replay any other's responses.
+// 400. Keys are scoped by Config.Scope, the authenticated principal, so one
+// client can never replay another's response. Scope is required: New fails
+// without it. Only a service whose callers are all one trusted party may
+// choose SharedScope instead, which lets any caller replay any other's
+// responses.
 //
 //	mw, err := idempotency.New(pool, &idempotency.Config{
 //		Scope: func(r *http.Request) (string, error) { return userFrom(r) },
@@ -34,9 +34,8 @@
 // handler runs (a held lease is never taken over, whatever Window says; if
 // renewals fail, the request's context is cancelled before the lease lapses;
 // a handler whose context ended and that wrote nothing is answered 503, with
-// nothing stored and the key released);
-// use it for handlers whose effects leave the database, and pass Key(ctx) to
-// the downstream service. A request that dies holds its key
+// nothing stored and the key released); use it for handlers whose effects
+// leave the database, and pass Key(ctx) to the downstream service. A request that dies holds its key
 // until the lease lapses, then a retry runs the handler again: the
 // downstream's own deduplication on the key is what makes that harmless.
 // A response whose store fails (a database blip) is stored again, backing
