@@ -286,7 +286,9 @@ func (m *Middleware) fail(w http.ResponseWriter, r *http.Request, err error) {
 	if errors.Is(err, ErrInProgress) {
 		w.Header().Set("Retry-After", strconv.Itoa(int((m.cfg.RetryAfter+time.Second-1)/time.Second)))
 	}
-	if StatusCode(err) == http.StatusInternalServerError {
+	// A 503 is a lost lease or the database out of reach, and worth a line
+	// unless the client left: then it is nobody's fault.
+	if code := StatusCode(err); code == http.StatusInternalServerError || code == http.StatusServiceUnavailable && r.Context().Err() == nil {
 		m.cfg.Logger.WarnContext(r.Context(), "idempotency: request failed", "path", r.URL.Path, "error", err)
 	}
 	m.cfg.ErrorHandler(w, r, err)
