@@ -124,8 +124,10 @@
 // Only effects written through tx are covered. An HTTP call or an e-mail
 // made by the handler can happen twice (the transaction may roll back after
 // the call, and the message is retried). Guard those with the run-once fence
-// in package idempotency (idempotency.Do), keyed by the message id, and
-// pass the id on so the remote service can deduplicate too.
+// in package idempotency (idempotency.Do, given the pool and not tx, whose
+// rollback would undo the claim), keyed by the consumer name, the effect
+// and the message id, and pass that key on so the remote service can
+// deduplicate too.
 //
 // # Concurrency
 //
