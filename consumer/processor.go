@@ -23,7 +23,9 @@ import (
 // Handler processes one message. Everything it writes through tx commits
 // together with the message's dedup record, so those effects happen at most
 // once per (consumer name, message id). Return Permanent(err) for failures
-// that retrying cannot fix.
+// that retrying cannot fix. The Processor ends tx: a handler must not
+// Commit or Roll it back (savepoints, tx.Begin, are fine), and one that
+// uses tx after ending it is dead-lettered with that error.
 //
 // ctx is canceled when the consumer abandons the message (shutdown, lost
 // partition); the transaction then rolls back and the message is processed
@@ -326,7 +328,15 @@ func (p *Processor) attempt(ctx context.Context, stop <-chan struct{}, msg Messa
 	}
 	p.handlerEnded(stop, pc)
 	if err != nil {
-		if tx.Conn().IsClosed() {
+		if errors.Is(err, pgx.ErrTxClosed) {
+			// The handler ended tx itself and wrote on: what it wrote
+			// after is lost, and after a COMMIT of its own the retry
+			// would find the dedup record and call the message a
+			// duplicate. No retry mends the handler.
+			err = Permanent(fmt.Errorf("consumer %s: message %s: the handler used tx after it ended (a Commit or Rollback of the handler's own; ending tx is the Processor's): %w", p.name, msg.ID, err))
+			p.log.Error("consumer: the handler ended its transaction itself; the message is dead-lettered",
+				"topic", msg.Topic, "partition", msg.Partition, "offset", msg.Offset, "message_id", msg.ID, "error", err)
+		} else if tx.Conn().IsClosed() {
 			err = &lostError{err}
 		}
 		return 0, 0, true, err
