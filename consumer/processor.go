@@ -35,7 +35,7 @@ type Handler func(ctx context.Context, tx pgx.Tx, msg Message) error
 
 // BatchHandler processes the new messages of a batch, in offset order, in
 // one transaction; messages already processed are left out. The whole batch
-// commits or none of it does.
+// commits or none of it does. As for Handler, ending tx is the Processor's.
 type BatchHandler func(ctx context.Context, tx pgx.Tx, msgs []Message) error
 
 // Beginner starts transactions: *pgxpool.Pool fits, and is what to use. A
