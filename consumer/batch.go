@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"log/slog"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 )
 
 // runBatch takes msgs (one partition, offset order) to a final state, like
@@ -29,11 +31,31 @@ func (p *Processor) runBatch(ctx context.Context, stop <-chan struct{}, msgs []M
 		m.ID = id
 		good = append(good, m)
 	}
+	deadLetter := func(m Message, cause error) error {
+		if len(p.hooks.trace) > 0 {
+			return p.traced(ctx, m, func(ctx context.Context) error { return p.deadLetter(ctx, stop, m, 0, cause, t) })
+		}
+		return p.deadLetter(ctx, stop, m, 0, cause, t)
+	}
 	if len(good) > 0 {
-		if err := p.attemptBatch(ctx, stop, good); err != nil {
-			if ctx.Err() != nil || errors.Is(err, errAbandoned) {
-				return errAbandoned
+		switch err := p.attemptBatch(ctx, stop, good); {
+		case err == nil:
+		case ctx.Err() != nil || errors.Is(err, errAbandoned):
+			return errAbandoned
+		case errors.Is(err, pgx.ErrTxClosed):
+			// The handler ended the batch's tx itself and wrote on: after
+			// a COMMIT of its own, each message retried alone would be
+			// taken for a duplicate, its later writes lost (see attempt).
+			// No retry mends the handler.
+			err = Permanent(fmt.Errorf("consumer %s: the batch handler used tx after it ended (a Commit or Rollback of the handler's own; ending tx is the Processor's): %w", p.name, err))
+			p.log.Error("consumer: the batch handler ended its transaction itself; the batch is dead-lettered",
+				"topic", good[0].Topic, "partition", good[0].Partition, "first_offset", good[0].Offset, "size", len(good), "error", err)
+			for _, m := range good {
+				if err := deadLetter(m, err); err != nil {
+					return err
+				}
 			}
+		default:
 			p.log.LogAttrs(ctx, slog.LevelWarn, "consumer: batch failed; retrying its messages one at a time",
 				slog.String("topic", good[0].Topic), slog.Int("partition", int(good[0].Partition)),
 				slog.Int64("first_offset", good[0].Offset), slog.Int("size", len(good)), slog.Any("error", err))
@@ -50,13 +72,7 @@ func (p *Processor) runBatch(ctx context.Context, stop <-chan struct{}, msgs []M
 		}
 	}
 	for i, m := range bad {
-		var err error
-		if len(p.hooks.trace) > 0 {
-			err = p.traced(ctx, m, func(ctx context.Context) error { return p.deadLetter(ctx, stop, m, 0, badErr[i], t) })
-		} else {
-			err = p.deadLetter(ctx, stop, m, 0, badErr[i], t)
-		}
-		if err != nil {
+		if err := deadLetter(m, badErr[i]); err != nil {
 			return err
 		}
 	}

@@ -19,12 +19,20 @@ import (
 // Processor's; a handler that uses tx after ending it is dead-lettered at
 // once, saying so, and logged at Error.
 func TestAHandlerThatUsesTxAfterEndingItIsDeadLetteredSayingSo(t *testing.T) {
-	for _, end := range []string{"commit", "rollback"} {
-		t.Run(end, func(t *testing.T) {
+	for _, tc := range []struct {
+		end   string
+		batch bool
+	}{{"commit", false}, {"rollback", false}, {"commit", true}, {"rollback", true}} {
+		end := tc.end
+		name := end
+		if tc.batch {
+			name += "/batch"
+		}
+		t.Run(name, func(t *testing.T) {
 			b := setup(t)
 			logs := &syncBuffer{}
 			c := &counter{}
-			p, err := consumer.New(b.pool, "ledger", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+			p := newLedgerProcessor(t, b.pool, tc.batch, func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
 				if err := b.record(ctx, tx, "ledger", m); err != nil {
 					return err
 				}
@@ -39,9 +47,6 @@ func TestAHandlerThatUsesTxAfterEndingItIsDeadLetteredSayingSo(t *testing.T) {
 				}
 				return b.record(ctx, tx, "step2", m)
 			}, &consumer.Config{Schema: b.schema, Hooks: []consumer.Hook{c}, Logger: slog.New(slog.NewTextHandler(logs, nil))})
-			if err != nil {
-				t.Fatal(err)
-			}
 			tr := &memTransport{}
 			run(t, p, tr, msg(0, "id-0", ""), msg(1, "id-1", ""))
 			dead := tr.deadLetters()
