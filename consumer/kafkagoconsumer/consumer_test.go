@@ -31,6 +31,7 @@ var adapter = conformance.Adapter{
 			CommitInterval: 200 * time.Millisecond,
 
 			StopOnMissingDeadLetterTopic: o.StopOnMissingDeadLetterTopic,
+			Logger:                       o.Logger,
 		})
 	},
 }

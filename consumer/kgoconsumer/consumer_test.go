@@ -28,8 +28,12 @@ var adapter = conformance.Adapter{
 			CommitInterval: 200 * time.Millisecond,
 
 			StopOnMissingDeadLetterTopic: o.StopOnMissingDeadLetterTopic,
+			Logger:                       o.Logger,
 			ClientOpts: append([]kgo.Opt{
 				kgo.MetadataMinAge(100 * time.Millisecond),
+				// Partitions added to a topic are found at the next
+				// metadata refresh: 5 min by default.
+				kgo.MetadataMaxAge(2 * time.Second),
 				kgo.SessionTimeout(1500 * time.Millisecond),
 				kgo.RebalanceTimeout(2 * time.Second),
 				kgo.HeartbeatInterval(150 * time.Millisecond),

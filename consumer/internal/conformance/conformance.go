@@ -10,6 +10,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strconv"
 	"sync"
 	"testing"
@@ -52,6 +53,8 @@ type Options struct {
 	// partition of every member. Adapters that only rebalance eagerly
 	// ignore it.
 	Eager bool
+	// Logger is the adapter's Logger; nil leaves the adapter's default.
+	Logger *slog.Logger
 }
 
 // env is what a suite test needs: PostgreSQL, Kafka, and an effects table
