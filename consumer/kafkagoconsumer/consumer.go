@@ -26,11 +26,16 @@ type Config struct {
 	// them: Dialer (TLS, SASL, client id: for the group coordinator and
 	// for fetches), GroupBalancers, HeartbeatInterval, SessionTimeout,
 	// RebalanceTimeout, JoinGroupBackoff, RetentionTime, StartOffset,
-	// WatchPartitionChanges, PartitionWatchInterval, MinBytes, MaxBytes,
-	// MaxWait (defaults to 500ms rather than 10s), ReadBackoffMin/Max (the
-	// wait after a failed fetch), IsolationLevel, Logger and ErrorLogger.
-	// CommitInterval, QueueCapacity and the Reader's other fields are
-	// ignored. Other zero fields keep kafka-go's defaults.
+	// MinBytes, MaxBytes, MaxWait (defaults to 500ms rather than 10s),
+	// ReadBackoffMin/Max (the wait after a failed fetch), IsolationLevel,
+	// Logger and ErrorLogger. PartitionWatchInterval is how often the
+	// Consumer checks the topics' partition counts (default 5s), which it
+	// always does, whatever WatchPartitionChanges says: partitions added
+	// to a topic are otherwise never consumed until an unrelated
+	// rebalance, and a topic deleted and created again never. A change
+	// makes the member rejoin the group. CommitInterval, QueueCapacity and
+	// the Reader's other fields are ignored. Other zero fields keep
+	// kafka-go's defaults.
 	Reader kafka.ReaderConfig
 	// Conn is how to reach the brokers: client id, TLS, SASL. It becomes
 	// Reader.Dialer (for the group coordinator), the fetches' transport and
@@ -195,14 +200,16 @@ func New(p *consumer.Processor, cfg *Config) (*Consumer, error) {
 		GroupBalancers:         r.GroupBalancers,
 		HeartbeatInterval:      r.HeartbeatInterval,
 		PartitionWatchInterval: r.PartitionWatchInterval,
-		WatchPartitionChanges:  r.WatchPartitionChanges,
-		SessionTimeout:         r.SessionTimeout,
-		RebalanceTimeout:       r.RebalanceTimeout,
-		JoinGroupBackoff:       r.JoinGroupBackoff,
-		RetentionTime:          r.RetentionTime,
-		StartOffset:            r.StartOffset,
-		Logger:                 r.Logger,
-		ErrorLogger:            r.ErrorLogger,
+		// Partition changes are watched always, by the Consumer itself
+		// (see watchPartitions).
+		WatchPartitionChanges: false,
+		SessionTimeout:        r.SessionTimeout,
+		RebalanceTimeout:      r.RebalanceTimeout,
+		JoinGroupBackoff:      r.JoinGroupBackoff,
+		RetentionTime:         r.RetentionTime,
+		StartOffset:           r.StartOffset,
+		Logger:                r.Logger,
+		ErrorLogger:           r.ErrorLogger,
 	}
 	if err := group.Validate(); err != nil {
 		return nil, fmt.Errorf("kafkagoconsumer: Config.Reader: %w", err)
@@ -366,6 +373,10 @@ type generation struct {
 
 	mu    sync.Mutex
 	marks map[tp]int64 // highest finished offset per partition, not yet committed
+	// gone holds partitions whose topic went away in this generation:
+	// their offsets are never committed in it, as they could land on a
+	// topic created again under the same name (see fetcher.run).
+	gone map[tp]bool
 }
 
 type tp struct {
@@ -383,17 +394,18 @@ type tp struct {
 // ignores its canceled context is abandoned (see consumer.Partition.Stop)
 // rather than waited for.
 func (c *Consumer) startGeneration(run context.Context, gen *kafka.Generation) {
-	g := &generation{c: c, gen: gen, marks: map[tp]int64{}}
+	g := &generation{c: c, gen: gen, marks: map[tp]int64{}, gone: map[tp]bool{}}
 	procCtx, cancelProc := context.WithCancel(context.Background())
 	var parts []*consumer.Partition
 	for topic, as := range gen.Assignments {
 		for _, a := range as {
 			w := c.p.StartPartition(procCtx, &transport{c: c, g: g})
 			parts = append(parts, w)
-			f := &fetcher{c: c, w: w, topic: topic, partition: a.ID, offset: a.Offset}
+			f := &fetcher{c: c, g: g, w: w, topic: topic, partition: a.ID, offset: a.Offset}
 			gen.Start(f.run)
 		}
 	}
+	gen.Start(func(gctx context.Context) { c.watchPartitions(gctx, g) })
 	gen.Start(func(gctx context.Context) {
 		defer cancelProc()
 		t := time.NewTicker(c.cfg.CommitInterval)
@@ -423,13 +435,92 @@ func (c *Consumer) startGeneration(run context.Context, gen *kafka.Generation) {
 	})
 }
 
+// watchPartitions returns, ending the generation, when a consumed topic's
+// partition count changes: partitions added to a topic are then assigned
+// when the group rejoins, a topic created (again) is assigned from its
+// start, and the offsets of a deleted one are not committed. It runs in
+// place of kafka-go's watcher (Reader.WatchPartitionChanges), which ends
+// the generation at once when a topic is missing, so a group consuming a
+// topic not created yet would rejoin in a loop, and which asks for
+// metadata allowing the broker to create the topic. The counts come from
+// the fetch transport's metadata, refreshed every 6s (kafka-go's
+// MetadataTTL); a failed lookup is retried at the next tick.
+func (c *Consumer) watchPartitions(ctx context.Context, g *generation) {
+	t := time.NewTicker(c.group.PartitionWatchInterval)
+	defer t.Stop()
+	var was map[string]int
+	for {
+		if now, err := c.partitionCounts(ctx); err == nil {
+			if was == nil {
+				was = now
+			}
+			for topic, n := range now {
+				if n == was[topic] {
+					continue
+				}
+				if n < was[topic] {
+					// Deleted, or deleted and created again smaller.
+					for _, a := range g.gen.Assignments[topic] {
+						g.forget(tp{topic, a.ID})
+					}
+				}
+				c.log.Info("kafkagoconsumer: a consumed topic's partition count changed; rejoining the group",
+					"topic", topic, "was", was[topic], "now", n)
+				return
+			}
+		} else if ctx.Err() == nil {
+			c.log.Warn("kafkagoconsumer: looking up the consumed topics' partitions failed; will retry", "error", err)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// partitionCounts returns each consumed topic's partition count, 0 for a
+// topic that does not exist.
+func (c *Consumer) partitionCounts(ctx context.Context) (map[string]int, error) {
+	res, err := c.client.Metadata(ctx, &kafka.MetadataRequest{Topics: c.group.Topics})
+	if err != nil {
+		return nil, err
+	}
+	counts := make(map[string]int, len(c.group.Topics))
+	for _, topic := range c.group.Topics {
+		counts[topic] = 0
+	}
+	for _, t := range res.Topics {
+		switch {
+		case t.Error == nil:
+			counts[t.Name] = len(t.Partitions)
+		case errors.Is(t.Error, kafka.UnknownTopicOrPartition):
+		default:
+			return nil, fmt.Errorf("topic %s: %w", t.Name, t.Error)
+		}
+	}
+	return counts, nil
+}
+
 func (g *generation) mark(m kafka.Message) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	key := tp{m.Topic, m.Partition}
+	if g.gone[key] {
+		return
+	}
 	if old, ok := g.marks[key]; !ok || m.Offset > old {
 		g.marks[key] = m.Offset
 	}
+}
+
+// forget drops a partition's uncommitted offsets and ignores those that
+// finish later in this generation.
+func (g *generation) forget(key tp) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.gone[key] = true
+	delete(g.marks, key)
 }
 
 // commit commits the offsets finished since the last commit. A failed

@@ -31,6 +31,20 @@
 //     The broker refuses commits of a generation that is over, so a member
 //     never commits for a partition it no longer owns and a committed
 //     offset never moves backwards.
+//   - A change in a consumed topic's partition count (partitions added,
+//     the topic deleted or created) ends the generation, so the group
+//     assigns the partitions anew; it is checked every
+//     Reader.PartitionWatchInterval (5s) against metadata at most 6s old.
+//     A fetch that finds its topic gone ends the generation too: the
+//     topic may be created again under its name, and the offset fetched
+//     up to belongs to the old one. The partition then starts over from
+//     the group's committed offset, which Kafka dropped with the topic,
+//     so from Reader.StartOffset, and offsets of the old topic are no
+//     longer committed. kafka-go knows no topic ids: a topic deleted and
+//     created again while its fetch waited on a full queue, and before
+//     the partition check ran, goes unnoticed, and its first messages
+//     can be skipped. Delete a consumed topic only with its consumers
+//     stopped, or use kgoconsumer.
 //   - Transaction markers (commit and abort control records) are told
 //     apart by their batch's control attribute, as the protocol defines
 //     them, and only move the offset on. Every other record is a message,

@@ -17,6 +17,7 @@ import (
 // partition's worker, blocking only itself when the worker's queue is full.
 type fetcher struct {
 	c         *Consumer
+	g         *generation
 	w         *consumer.Partition
 	topic     string
 	partition int
@@ -25,7 +26,8 @@ type fetcher struct {
 	offset int64
 }
 
-// run fetches until ctx (the generation) ends.
+// run fetches until ctx (the generation) ends, or ends the generation
+// itself when the partition's topic is gone.
 func (f *fetcher) run(ctx context.Context) {
 	r := f.c.cfg.Reader
 	wait := r.ReadBackoffMin
@@ -36,6 +38,25 @@ func (f *fetcher) run(ctx context.Context) {
 			continue
 		}
 		if ctx.Err() != nil || errors.Is(err, consumer.ErrStopped) {
+			return
+		}
+		if topicGone(err) {
+			// The topic was deleted, and may be created again under its
+			// name at any moment: the offset fetched up to belongs to the
+			// old topic, and fetching it from the new one would skip every
+			// message below it. Kafka drops a deleted topic's committed
+			// offsets, so the next generation starts the partition where
+			// the group says, or at Reader.StartOffset. Returning ends the
+			// generation (kafka-go ends it when any of its functions
+			// returns); the pause keeps a broker that keeps saying so from
+			// making the group rejoin in a loop.
+			f.g.forget(tp{f.topic, f.partition})
+			f.c.log.Warn("kafkagoconsumer: the partition's topic is gone (deleted, perhaps created again); rejoining the group to start it over from the group's committed offset",
+				"topic", f.topic, "partition", f.partition, "offset", f.offset, "error", err)
+			select {
+			case <-ctx.Done():
+			case <-time.After(r.ReadBackoffMax):
+			}
 			return
 		}
 		if errors.Is(err, kafka.OffsetOutOfRange) {
@@ -53,6 +74,12 @@ func (f *fetcher) run(ctx context.Context) {
 		}
 		wait = min(2*wait, r.ReadBackoffMax)
 	}
+}
+
+// topicGone reports whether a fetch or an offset lookup failed because
+// the partition's topic does not exist (any more).
+func topicGone(err error) bool {
+	return errors.Is(err, kafka.UnknownTopicOrPartition) || errors.Is(err, kafka.UnknownTopicID)
 }
 
 // fetchOnce resolves the start offset if need be, fetches once, and queues
