@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
 	"time"
 
@@ -70,8 +71,9 @@ type Config struct {
 	// consumer.HookDeadLetterFailed event per failed publish, until the
 	// topic is created. onceflow never creates topics. Defaults to false.
 	StopOnMissingDeadLetterTopic bool
-	// Logger receives fetch and commit errors (Warn). Defaults to
-	// discarding.
+	// Logger receives fetch and commit errors (Warn); a partition's fetch
+	// failures at most once per 10s, with the count of those left out.
+	// Defaults to discarding.
 	Logger *slog.Logger
 }
 
@@ -196,6 +198,8 @@ func (c *Consumer) Run(ctx context.Context) error {
 		return fmt.Errorf("kgoconsumer: client: %w", err)
 	}
 
+	fetchErrs := fetchErrorLog{}
+	readopted := map[string]time.Time{}
 	for {
 		pollCtx, cancelPoll := ctx, context.CancelFunc(func() {})
 		if c.hasPending() {
@@ -208,13 +212,21 @@ func (c *Consumer) Run(ctx context.Context) error {
 		if fetches.IsClientClosed() || ctx.Err() != nil {
 			break
 		}
+		var recreated []string
 		fetches.EachError(func(topic string, p int32, err error) {
-			if !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded) {
-				c.log.Warn("kgoconsumer: fetch failed", "topic", topic, "partition", p, "error", err)
+			if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+				return
 			}
+			if errors.Is(err, kerr.UnknownTopicID) && !slices.Contains(recreated, topic) {
+				recreated = append(recreated, topic)
+			}
+			fetchErrs.log(c.log, tp{topic, p}, err)
 		})
 		c.dispatch(cl, fetches)
 		cl.AllowRebalance()
+		for _, topic := range recreated {
+			c.consumeAnew(cl, topic, readopted)
+		}
 	}
 
 	// Shutdown: stop every partition (finishing in-flight work within the
@@ -239,6 +251,69 @@ func (c *Consumer) Run(ctx context.Context) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.err
+}
+
+// consumeAnew makes the client consume topic as a new topic, after its
+// fetches failed with UNKNOWN_TOPIC_ID: the topic was deleted, and perhaps
+// created again under its name. franz-go keeps fetching a topic by the id
+// it first saw and never adopts a recreated topic's new one, so without
+// this the partition would fail for good (see franz-go's README, "Topic
+// recreation"). The topic's partitions are stopped first (their work in
+// flight finishing within RevokeGrace), so that no offset of the old topic
+// is marked once the client forgets it; purging drops the old topic's
+// uncommitted offsets, and Kafka drops its committed ones, so the new topic
+// is consumed from its start (or kgo.ConsumeResetOffset). A topic is made
+// new at most once per recreatedTopicPause: franz-go also reports
+// UNKNOWN_TOPIC_ID for a moment after a topic is first created.
+func (c *Consumer) consumeAnew(cl *kgo.Client, topic string, last map[string]time.Time) {
+	if time.Since(last[topic]) < recreatedTopicPause {
+		return
+	}
+	last[topic] = time.Now()
+	c.mu.Lock()
+	var held []int32
+	for key := range c.parts {
+		if key.topic == topic {
+			held = append(held, key.partition)
+		}
+	}
+	c.mu.Unlock()
+	c.log.Warn("kgoconsumer: a consumed topic was deleted, and perhaps created again; consuming it anew from the group's committed offset",
+		"topic", topic)
+	c.stop(cl, map[string][]int32{topic: held}, c.cfg.RevokeGrace)
+	cl.PurgeTopicsFromConsuming(topic)
+	cl.AddConsumeTopics(topic)
+}
+
+// recreatedTopicPause is the least time between two consumeAnew of a topic.
+const recreatedTopicPause = 10 * time.Second
+
+// fetchErrorLog logs a partition's fetch failures at most once per
+// fetchErrorLogEvery, with how many it left out since: franz-go reports a
+// failing partition on every poll, hundreds of times a second. It is used
+// by Run's poll loop only.
+type fetchErrorLog map[tp]*fetchErrorState
+
+type fetchErrorState struct {
+	logged  time.Time
+	skipped int
+}
+
+const fetchErrorLogEvery = 10 * time.Second
+
+func (l fetchErrorLog) log(log *slog.Logger, key tp, err error) {
+	s := l[key]
+	if s == nil {
+		s = &fetchErrorState{}
+		l[key] = s
+	}
+	if time.Since(s.logged) < fetchErrorLogEvery {
+		s.skipped++
+		return
+	}
+	log.Warn("kgoconsumer: fetch failed", "topic", key.topic, "partition", key.partition, "error", err,
+		"repeats_not_logged", s.skipped)
+	s.logged, s.skipped = time.Now(), 0
 }
 
 // fail stops Run with err, once.

@@ -26,6 +26,15 @@
 // expired) are abandoned at once and nothing more is committed for them.
 // At shutdown, work in flight gets ShutdownGrace.
 //
+// A consumed topic deleted and created again under its name is consumed
+// anew, from its start (or kgo.ConsumeResetOffset): franz-go keeps to the
+// topic id it first saw and reports UNKNOWN_TOPIC_ID, and the Consumer then
+// stops the topic's partitions (work in flight gets RevokeGrace), makes the
+// client forget the topic and consume it again by name. Offsets of the old
+// topic are not committed onto the new one (Kafka 4.2+ checks the topic id
+// of a commit; see franz-go's README, "Topic recreation"). Partitions added to a topic are consumed after the
+// client's next metadata refresh (kgo.MetadataMaxAge, 5 min by default).
+//
 // The client reads with read_committed, so records of aborted transactions
 // and transaction markers never reach the handler. Dead letters are
 // produced with the same client, acks=all whatever Config.ClientOpts say,
