@@ -499,6 +499,15 @@ func (t *transport) PublishDeadLetter(ctx context.Context, d consumer.DeadLetter
 		r.Headers[i] = kgo.RecordHeader{Key: h.Key, Value: h.Value}
 	}
 	err := t.cl.ProduceSync(ctx, r).FirstErr()
+	if errors.Is(err, kerr.UnknownTopicID) {
+		// The dead-letter topic was deleted since the client first
+		// produced to it, and perhaps created again: franz-go keeps
+		// producing by the old topic id until the topic is purged from
+		// producing. Try once more by name: a recreated topic takes the
+		// dead letter, a deleted one fails as missing.
+		t.cl.PurgeTopicsFromProducing(d.Topic)
+		err = t.cl.ProduceSync(ctx, r).FirstErr()
+	}
 	switch {
 	case err == nil:
 		return nil

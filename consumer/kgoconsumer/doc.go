@@ -32,7 +32,9 @@
 // stops the topic's partitions (work in flight gets RevokeGrace), makes the
 // client forget the topic and consume it again by name. Offsets of the old
 // topic are not committed onto the new one (Kafka 4.2+ checks the topic id
-// of a commit; see franz-go's README, "Topic recreation"). Partitions added to a topic are consumed after the
+// of a commit; see franz-go's README, "Topic recreation"). A recreated
+// dead-letter topic is likewise produced to anew, and one deleted for good
+// fails as missing. Partitions added to a topic are consumed after the
 // client's next metadata refresh (kgo.MetadataMaxAge, 5 min by default).
 //
 // The client reads with read_committed, so records of aborted transactions
