@@ -442,9 +442,8 @@ func (c *Consumer) startGeneration(run context.Context, gen *kafka.Generation) {
 // place of kafka-go's watcher (Reader.WatchPartitionChanges), which ends
 // the generation at once when a topic is missing, so a group consuming a
 // topic not created yet would rejoin in a loop, and which asks for
-// metadata allowing the broker to create the topic. The counts come from
-// the fetch transport's metadata, refreshed every 6s (kafka-go's
-// MetadataTTL); a failed lookup is retried at the next tick.
+// metadata allowing the broker to create the topic. A failed lookup is
+// retried at the next tick.
 func (c *Consumer) watchPartitions(ctx context.Context, g *generation) {
 	t := time.NewTicker(c.group.PartitionWatchInterval)
 	defer t.Stop()
@@ -480,9 +479,16 @@ func (c *Consumer) watchPartitions(ctx context.Context, g *generation) {
 }
 
 // partitionCounts returns each consumed topic's partition count, 0 for a
-// topic that does not exist.
+// topic that does not exist. It asks the brokers afresh, over a transport
+// of its own: the fetch transport answers from metadata up to 6s old, and
+// a generation that began without a topic deleted a moment before would
+// take that topic's stale count for its start and miss its recreation.
 func (c *Consumer) partitionCounts(ctx context.Context) (map[string]int, error) {
-	res, err := c.client.Metadata(ctx, &kafka.MetadataRequest{Topics: c.group.Topics})
+	tr := newTransport(c.group.Dialer)
+	tr.MetadataTopics = c.group.Topics
+	defer tr.CloseIdleConnections()
+	cl := &kafka.Client{Addr: kafka.TCP(c.group.Brokers...), Transport: tr}
+	res, err := cl.Metadata(ctx, &kafka.MetadataRequest{Topics: c.group.Topics})
 	if err != nil {
 		return nil, err
 	}

@@ -34,7 +34,7 @@
 //   - A change in a consumed topic's partition count (partitions added,
 //     the topic deleted or created) ends the generation, so the group
 //     assigns the partitions anew; it is checked every
-//     Reader.PartitionWatchInterval (5s) against metadata at most 6s old.
+//     Reader.PartitionWatchInterval (5s).
 //     A fetch that finds its topic gone ends the generation too: the
 //     topic may be created again under its name, and the offset fetched
 //     up to belongs to the old one. The partition then starts over from
