@@ -55,8 +55,8 @@ func (e *ScopeError) Unwrap() error { return e.Err }
 
 // StatusCode returns the HTTP status the middleware answers err with: 400,
 // 401, 409, 413 or 422 for the package's errors; 503 for ErrLeaseLost and
-// for a request whose context ended (the client left, a timeout) before it
-// was answered; 500 for anything else.
+// for an error wrapping a context's end (the client left, a timeout,
+// including the database's connect timeout); 500 for anything else.
 func StatusCode(err error) int {
 	var scopeErr *ScopeError
 	switch {

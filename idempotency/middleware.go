@@ -136,8 +136,8 @@ type Config struct {
 	RetryAfter time.Duration
 	// ErrorHandler writes the middleware's own error answers (400, 401, 409,
 	// 413, 422, 500, 503); StatusCode(err) gives the status. Defaults to a
-	// text/plain answer with StatusCode(err) and err's message (500s say
-	// only "internal error").
+	// text/plain answer with StatusCode(err) and err's message (5xx say
+	// only their status: "internal server error", "service unavailable").
 	ErrorHandler func(w http.ResponseWriter, r *http.Request, err error)
 	// Hook is told each request's Outcome (claimed, replayed, 409, 422), for
 	// example to record it on the request's trace span. Defaults to none.
@@ -238,8 +238,10 @@ func DefaultFingerprint(r *http.Request, body []byte) []byte {
 func defaultErrorHandler(w http.ResponseWriter, r *http.Request, err error) {
 	status := StatusCode(err)
 	msg := err.Error()
-	if status == http.StatusInternalServerError {
-		msg = "internal error"
+	// A 5xx's error is the server's (a database error names its user,
+	// database and address): the client gets the status's text only.
+	if status >= 500 {
+		msg = strings.ToLower(http.StatusText(status))
 	}
 	http.Error(w, msg, status)
 }
