@@ -481,6 +481,7 @@ WHERE n.nspname = $1 AND c.relkind IN ('r', 'p') AND c.relrowsecurity
 func (r *Relay) leaseLoop(ctx context.Context) {
 	t := time.NewTicker(r.leases.interval())
 	defer t.Stop()
+	tickBound := max(2*r.cfg.LeaseDuration, 5*time.Second)
 	failing := false
 	for n := 0; ; n++ {
 		select {
@@ -493,7 +494,7 @@ func (r *Relay) leaseLoop(ctx context.Context) {
 		// A tick that hangs (a database that drops packets) must not stop
 		// the leases from being reported lapsed: give up after twice the
 		// lease (at least 5s), long after they lapsed, and try again.
-		tickCtx, cancel := context.WithTimeout(ctx, max(2*r.cfg.LeaseDuration, 5*time.Second))
+		tickCtx, cancel := context.WithTimeout(ctx, tickBound)
 		err := r.leases.tick(tickCtx)
 		cancel()
 		switch {
@@ -521,15 +522,22 @@ func (r *Relay) leaseLoop(ctx context.Context) {
 			failing = false
 			r.log.Info("relay: lease upkeep recovered", "shards", len(r.leases.snapshot()))
 		}
+		// The statements after the tick are bounded like it: a hung
+		// connection must not hold the lease loop.
 		if err == nil {
-			if err := r.checkRowSecurity(ctx); errors.Is(err, ErrInsufficientPrivilege) {
+			checkCtx, cancel := context.WithTimeout(ctx, tickBound)
+			err := r.checkRowSecurity(checkCtx)
+			cancel()
+			if errors.Is(err, ErrInsufficientPrivilege) {
 				r.log.Error("relay: stopping", "error", err)
 				r.stopRun(err)
 				return
 			}
 		}
 		if n%100 == 0 {
-			_, _ = r.pool.Exec(ctx, r.st.forgetOldSQL)
+			forgetCtx, cancel := context.WithTimeout(ctx, tickBound)
+			_, _ = r.pool.Exec(forgetCtx, r.st.forgetOldSQL)
+			cancel()
 		}
 	}
 }
