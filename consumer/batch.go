@@ -42,13 +42,11 @@ func (p *Processor) runBatch(ctx context.Context, stop <-chan struct{}, msgs []M
 		case err == nil:
 		case ctx.Err() != nil || errors.Is(err, errAbandoned):
 			return errAbandoned
-		case errors.Is(err, pgx.ErrTxClosed):
-			// The handler ended the batch's tx itself and wrote on: after
-			// a COMMIT of its own, each message retried alone would be
-			// taken for a duplicate, its later writes lost (see attempt).
-			// No retry mends the handler.
-			err = Permanent(fmt.Errorf("consumer %s: the batch handler used tx after it ended (a Commit or Rollback of the handler's own; ending tx is the Processor's): %w", p.name, err))
-			p.log.Error("consumer: the batch handler ended its transaction itself; the batch is dead-lettered",
+		case IsPermanent(err) && errors.Is(err, pgx.ErrTxClosed):
+			// The handler committed the batch's tx itself and wrote on:
+			// each message retried alone would be taken for a duplicate,
+			// its later writes lost (see endedByHandler).
+			p.log.Error("consumer: the batch handler committed its transaction itself and wrote on; the batch is dead-lettered",
 				"topic", good[0].Topic, "partition", good[0].Partition, "first_offset", good[0].Offset, "size", len(good), "error", err)
 			for _, m := range good {
 				if err := deadLetter(m, err); err != nil {
@@ -152,6 +150,9 @@ func (p *Processor) batchTx(ctx context.Context, stop <-chan struct{}, msgs []Me
 		pc := p.handlerStarts(stop, tx)
 		err := p.call(ctx, func() error { return p.batch(ctx, tx, todo) })
 		p.handlerEnded(stop, pc)
+		if errors.Is(err, pgx.ErrTxClosed) {
+			return p.endedByHandler(ctx, tx, todo[0].ID, fmt.Errorf("consumer %s: the batch handler used tx after it ended (ending tx is the Processor's): %w", p.name, err))
+		}
 		if err != nil {
 			return err
 		}

@@ -4,7 +4,9 @@ import (
 	"context"
 	"log/slog"
 	"strings"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 
@@ -16,33 +18,23 @@ import (
 // failed with "tx is closed", the retry found the dedup record its own
 // COMMIT had stored, and the message was marked done as a duplicate, with a
 // Warn (helper 80: step-2 effects 0 of 2, 0 dead letters). Ending tx is the
-// Processor's; a handler that uses tx after ending it is dead-lettered at
-// once, saying so, and logged at Error.
-func TestAHandlerThatUsesTxAfterEndingItIsDeadLetteredSayingSo(t *testing.T) {
-	for _, tc := range []struct {
-		end   string
-		batch bool
-	}{{"commit", false}, {"rollback", false}, {"commit", true}, {"rollback", true}} {
-		end := tc.end
-		name := end
-		if tc.batch {
-			name += "/batch"
+// Processor's: such a message is dead-lettered at once, saying so, and
+// logged at Error, in batch mode too.
+func TestAHandlerThatWritesAfterCommittingTxItselfIsDeadLetteredSayingSo(t *testing.T) {
+	for _, batch := range []bool{false, true} {
+		name := "per-message"
+		if batch {
+			name = "batch"
 		}
 		t.Run(name, func(t *testing.T) {
 			b := setup(t)
 			logs := &syncBuffer{}
 			c := &counter{}
-			p := newLedgerProcessor(t, b.pool, tc.batch, func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+			p := newLedgerProcessor(t, b.pool, batch, func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
 				if err := b.record(ctx, tx, "ledger", m); err != nil {
 					return err
 				}
-				var err error
-				if end == "commit" {
-					err = tx.Commit(ctx)
-				} else {
-					err = tx.Rollback(ctx)
-				}
-				if err != nil {
+				if err := tx.Commit(ctx); err != nil {
 					return err
 				}
 				return b.record(ctx, tx, "step2", m)
@@ -63,6 +55,39 @@ func TestAHandlerThatUsesTxAfterEndingItIsDeadLetteredSayingSo(t *testing.T) {
 			}
 			if !strings.Contains(logs.String(), "level=ERROR") {
 				t.Fatalf("nothing logged at Error:\n%s", logs.String())
+			}
+		})
+	}
+}
+
+// After a Rollback of the handler's own, nothing of the attempt committed,
+// the dedup record included, so a retry is clean: a repository helper that
+// rolls back on a serialization failure while its handler goes on is
+// retried as before (its error says what happened), not dead-lettered at
+// once (helper 83).
+func TestAHandlerThatUsesTxAfterRollingItBackIsRetried(t *testing.T) {
+	for _, batch := range []bool{false, true} {
+		name := "per-message"
+		if batch {
+			name = "batch"
+		}
+		t.Run(name, func(t *testing.T) {
+			b := setup(t)
+			var runs atomic.Int64
+			c := &counter{}
+			p := newLedgerProcessor(t, b.pool, batch, func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+				if runs.Add(1) == 1 {
+					_ = tx.Rollback(ctx)
+				}
+				return b.record(ctx, tx, "ledger", m)
+			}, &consumer.Config{Schema: b.schema, Hooks: []consumer.Hook{c}, MinBackoff: time.Millisecond, MaxBackoff: 10 * time.Millisecond})
+			tr := &memTransport{}
+			run(t, p, tr, msg(0, "id-0", ""))
+			if d := tr.deadLetters(); len(d) != 0 {
+				t.Fatalf("dead-lettered after a rollback whose retry is clean: %q", headerValue(d[0], "onceflow-error"))
+			}
+			if n := b.count(t, "message_id = 'id-0'"); n != 1 || c.get(consumer.Processed) != 1 {
+				t.Fatalf("effects %d, processed %d; want the retry's one", n, c.get(consumer.Processed))
 			}
 		})
 	}

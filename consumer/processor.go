@@ -24,8 +24,10 @@ import (
 // together with the message's dedup record, so those effects happen at most
 // once per (consumer name, message id). Return Permanent(err) for failures
 // that retrying cannot fix. The Processor ends tx: a handler must not
-// Commit or Roll it back (savepoints, tx.Begin, are fine), and one that
-// uses tx after ending it is dead-lettered with that error.
+// Commit or Roll it back (savepoints, tx.Begin, are fine). One that
+// commits tx and then uses it is dead-lettered at once, saying so (what it
+// wrote after is lost, and a retry would find the message recorded); one
+// that rolls it back and then uses it fails that attempt, and is retried.
 //
 // ctx is canceled when the consumer abandons the message (shutdown, lost
 // partition); the transaction then rolls back and the message is processed
@@ -329,13 +331,11 @@ func (p *Processor) attempt(ctx context.Context, stop <-chan struct{}, msg Messa
 	p.handlerEnded(stop, pc)
 	if err != nil {
 		if errors.Is(err, pgx.ErrTxClosed) {
-			// The handler ended tx itself and wrote on: what it wrote
-			// after is lost, and after a COMMIT of its own the retry
-			// would find the dedup record and call the message a
-			// duplicate. No retry mends the handler.
-			err = Permanent(fmt.Errorf("consumer %s: message %s: the handler used tx after it ended (a Commit or Rollback of the handler's own; ending tx is the Processor's): %w", p.name, msg.ID, err))
-			p.log.Error("consumer: the handler ended its transaction itself; the message is dead-lettered",
-				"topic", msg.Topic, "partition", msg.Partition, "offset", msg.Offset, "message_id", msg.ID, "error", err)
+			err = p.endedByHandler(ctx, tx, msg.ID, fmt.Errorf("consumer %s: message %s: the handler used tx after it ended (ending tx is the Processor's): %w", p.name, msg.ID, err))
+			if IsPermanent(err) {
+				p.log.Error("consumer: the handler committed its transaction itself and wrote on; the message is dead-lettered",
+					"topic", msg.Topic, "partition", msg.Partition, "offset", msg.Offset, "message_id", msg.ID, "error", err)
+			}
 		} else if tx.Conn().IsClosed() {
 			err = &lostError{err}
 		}
@@ -346,6 +346,27 @@ func (p *Processor) attempt(ctx context.Context, stop <-chan struct{}, msg Messa
 	}
 	committed = true
 	return Processed, time.Since(start), true, nil
+}
+
+// endedByHandler returns err, from a handler that used tx after ending it
+// itself, as Permanent when the handler had committed tx: the dedup record
+// is in, so a retry would take the message for a duplicate while what the
+// handler wrote after its COMMIT is lost, and no retry mends the handler.
+// After a Rollback of its own nothing of the attempt committed, and a retry
+// is clean: err is returned as it is. id is the message's id (a batch's
+// first: the batch's records commit together). The check runs on tx's
+// connection, idle since tx ended; when it fails, the commit is assumed.
+func (p *Processor) endedByHandler(ctx context.Context, tx pgx.Tx, id string, err error) error {
+	check, cerr := tx.Conn().Begin(ctx)
+	if cerr != nil {
+		return Permanent(err)
+	}
+	defer rollback(ctx, check)
+	tag, cerr := check.Exec(ctx, p.insertOne, p.name, id)
+	if cerr != nil || tag.RowsAffected() == 0 {
+		return Permanent(err)
+	}
+	return err
 }
 
 // acquirer is *pgxpool.Pool: with a connection of its own, the Processor
