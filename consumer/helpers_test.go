@@ -249,3 +249,15 @@ func oneConn(t *testing.T) *pgx.Conn {
 	t.Cleanup(func() { _ = conn.Close(context.Background()) })
 	return conn
 }
+
+// inBothModes runs f as a subtest per message ("per-message") and in batch
+// mode ("batch").
+func inBothModes(t *testing.T, f func(t *testing.T, batch bool)) {
+	for _, batch := range []bool{false, true} {
+		name := "per-message"
+		if batch {
+			name = "batch"
+		}
+		t.Run(name, func(t *testing.T) { f(t, batch) })
+	}
+}

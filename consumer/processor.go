@@ -331,7 +331,7 @@ func (p *Processor) attempt(ctx context.Context, stop <-chan struct{}, msg Messa
 	p.handlerEnded(stop, pc)
 	if err != nil {
 		if errors.Is(err, pgx.ErrTxClosed) {
-			err = p.endedByHandler(ctx, tx, msg.ID, fmt.Errorf("consumer %s: message %s: the handler used tx after it ended (ending tx is the Processor's): %w", p.name, msg.ID, err))
+			err = p.endedByHandler(ctx, msg.ID, fmt.Errorf("consumer %s: message %s: the handler used tx after it ended (ending tx is the Processor's): %w", p.name, msg.ID, err))
 			if IsPermanent(err) {
 				p.log.Error("consumer: the handler committed its transaction itself and wrote on; the message is dead-lettered",
 					"topic", msg.Topic, "partition", msg.Partition, "offset", msg.Offset, "message_id", msg.ID, "error", err)
@@ -354,10 +354,15 @@ func (p *Processor) attempt(ctx context.Context, stop <-chan struct{}, msg Messa
 // handler wrote after its COMMIT is lost, and no retry mends the handler.
 // After a Rollback of its own nothing of the attempt committed, and a retry
 // is clean: err is returned as it is. id is the message's id (a batch's
-// first: the batch's records commit together). The check runs on tx's
-// connection, idle since tx ended; when it fails, the commit is assumed.
-func (p *Processor) endedByHandler(ctx context.Context, tx pgx.Tx, id string, err error) error {
-	check, cerr := tx.Conn().Begin(ctx)
+// first: the batch's records commit together). The check runs in a
+// transaction of its own, never on tx's connection: a pool's transaction
+// hands its connection back to the pool when the handler commits it. When
+// the check fails, or gets no connection within a few seconds (a pool
+// held by handlers), the commit is assumed.
+func (p *Processor) endedByHandler(ctx context.Context, id string, err error) error {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	check, cerr := p.db.Begin(ctx)
 	if cerr != nil {
 		return Permanent(err)
 	}
