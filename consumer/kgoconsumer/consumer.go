@@ -36,7 +36,9 @@ type Config struct {
 	// topics, AutoCommitMarks, BlockRebalanceOnPoll, OnPartitionsRevoked,
 	// OnPartitionsLost, the read_committed isolation level and acks=all for
 	// dead letters (kgo.DisableIdempotentWrite is honoured: a dead letter
-	// may then be written twice). Defaults to none.
+	// may then be written twice). A dead-letter publish is bounded by
+	// kgo.RecordDeliveryTimeout, 30s unless set here: past it the failure
+	// is reported and the publish tried again. Defaults to none.
 	ClientOpts []kgo.Opt
 	// CommitInterval is how often marked offsets are committed; they are
 	// also committed when partitions are revoked (waiting half the
@@ -176,6 +178,12 @@ func (c *Consumer) Run(ctx context.Context) error {
 	c.mu.Unlock()
 
 	opts := append([]kgo.Opt{kgo.SeedBrokers(c.cfg.Brokers...)}, c.connOpts...)
+	// A dead letter the brokers answer with a retriable error for as long
+	// as it lasts (NOT_ENOUGH_REPLICAS) was retried inside franz-go for
+	// ever: its partition waited with no failure reported, so no metric
+	// moved and no alert fired. Bounded, the failure reaches the Processor,
+	// which reports it and tries again. ClientOpts may set another bound.
+	opts = append(opts, kgo.RecordDeliveryTimeout(deadLetterDeliveryTimeout))
 	opts = append(opts, c.cfg.ClientOpts...)
 	opts = append(opts,
 		kgo.ConsumerGroup(c.cfg.Group),
@@ -284,6 +292,9 @@ func (c *Consumer) consumeAnew(cl *kgo.Client, topic string, last map[string]tim
 	cl.PurgeTopicsFromConsuming(topic)
 	cl.AddConsumeTopics(topic)
 }
+
+// deadLetterDeliveryTimeout bounds one dead-letter publish.
+const deadLetterDeliveryTimeout = 30 * time.Second
 
 // recreatedTopicPause is the least time between two consumeAnew of a topic.
 const recreatedTopicPause = 10 * time.Second

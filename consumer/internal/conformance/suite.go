@@ -25,6 +25,7 @@ func Run(t *testing.T, a Adapter) {
 	t.Run("DeadLetters", func(t *testing.T) { testDeadLetters(t, a) })
 	t.Run("MissingDeadLetterTopic", func(t *testing.T) { testMissingDeadLetterTopic(t, a) })
 	t.Run("ForbiddenDeadLetterTopicIsNotMissing", func(t *testing.T) { testForbiddenDeadLetterTopic(t, a) })
+	t.Run("DeadLetterRetriedByTheClientIsReportedFailing", func(t *testing.T) { testDeadLetterRetriedByTheClient(t, a) })
 	t.Run("DeadLetterTooLargeForItsTopic", func(t *testing.T) { testDeadLetterTooLarge(t, a) })
 	t.Run("RecreatedDeadLetterTopicIsWrittenTo", func(t *testing.T) { testRecreatedDeadLetterTopic(t, a) })
 	t.Run("TombstoneDeadLetters", func(t *testing.T) { testTombstoneDeadLetters(t, a) })
@@ -457,5 +458,35 @@ func testForbiddenDeadLetterTopic(t *testing.T, a Adapter) {
 		r.once.Do(func() { r.err = err })
 		t.Fatalf("Run stopped, the dead-letter topic being forbidden, not missing: %v", err)
 	default:
+	}
+}
+
+// testDeadLetterRetriedByTheClient: the dead-letter topic answers a
+// retriable error for as long as it lasts (NOT_ENOUGH_REPLICAS: too few
+// replicas in sync for the topic's min.insync.replicas). franz-go retried
+// such a produce for ever, inside one PublishDeadLetter call, so the
+// partition waited with no failed publish counted and no alert (helper
+// 83). A dead-letter publish is bounded: the failure is reported, the
+// partition waits, retrying, and goes on once the topic takes writes.
+func testDeadLetterRetriedByTheClient(t *testing.T, a Adapter) {
+	e := setup(t, a)
+	fake := e.k.RequireFake(t)
+	topic := e.k.Topic(t, 1)
+	e.k.CreateTopic(t, topic+".dlq", 1, nil)
+	h := fake.Fault(kfake.Fault{Topic: topic + ".dlq", Err: kerr.NotEnoughReplicas, Count: -1})
+	e.produce(t, topic, rec{id: "bad", value: "perm"}, rec{id: "id-0", value: "ok"})
+	fails := &deadLetterFailures{}
+	p := e.processor(t, "ledger", &consumer.Config{Hooks: []consumer.Hook{fails}})
+	stop := e.start(t, p, "g", topic)
+	waitFor(t, 90*time.Second, "a failed dead-letter publish reported", func() bool { return fails.all.Load() >= 1 })
+	if off := e.committedOffset(t, "g", topic, 0); off > 0 {
+		t.Fatalf("committed offset %d while the dead letter is not published, want 0", off)
+	}
+	h.Remove()
+	e.waitCommitted(t, "g", topic, 90*time.Second)
+	stop()
+	e.exactlyOnce(t, "ledger", 1)
+	if dead := e.k.ReadAll(t, topic+".dlq", 1, 20*time.Second); len(dead) < 1 {
+		t.Fatalf("dead letters = %d, want the one", len(dead))
 	}
 }
