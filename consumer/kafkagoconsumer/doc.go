@@ -43,8 +43,13 @@
 //     longer committed. kafka-go knows no topic ids: a topic deleted and
 //     created again while its fetch waited on a full queue, and before
 //     the partition check ran, goes unnoticed, and its first messages
-//     can be skipped. Delete a consumed topic only with its consumers
-//     stopped, or use kgoconsumer.
+//     can be skipped. And the group's rejoin asks for the topics'
+//     partitions with auto-creation allowed (kafka-go's ConsumerGroup
+//     always does), so a broker with auto.create.topics.enable (Kafka's
+//     default) creates a deleted topic again at once, with its default
+//     partition count. Delete a consumed topic only with its consumers
+//     stopped, turn auto-creation off (as managed clusters do), or use
+//     kgoconsumer.
 //   - Transaction markers (commit and abort control records) are told
 //     apart by their batch's control attribute, as the protocol defines
 //     them, and only move the offset on. Every other record is a message,
