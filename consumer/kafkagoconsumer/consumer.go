@@ -438,11 +438,17 @@ func (c *Consumer) startGeneration(run context.Context, gen *kafka.Generation) {
 // watchPartitions returns, ending the generation, when a consumed topic's
 // partition count changes: partitions added to a topic are then assigned
 // when the group rejoins, a topic created (again) is assigned from its
-// start, and the offsets of a deleted one are not committed. It runs in
-// place of kafka-go's watcher (Reader.WatchPartitionChanges), which ends
-// the generation at once when a topic is missing, so a group consuming a
-// topic not created yet would rejoin in a loop, and which asks for
-// metadata allowing the broker to create the topic. A failed lookup is
+// start, and the offsets of a deleted one are not committed. A topic
+// deleted (its count down to 0, or a fetcher finding it gone) is waited
+// for in this generation, not rejoined for: the rejoin's leader would ask
+// for the topic's partitions the way kafka-go does, allowing the broker to
+// create it again, under the operator's feet and with the broker's default
+// partition count. The generation ends once the topic exists again.
+//
+// It runs in place of kafka-go's watcher (Reader.WatchPartitionChanges),
+// which ends the generation at once when a topic is missing, so a group
+// consuming a topic not created yet would rejoin in a loop, and which asks
+// for metadata allowing the broker to create the topic. A failed lookup is
 // retried at the next tick.
 func (c *Consumer) watchPartitions(ctx context.Context, g *generation) {
 	t := time.NewTicker(c.group.PartitionWatchInterval)
@@ -454,19 +460,26 @@ func (c *Consumer) watchPartitions(ctx context.Context, g *generation) {
 				was = now
 			}
 			for topic, n := range now {
-				if n == was[topic] {
-					continue
-				}
-				if n < was[topic] {
-					// Deleted, or deleted and created again smaller.
+				switch {
+				case n == 0 && was[topic] > 0:
 					for _, a := range g.gen.Assignments[topic] {
 						g.forget(tp{topic, a.ID})
 					}
+					c.log.Warn("kafkagoconsumer: a consumed topic was deleted; its partitions wait for it to be created again",
+						"topic", topic, "partitions", was[topic])
+				case n > 0 && (n != was[topic] || g.anyGone(topic)):
+					if n < was[topic] {
+						// Deleted and created again smaller.
+						for _, a := range g.gen.Assignments[topic] {
+							g.forget(tp{topic, a.ID})
+						}
+					}
+					c.log.Info("kafkagoconsumer: a consumed topic's partitions changed or it was created again; rejoining the group",
+						"topic", topic, "was", was[topic], "now", n)
+					return
 				}
-				c.log.Info("kafkagoconsumer: a consumed topic's partition count changed; rejoining the group",
-					"topic", topic, "was", was[topic], "now", n)
-				return
 			}
+			was = now
 		} else if ctx.Err() == nil {
 			c.log.Warn("kafkagoconsumer: looking up the consumed topics' partitions failed; will retry", "error", err)
 		}
@@ -527,6 +540,19 @@ func (g *generation) forget(key tp) {
 	defer g.mu.Unlock()
 	g.gone[key] = true
 	delete(g.marks, key)
+}
+
+// anyGone reports whether a partition of topic was forgotten in this
+// generation.
+func (g *generation) anyGone(topic string) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for key := range g.gone {
+		if key.topic == topic {
+			return true
+		}
+	}
+	return false
 }
 
 // commit commits the offsets finished since the last commit. A failed

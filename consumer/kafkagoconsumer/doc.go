@@ -32,24 +32,26 @@
 //     never commits for a partition it no longer owns and a committed
 //     offset never moves backwards.
 //   - A change in a consumed topic's partition count (partitions added,
-//     the topic deleted or created) ends the generation, so the group
-//     assigns the partitions anew; it is checked every
+//     the topic created again) ends the generation, so the group assigns
+//     the partitions anew; it is checked every
 //     Reader.PartitionWatchInterval (5s).
-//     A fetch that finds its topic gone ends the generation too: the
-//     topic may be created again under its name, and the offset fetched
-//     up to belongs to the old one. The partition then starts over from
-//     the group's committed offset, which Kafka dropped with the topic,
-//     so from Reader.StartOffset, and offsets of the old topic are no
-//     longer committed. kafka-go knows no topic ids: a topic deleted and
+//     A partition whose fetch finds its topic gone stops for the rest of
+//     the generation: the topic may be created again under its name, and
+//     the offset fetched up to belongs to the old one. Offsets of the old
+//     topic are no longer committed. The generation ends once the topic
+//     exists again, and the partition starts over from the group's
+//     committed offset, which Kafka dropped with the topic, so from
+//     Reader.StartOffset. While the topic is gone the group does not
+//     rejoin: kafka-go's join asks for the topics' partitions with
+//     auto-creation allowed, and a broker with auto.create.topics.enable
+//     (Kafka's default) would create the deleted topic again at once, with
+//     its default partition count. A rebalance for another reason in that
+//     time (a member joining or leaving) still does: delete consumed
+//     topics with auto-creation off (as managed clusters have it), or use
+//     kgoconsumer. kafka-go knows no topic ids: a topic deleted and
 //     created again while its fetch waited on a full queue, and before
 //     the partition check ran, goes unnoticed, and its first messages
-//     can be skipped. And the group's rejoin asks for the topics'
-//     partitions with auto-creation allowed (kafka-go's ConsumerGroup
-//     always does), so a broker with auto.create.topics.enable (Kafka's
-//     default) creates a deleted topic again at once, with its default
-//     partition count. Delete a consumed topic only with its consumers
-//     stopped, turn auto-creation off (as managed clusters do), or use
-//     kgoconsumer.
+//     can be skipped.
 //   - Transaction markers (commit and abort control records) are told
 //     apart by their batch's control attribute, as the protocol defines
 //     them, and only move the offset on. Every other record is a message,

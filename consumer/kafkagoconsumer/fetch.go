@@ -26,8 +26,8 @@ type fetcher struct {
 	offset int64
 }
 
-// run fetches until ctx (the generation) ends, or ends the generation
-// itself when the partition's topic is gone.
+// run fetches until ctx (the generation) ends; from a partition whose
+// topic is gone it fetches no more in this generation.
 func (f *fetcher) run(ctx context.Context) {
 	r := f.c.cfg.Reader
 	wait := r.ReadBackoffMin
@@ -44,19 +44,19 @@ func (f *fetcher) run(ctx context.Context) {
 			// The topic was deleted, and may be created again under its
 			// name at any moment: the offset fetched up to belongs to the
 			// old topic, and fetching it from the new one would skip every
-			// message below it. Kafka drops a deleted topic's committed
-			// offsets, so the next generation starts the partition where
-			// the group says, or at Reader.StartOffset. Returning ends the
-			// generation (kafka-go ends it when any of its functions
-			// returns); the pause keeps a broker that keeps saying so from
-			// making the group rejoin in a loop.
+			// message below it. So the partition stops here for this
+			// generation, committing nothing more. It does not end the
+			// generation: a rejoin while the topic is gone would have the
+			// group's leader ask for its partitions the way kafka-go does,
+			// allowing the broker to create it again (Kafka's default
+			// auto.create.topics.enable). watchPartitions ends the
+			// generation once the topic exists again; Kafka dropped the
+			// old topic's committed offsets, so the next generation starts
+			// the new one at Reader.StartOffset.
 			f.g.forget(tp{f.topic, f.partition})
-			f.c.log.Warn("kafkagoconsumer: the partition's topic is gone (deleted, perhaps created again); rejoining the group to start it over from the group's committed offset",
+			f.c.log.Warn("kafkagoconsumer: the partition's topic is gone (deleted, perhaps created again); the partition waits for the topic to exist, then the group rejoins to start it over",
 				"topic", f.topic, "partition", f.partition, "offset", f.offset, "error", err)
-			select {
-			case <-ctx.Done():
-			case <-time.After(r.ReadBackoffMax):
-			}
+			<-ctx.Done()
 			return
 		}
 		if errors.Is(err, kafka.OffsetOutOfRange) {

@@ -219,6 +219,80 @@ func testRecreatedDeadLetterTopic(t *testing.T, a Adapter) {
 	}
 }
 
+// testDeletedTopicStaysDeleted: an operator deletes the consumed topic
+// while the consumer runs, waits, and creates it again with another
+// partition count. The consumer must not bring the topic back in between
+// (a broker with auto.create.topics.enable, Kafka's default, creates a
+// topic anybody asks metadata of with creation allowed), and must consume
+// the new topic from its start once it exists.
+//
+// Before, kafkagoconsumer rejoined its group at once, and the rejoin's
+// leader asked for the topic's partitions the way kafka-go always does,
+// allowing creation: on Kafka 4.3 the topic was back 0.4 s after the
+// delete, with 1 partition instead of 3, and the operator's CreateTopic
+// failed with TOPIC_ALREADY_EXISTS.
+func testDeletedTopicStaysDeleted(t *testing.T, a Adapter) {
+	e := setup(t, a)
+	topic := e.k.Topic(t, 3)
+	e.deleteTopicAtEnd(t, topic)
+	p := e.processor(t, "ledger", nil)
+	stop := e.start(t, p, "g", topic)
+	defer stop()
+	var before []rec
+	for i := range 30 {
+		before = append(before, rec{id: fmt.Sprintf("before-%d", i), value: "ok", partition: int32(i % 3)})
+	}
+	e.produce(t, topic, before...)
+	e.waitCommitted(t, "g", topic, 60*time.Second)
+
+	e.deleteTopic(t, topic)
+	deleted := time.Now()
+	adm := e.k.Admin(t)
+	// Longer than two of the adapters' partition checks (5 s by default)
+	// and a rejoin.
+	for time.Since(deleted) < 12*time.Second {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		md, err := adm.Metadata(ctx, topic)
+		cancel()
+		if err == nil {
+			if d, ok := md.Topics[topic]; ok && d.Err == nil {
+				t.Fatalf("the deleted topic exists again %v after its deletion, with %d partitions: the consumer had it created",
+					time.Since(deleted).Round(time.Millisecond), len(d.Partitions))
+			}
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	resp, err := adm.CreateTopic(ctx, 2, 1, nil, topic)
+	if err == nil {
+		err = resp.Err
+	}
+	if err != nil {
+		t.Fatalf("the operator's CreateTopic with 2 partitions: %v", err)
+	}
+	kafkatest.WaitTopicReady(t, adm, topic, 2)
+	var after []rec
+	for i := range 40 {
+		after = append(after, rec{id: fmt.Sprintf("after-%d", i), value: "ok", partition: int32(i % 2)})
+	}
+	e.produce(t, topic, after...)
+	deadline := time.Now().Add(90 * time.Second)
+	for e.count(t, "message_id LIKE 'after-%'") < 40 && time.Now().Before(deadline) {
+		time.Sleep(100 * time.Millisecond)
+	}
+	if got := e.count(t, "message_id LIKE 'after-%'"); got < 40 {
+		t.Fatalf("%d of the recreated topic's 40 messages processed within 90s", got)
+	}
+	e.waitCommitted(t, "g", topic, 60*time.Second)
+	var ids []string
+	for _, r := range append(before, after...) {
+		ids = append(ids, r.id)
+	}
+	e.exactlyOnceIDs(t, "ledger", ids)
+}
+
 // testAddedPartitions: an operator adds a partition to the consumed topic
 // (routine scaling; producers use it after their next metadata refresh).
 // Its messages are processed without waiting for an unrelated rebalance.

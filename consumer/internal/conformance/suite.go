@@ -35,6 +35,7 @@ func Run(t *testing.T, a Adapter) {
 	t.Run("SmallQueue", func(t *testing.T) { testMode(t, a, "small-queue") })
 	t.Run("RebalanceWhileFlowing", func(t *testing.T) { testRebalance(t, a) })
 	t.Run("RecreatedTopicIsConsumedFromItsStart", func(t *testing.T) { testRecreatedTopic(t, a) })
+	t.Run("DeletedTopicStaysDeleted", func(t *testing.T) { testDeletedTopicStaysDeleted(t, a) })
 	t.Run("AddedPartitionsAreConsumed", func(t *testing.T) { testAddedPartitions(t, a) })
 	t.Run("TransactionMarkers", func(t *testing.T) { testTransactions(t, a) })
 	t.Run("MarkerShapedRecordsAreMessages", func(t *testing.T) { testMarkerShapedRecords(t, a) })
