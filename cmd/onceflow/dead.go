@@ -49,6 +49,7 @@ func runDead(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		if err := c.parse(fs, rest, false); err != nil {
 			return err
 		}
+		warnUnknownEnv(stderr)
 		if *limit < 1 {
 			return fmt.Errorf("%w: --limit must be at least 1", errUsage)
 		}
@@ -107,6 +108,7 @@ func runDead(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		if err := c.parse(fs, rest, false); err != nil {
 			return err
 		}
+		warnUnknownEnv(stderr)
 		idList, err := parseIDs(fs, *ids, *all)
 		if err != nil {
 			return err
@@ -154,6 +156,7 @@ func runDead(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		if err := c.parse(fs, rest, false); err != nil {
 			return err
 		}
+		warnUnknownEnv(stderr)
 		idList, err := parseIDs(fs, *ids, false)
 		if err != nil {
 			return err

@@ -122,6 +122,9 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 		}
 	}
 	log, _ := c.logger(stderr)
+	for _, msg := range unknownEnv(os.Environ()) {
+		log.Warn(msg)
+	}
 
 	pool, err := c.open(ctx)
 	if err != nil {
