@@ -94,7 +94,7 @@ func parseDemoFlags(args []string, stderr io.Writer) (*demoConfig, error) {
 	}
 	fs.Visit(func(f *flag.Flag) { cfg.urlGiven = cfg.urlGiven || f.Name == "database-url" })
 	if _, err := pgxpool.ParseConfig(cfg.databaseURL); err != nil {
-		return nil, fmt.Errorf("%w: --database-url: %v", errUsage, oneLine(err))
+		return nil, fmt.Errorf("%w: %v", errUsage, oneLine(parseURLError(err)))
 	}
 	if cfg.payments < 1 || cfg.accounts < 1 {
 		return nil, fmt.Errorf("%w: --payments and --accounts must be positive", errUsage)

@@ -254,7 +254,7 @@ func (c *common) parse(fs *flag.FlagSet, args []string, needBrokers bool) error 
 		return fmt.Errorf("%w: --database-url (or ONCEFLOW_DATABASE_URL) is required", errUsage)
 	}
 	if _, err := pgxpool.ParseConfig(c.databaseURL); err != nil {
-		return fmt.Errorf("%w: --database-url: %v", errUsage, oneLine(err))
+		return fmt.Errorf("%w: %v", errUsage, oneLine(parseURLError(err)))
 	}
 	if err := migrations.ValidateSchema(c.schema); err != nil {
 		return fmt.Errorf("%w: --schema: %v", errUsage, err)
@@ -415,7 +415,7 @@ func openWith(ctx context.Context, config func() (*pgxpool.Config, error)) (*pgx
 func (c *common) poolConfig() (*pgxpool.Config, error) {
 	cfg, err := pgxpool.ParseConfig(c.databaseURL)
 	if err != nil {
-		return nil, fmt.Errorf("--database-url: %w", err)
+		return nil, parseURLError(err)
 	}
 	if _, ok := cfg.ConnConfig.RuntimeParams["application_name"]; !ok {
 		cfg.ConnConfig.RuntimeParams["application_name"] = "onceflow"

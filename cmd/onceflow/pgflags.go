@@ -1,11 +1,14 @@
 package main
 
 import (
+	"errors"
 	"flag"
 	"fmt"
+	"net/url"
 	"os"
 	"strings"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -42,4 +45,27 @@ func (c *common) applyPG(cfg *pgxpool.Config) error {
 		}
 	}
 	return nil
+}
+
+// parseURLError describes why --database-url does not parse without
+// quoting it: pgx's error quotes the string with its password masked only
+// as far as pgx could parse it ("password='se cret" came out as
+// "password=xxxxx cret").
+func parseURLError(err error) error {
+	var pe *pgconn.ParseConfigError
+	if !errors.As(err, &pe) {
+		return errors.New("--database-url: cannot parse it")
+	}
+	// Error() is "cannot parse `<string>`: <reason>"; the reason holds no
+	// backquote of its own.
+	msg := pe.Error()
+	if i := strings.LastIndex(msg, "`: "); i >= 0 {
+		reason := msg[i+len("`: "):]
+		// net/url's errors quote the whole URL, password and all.
+		if ue := (*url.Error)(nil); errors.As(pe, &ue) {
+			reason = strings.ReplaceAll(reason, ue.Error(), ue.Err.Error())
+		}
+		return fmt.Errorf("--database-url: cannot parse it: %s", reason)
+	}
+	return errors.New("--database-url: cannot parse it")
 }

@@ -29,6 +29,36 @@ func TestHelpDoesNotPrintTheDatabasePassword(t *testing.T) {
 	}
 }
 
+// TestAnUnparsableDatabaseURLIsNotEchoed: pgx redacts a password in a
+// connection string it cannot parse only as far as the first space, so
+// "password='se cret" came back as "password=xxxxx cret" in the error
+// (helper 86). The error names what is wrong, never the string.
+func TestAnUnparsableDatabaseURLIsNotEchoed(t *testing.T) {
+	for _, url := range []string{
+		"host=db.invalid user=u password='hunter two",
+		"postgres://u:hunter two@db.invalid/x",
+		"postgres://u:hunter2@db.invalid/x?pool_max_conns=many",
+		"postgres://u:hunter2@db.invalid:port/x", // net/url's error quotes the URL
+	} {
+		for _, cmd := range [][]string{{"status"}, {"relay", "--brokers", "k:9092"}, {"migrate", "up"}, {"dead", "list"}, {"demo"}} {
+			out, err := runCLI(t, append(cmd, "--database-url", url)...)
+			if !errors.Is(err, errUsage) {
+				t.Errorf("%s with %q: err %v, want a usage error", cmd[0], url, err)
+			}
+			msg := out
+			if err != nil {
+				msg += err.Error()
+			}
+			if strings.Contains(msg, "hunter") || strings.Contains(msg, "two") || strings.Contains(msg, "db.invalid") {
+				t.Errorf("%s with %q shows the connection string:\n%s", cmd[0], url, msg)
+			}
+			if err != nil && !strings.Contains(err.Error(), "--database-url: cannot parse it") {
+				t.Errorf("%s with %q: %v, want it to say --database-url cannot be parsed", cmd[0], url, err)
+			}
+		}
+	}
+}
+
 // TestKafkaSecurityThatDoesNothingOrLittleIsSaid: verification skipped
 // beside a CA file or server name is refused (it silently cancelled
 // them); --kafka-aws-region without AWS_MSK_IAM is refused (it did
