@@ -315,6 +315,10 @@ type Status struct {
 	Relays        []InstanceStatus
 	// UnownedShards counts shards no live relay holds.
 	UnownedShards int
+	// ReadAt is the database's clock (now()) at the reading: measure
+	// OldestPending and the relays' times against it, not against this
+	// host's clock, which may be skewed from the database's.
+	ReadAt time.Time
 }
 
 // InstanceStatus is one relay process.
@@ -347,8 +351,9 @@ func ReadStatus(ctx context.Context, db Querier, schema string) (*Status, error)
     (SELECT min(created_at) FROM `+id("outbox")+`),
     (SELECT coalesce(max(attempts), 0) FROM `+id("outbox")+`),
     (SELECT count(*) FROM `+id("outbox_dead")+`),
-    (SELECT `+unownedShards(id("relay_shards"))+`)`).
-		Scan(&st.Backlog, &st.OldestPending, &st.MaxAttempts, &st.DeadLetters, &st.UnownedShards)
+    (SELECT `+unownedShards(id("relay_shards"))+`),
+    now()`).
+		Scan(&st.Backlog, &st.OldestPending, &st.MaxAttempts, &st.DeadLetters, &st.UnownedShards, &st.ReadAt)
 	if err != nil {
 		return nil, fmt.Errorf("relay: read status: %w", err)
 	}

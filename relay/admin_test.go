@@ -5,9 +5,11 @@ import (
 	"errors"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/onceflow/onceflow/internal/pgtest"
 	"github.com/onceflow/onceflow/relay"
 )
 
@@ -43,5 +45,38 @@ func TestDeadAdminTakesAllIDsOrNone(t *testing.T) {
 	}
 	if n, err = relay.ReplayDead(ctx, b.pool, b.schema, nil); err != nil || n != 1 {
 		t.Fatalf("ReplayDead all: moved %d, err %v", n, err)
+	}
+}
+
+// ReadStatus says what time the database's clock showed, so that ages are
+// measured on the clock that stamped created_at and heartbeat_at, not on an
+// operator's laptop's (helper 86).
+func TestReadStatusGivesTheDatabasesClock(t *testing.T) {
+	t.Parallel()
+	schema := pgtest.Schema(t)
+	ctx := context.Background()
+	tx, err := pgtest.Pool(t).Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx) //nolint:errcheck
+	var created time.Time
+	if err := tx.QueryRow(ctx, `INSERT INTO `+pgx.Identifier{schema, "outbox"}.Sanitize()+` (topic, key, value) VALUES ('t', 'k', 'v') RETURNING created_at`).Scan(&created); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(200 * time.Millisecond)
+	st, err := relay.ReadStatus(ctx, tx, schema)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !st.ReadAt.Equal(created) {
+		t.Errorf("ReadAt %v, want the database's now() %v (the transaction's start)", st.ReadAt, created)
+	}
+	b, err := relay.ReadBacklog(ctx, tx, schema, relay.EveryShard())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !b.ReadAt.Equal(created) {
+		t.Errorf("Backlog.ReadAt %v, want the database's now() %v", b.ReadAt, created)
 	}
 }

@@ -22,6 +22,10 @@ type Backlog struct {
 	DeadLettersExact bool
 	// UnownedShards counts shards no live relay holds.
 	UnownedShards int
+	// ReadAt is the database's clock (now()) at the reading: measure the
+	// shards' OldestPending against it, not against this host's clock,
+	// which may be skewed from the clock that stamped created_at.
+	ReadAt time.Time
 }
 
 // ShardFigures is one shard's pending events as ReadBacklog measured them.
@@ -88,8 +92,9 @@ func ReadBacklog(ctx context.Context, db Querier, schema string, shards []int16)
     (SELECT reltuples::bigint FROM pg_class WHERE oid = $1::regclass),
     (SELECT `+unownedShards(id("relay_shards"))+`),
     (SELECT id FROM `+id("outbox")+` ORDER BY id LIMIT 1),
-    (SELECT id FROM `+id("outbox")+` ORDER BY id DESC LIMIT 1)`, id("outbox_dead")).
-		Scan(&out.DeadLetters, &estimate, &out.UnownedShards, &lo, &hi); err != nil {
+    (SELECT id FROM `+id("outbox")+` ORDER BY id DESC LIMIT 1),
+    now()`, id("outbox_dead")).
+		Scan(&out.DeadLetters, &estimate, &out.UnownedShards, &lo, &hi, &out.ReadAt); err != nil {
 		return nil, fmt.Errorf("relay: read backlog: %w", err)
 	}
 	out.DeadLettersExact = out.DeadLetters < DeadExactLimit

@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/onceflow/onceflow/internal/pgtest"
+	"github.com/onceflow/onceflow/relay"
 )
 
 // runOut runs the CLI and returns stdout alone, for outputs scripts parse.
@@ -250,5 +251,26 @@ func TestDeadDiscardCommitErrorSaysWhatIsKnown(t *testing.T) {
 		if got := discardCommitError(err); !strings.Contains(got.Error(), want) || !errors.Is(got, err) {
 			t.Errorf("commit error %v: %v, want %q and the error wrapped", err, got, want)
 		}
+	}
+}
+
+// status measures ages on the database's clock (Status.ReadAt), not on
+// the operator's machine's: a laptop an hour off showed every relay's last
+// heartbeat an hour ago (helper 86).
+func TestStatusAgesAreOnTheDatabasesClock(t *testing.T) {
+	readAt := time.Now().Add(-time.Hour)
+	oldest := readAt.Add(-5 * time.Second)
+	var out bytes.Buffer
+	if err := printStatusJSON(&out, "s", &relay.Status{OldestPending: &oldest, ReadAt: readAt}); err != nil {
+		t.Fatal(err)
+	}
+	var got struct {
+		Age float64 `json:"oldest_pending_age_seconds"`
+	}
+	if err := json.Unmarshal(out.Bytes(), &got); err != nil {
+		t.Fatal(err)
+	}
+	if got.Age != 5 {
+		t.Errorf("oldest_pending_age_seconds %v, want 5 (ReadAt - OldestPending)", got.Age)
 	}
 }

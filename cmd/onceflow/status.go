@@ -34,7 +34,7 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	fmt.Fprintf(stdout, "schema:          %s\n", c.schema)
 	fmt.Fprintf(stdout, "backlog:         %d events\n", st.Backlog)
 	if st.OldestPending != nil {
-		fmt.Fprintf(stdout, "oldest pending:  %s ago (max attempts %d)\n", time.Since(*st.OldestPending).Round(time.Millisecond), st.MaxAttempts)
+		fmt.Fprintf(stdout, "oldest pending:  %s ago (max attempts %d)\n", st.ReadAt.Sub(*st.OldestPending).Round(time.Millisecond), st.MaxAttempts)
 	} else {
 		fmt.Fprintf(stdout, "oldest pending:  -\n")
 	}
@@ -47,13 +47,13 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	for _, r := range st.Relays {
 		// A gone relay (killed: its row is forgotten an hour after its
 		// lease lapsed) ran until its last heartbeat; it is not up.
-		state, ran := "live", "up "+time.Since(r.StartedAt).Round(time.Second).String()
+		state, ran := "live", "up "+st.ReadAt.Sub(r.StartedAt).Round(time.Second).String()
 		if !r.Live {
 			state, ran = "gone", "ran "+r.HeartbeatAt.Sub(r.StartedAt).Round(time.Second).String()
 		}
 		fmt.Fprintf(stdout, "  %s  %s  host %s pid %d  %s  last heartbeat %s ago  %d shards %s\n",
 			r.ID, state, r.Hostname, r.PID, ran,
-			time.Since(r.HeartbeatAt).Round(time.Millisecond), len(r.Shards), shardRanges(r.Shards))
+			st.ReadAt.Sub(r.HeartbeatAt).Round(time.Millisecond), len(r.Shards), shardRanges(r.Shards))
 	}
 	return nil
 }
@@ -108,7 +108,7 @@ func printStatusJSON(w io.Writer, schema string, st *relay.Status) error {
 		DeadLetters: st.DeadLetters, Shards: relay.NumShards, UnownedShards: st.UnownedShards, Relays: []relayJSON{},
 	}
 	if st.OldestPending != nil {
-		age := time.Since(*st.OldestPending).Seconds()
+		age := st.ReadAt.Sub(*st.OldestPending).Seconds()
 		out.OldestAgeSecs = &age
 	}
 	for _, r := range st.Relays {

@@ -264,3 +264,43 @@ func TestAFailedBacklogReadIsLoggedOnce(t *testing.T) {
 		t.Fatalf("no word of the recovery:\n%s", logs.String())
 	}
 }
+
+// The oldest pending event's age is measured on the database's clock,
+// which stamped created_at, not on the scraping host's: a relay host whose
+// clock ran ahead reported events that old, and OnceflowOutboxBacklogOld
+// fired on a backlog of fresh events (helper 86). Here the database's clock
+// is a transaction's: now() stays at the transaction's start while the host's
+// clock moves on 1.5 s.
+func TestOldestPendingAgeIsOnTheDatabasesClock(t *testing.T) {
+	t.Parallel()
+	schema := pgtest.Schema(t)
+	ctx := context.Background()
+	tx, err := pgtest.Pool(t).Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx) //nolint:errcheck
+	if _, err := tx.Exec(ctx, `INSERT INTO `+pgx.Identifier{schema, "outbox"}.Sanitize()+` (topic, key, value) VALUES ('t', 'k', 'v')`); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(1500 * time.Millisecond)
+	reg := prometheus.NewPedanticRegistry()
+	reg.MustRegister(relayprom.NewBacklogCollector(tx, schema, &relayprom.CollectorConfig{MinInterval: time.Hour}))
+	ages := gather(t, reg)["onceflow_outbox_oldest_pending_age_seconds"]
+	if len(ages) != 1 {
+		t.Fatalf("%d shards with an oldest pending age, want 1: %v", len(ages), ages)
+	}
+	for shard, age := range ages {
+		if age > 1 {
+			t.Errorf("shard %s: oldest pending age %.3fs, want under 1s: the event is as old as the database's clock says (0s), whatever the host's says", shard, age)
+		}
+	}
+	// A cached reading ages by the time since it was read, on the host's
+	// monotonic clock.
+	time.Sleep(1100 * time.Millisecond)
+	for shard, age := range gather(t, reg)["onceflow_outbox_oldest_pending_age_seconds"] {
+		if age < 1 || age > 3 {
+			t.Errorf("shard %s: a cached reading 1.1s later reports age %.3fs, want about 1.1s", shard, age)
+		}
+	}
+}

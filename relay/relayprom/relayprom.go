@@ -181,11 +181,11 @@ func (c *BacklogCollector) Describe(ch chan<- *prometheus.Desc) {
 
 // read returns the last reading, reading again if it is older than
 // MinInterval.
-func (c *BacklogCollector) read() (*relay.Backlog, bool) {
+func (c *BacklogCollector) read() (b *relay.Backlog, ok bool, at time.Time) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if !c.at.IsZero() && time.Since(c.at) < c.cfg.MinInterval {
-		return c.last, c.ok
+		return c.last, c.ok, c.at
 	}
 	shards := relay.EveryShard()
 	if c.cfg.Owned != nil {
@@ -206,18 +206,21 @@ func (c *BacklogCollector) read() (*relay.Backlog, bool) {
 		c.lastErr = err.Error()
 		c.cfg.Logger.Warn("relayprom: the backlog could not be read; onceflow_outbox_scrape_ok is 0", "error", err)
 	}
-	return b, c.ok
+	return b, c.ok, c.at
 }
 
 // Collect implements prometheus.Collector.
 func (c *BacklogCollector) Collect(ch chan<- prometheus.Metric) {
-	b, ok := c.read()
+	b, ok, readAt := c.read()
 	if !ok {
 		ch <- prometheus.MustNewConstMetric(c.up, prometheus.GaugeValue, 0)
 		return
 	}
 	ch <- prometheus.MustNewConstMetric(c.up, prometheus.GaugeValue, 1)
-	now := time.Now()
+	// The database's clock, which stamped created_at, at the reading, plus
+	// the time since on this host's monotonic clock: a skewed host clock
+	// does not age the events.
+	now := b.ReadAt.Add(time.Since(readAt))
 	var total int64
 	var estimated, attempts int
 	for _, s := range b.Shards {
