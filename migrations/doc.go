@@ -9,6 +9,12 @@
 //
 //	applied, err := migrations.Up(ctx, pool, migrations.DefaultSchema)
 //
+// No wait of Up's for a table's lock lasts longer than DefaultLockTimeout
+// (5 s; UpWith and UpConfig.LockTimeout set another): a step waiting for
+// the outbox's lock behind an open transaction holds off every producer.
+// Past it, Up fails, applying nothing, naming the sessions holding the
+// tables; run it again later.
+//
 // Down refuses to drop tables that hold rows (DownForce drops them) and
 // creates nothing in a schema that was never migrated. Check reports the
 // migrations a schema lacks; the relay runs it at start.

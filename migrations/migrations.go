@@ -101,19 +101,55 @@ func All() ([]Migration, error) {
 // transaction and returns the versions it applied. It is idempotent and safe
 // to run from several processes at once: they serialize on an advisory lock,
 // and the later ones find nothing to do.
+// No wait for a table's lock lasts longer than DefaultLockTimeout (a step
+// that waits for a table's ACCESS EXCLUSIVE lock behind an open
+// transaction holds off every producer's insert meanwhile): past it, Up
+// fails, applying nothing, naming the sessions that hold the schema's
+// tables. UpWith sets another bound.
 func Up(ctx context.Context, db Beginner, schema string) ([]int, error) {
+	return UpWith(ctx, db, schema, nil)
+}
+
+// UpConfig tunes UpWith.
+type UpConfig struct {
+	// LockTimeout bounds each wait for a lock while the pending steps run
+	// (PostgreSQL's lock_timeout, set for the migration's transaction
+	// only, in place of one the connection sets): while a step waits for a
+	// table, the transactions that would use it (producers) queue behind
+	// its request. Past it, Up fails whole, applying nothing, naming the
+	// sessions that hold the schema's tables. It does not bound the wait
+	// for another process migrating the same schema. Defaults to
+	// DefaultLockTimeout (5 s).
+	LockTimeout time.Duration
+}
+
+// UpWith is Up with a configuration; cfg may be nil.
+func UpWith(ctx context.Context, db Beginner, schema string, cfg *UpConfig) ([]int, error) {
+	var c UpConfig
+	if cfg != nil {
+		c = *cfg
+	}
+	if c.LockTimeout == 0 {
+		c.LockTimeout = DefaultLockTimeout
+	}
+	if err := checkLockTimeout("UpConfig.LockTimeout", c.LockTimeout); err != nil {
+		return nil, err
+	}
 	all, err := All()
 	if err != nil {
 		return nil, err
 	}
 	var applied []int
 	err = inLockedTx(ctx, db, schema, true, func(tx pgx.Tx, done map[int]time.Time) error {
+		if err := setLockTimeout(ctx, tx, c.LockTimeout); err != nil {
+			return err
+		}
 		for _, m := range all {
 			if _, ok := done[m.Version]; ok {
 				continue
 			}
-			if _, err := tx.Exec(ctx, m.Up); err != nil {
-				return fmt.Errorf("migrations: apply %04d_%s: %w", m.Version, m.Name, err)
+			if err := execWaiting(ctx, tx, m.Up, schema, "", c.LockTimeout, upHint); err != nil {
+				return fmt.Errorf("migrations: apply %04d_%s (nothing applied: the pending steps are one transaction): %w", m.Version, m.Name, err)
 			}
 			if _, err := tx.Exec(ctx, `INSERT INTO schema_migrations (version, name) VALUES ($1, $2)`, m.Version, m.Name); err != nil {
 				return fmt.Errorf("migrations: record %04d: %w", m.Version, err)
@@ -126,6 +162,25 @@ func Up(ctx context.Context, db Beginner, schema string) ([]int, error) {
 		return nil, err
 	}
 	return applied, nil
+}
+
+// checkLockTimeout refuses a lock timeout PostgreSQL would not take
+// (field names it).
+func checkLockTimeout(field string, d time.Duration) error {
+	if d < time.Millisecond || d > MaxLockTimeout {
+		return fmt.Errorf("migrations: %s must be from 1ms to %s (PostgreSQL's limit), got %s", field, MaxLockTimeout, d)
+	}
+	return nil
+}
+
+// setLockTimeout bounds, for the rest of tx, every wait for a lock. It
+// comes after the advisory lock: processes migrating the same schema
+// wait for each other without bound.
+func setLockTimeout(ctx context.Context, tx pgx.Tx, d time.Duration) error {
+	if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, fmt.Sprintf("%dms", d.Milliseconds())); err != nil {
+		return fmt.Errorf("migrations: set lock_timeout: %w", err)
+	}
+	return nil
 }
 
 // Down reverts the newest steps applied migrations (at least one) and returns
@@ -150,7 +205,7 @@ func DownForce(ctx context.Context, db Beginner, schema string, steps int) ([]in
 	return DownWith(ctx, db, schema, steps, &DownConfig{Force: true})
 }
 
-// DefaultLockTimeout bounds Down's wait for each lock it takes.
+// DefaultLockTimeout bounds Up's and Down's wait for each lock they take.
 const DefaultLockTimeout = 5 * time.Second
 
 // MaxLockTimeout is the longest lock_timeout PostgreSQL takes (INT_MAX
@@ -179,8 +234,8 @@ func DownWith(ctx context.Context, db Beginner, schema string, steps int, cfg *D
 	if c.LockTimeout == 0 {
 		c.LockTimeout = DefaultLockTimeout
 	}
-	if c.LockTimeout < time.Millisecond || c.LockTimeout > MaxLockTimeout {
-		return nil, fmt.Errorf("migrations: DownConfig.LockTimeout must be from 1ms to %s (PostgreSQL's limit), got %s", MaxLockTimeout, c.LockTimeout)
+	if err := checkLockTimeout("DownConfig.LockTimeout", c.LockTimeout); err != nil {
+		return nil, err
 	}
 	return down(ctx, db, schema, steps, c)
 }
@@ -277,9 +332,8 @@ func down(ctx context.Context, db Beginner, schema string, stepCount int, cfg Do
 		}
 		// Every lock the revert waits for holds off, while it waits, the
 		// transactions that would take the table after it: producers.
-		if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`,
-			fmt.Sprintf("%dms", cfg.LockTimeout.Milliseconds())); err != nil {
-			return fmt.Errorf("migrations: set lock_timeout: %w", err)
+		if err := setLockTimeout(ctx, tx, cfg.LockTimeout); err != nil {
+			return err
 		}
 		if !cfg.Force {
 			if err := refuseDataLoss(ctx, tx, schema, steps, cfg.LockTimeout); err != nil {
@@ -287,16 +341,7 @@ func down(ctx context.Context, db Beginner, schema string, stepCount int, cfg Do
 			}
 		}
 		for _, m := range steps {
-			// In a savepoint, to name who holds a table the step waited
-			// for in vain.
-			sp, err := tx.Begin(ctx)
-			if err != nil {
-				return fmt.Errorf("migrations: revert %04d_%s: %w", m.Version, m.Name, err)
-			}
-			if _, err := sp.Exec(ctx, m.Down); err != nil {
-				return fmt.Errorf("migrations: revert %04d_%s: %w", m.Version, m.Name, lockWaitError(ctx, tx, sp, schema, "", cfg.LockTimeout, err))
-			}
-			if err := sp.Commit(ctx); err != nil {
+			if err := execWaiting(ctx, tx, m.Down, schema, "", cfg.LockTimeout, downHint); err != nil {
 				return fmt.Errorf("migrations: revert %04d_%s: %w", m.Version, m.Name, err)
 			}
 			if _, err := tx.Exec(ctx, `DELETE FROM schema_migrations WHERE version = $1`, m.Version); err != nil {
@@ -355,25 +400,49 @@ func refuseDataLoss(ctx context.Context, tx pgx.Tx, schema string, steps []Migra
 		return err
 	}
 	for _, table := range tables {
-		sp, err := tx.Begin(ctx)
-		if err != nil {
-			return fmt.Errorf("migrations: lock %s: %w", table, err)
-		}
-		if _, err := sp.Exec(ctx, `LOCK TABLE `+pgx.Identifier{schema, table}.Sanitize()+` IN ACCESS EXCLUSIVE MODE`); err != nil {
-			return fmt.Errorf("migrations: lock %s: %w", table, lockWaitError(ctx, tx, sp, schema, table, lockTimeout, err))
-		}
-		if err := sp.Commit(ctx); err != nil {
+		lock := `LOCK TABLE ` + pgx.Identifier{schema, table}.Sanitize() + ` IN ACCESS EXCLUSIVE MODE`
+		if err := execWaiting(ctx, tx, lock, schema, table, lockTimeout, downHint); err != nil {
 			return fmt.Errorf("migrations: lock %s: %w", table, err)
 		}
 	}
 	return count()
 }
 
+// How to give Up's and Down's lock waits longer.
+const (
+	upHint   = "onceflow migrate up --lock-timeout, UpConfig.LockTimeout"
+	downHint = "onceflow migrate down --lock-timeout, DownConfig.LockTimeout"
+)
+
+// execWaiting runs sql, which may wait for locks on schema's tables (on
+// table alone when not empty), in a savepoint of tx, so that when it gives
+// up waiting its error can name the sessions holding them (lockWaitError);
+// longer says how to wait longer.
+func execWaiting(ctx context.Context, tx pgx.Tx, sql, schema, table string, lockTimeout time.Duration, longer string) error {
+	sp, err := tx.Begin(ctx)
+	if err != nil {
+		return err
+	}
+	// The server's clock, for lockWaitError: a transaction that began
+	// after sql did was not what it waited for.
+	var began time.Time
+	if err := sp.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&began); err != nil {
+		return err
+	}
+	if _, err := sp.Exec(ctx, sql); err != nil {
+		return lockWaitError(ctx, tx, sp, schema, table, began, lockTimeout, longer, err)
+	}
+	return sp.Commit(ctx)
+}
+
 // lockWaitError turns err, a statement's failure in the savepoint sp of
 // tx, into one that names the sessions holding locks on table (every
-// table of schema when table is empty) when the statement gave up waiting
-// for a lock. sp is rolled back.
-func lockWaitError(ctx context.Context, tx, sp pgx.Tx, schema, table string, lockTimeout time.Duration, err error) error {
+// table of schema when table is empty) when the statement, begun at
+// began, gave up waiting for a lock; longer says how to wait longer. sp is
+// rolled back. The sessions whose transactions began after the statement
+// are left out: they did not hold it up (they queued behind it, and took
+// their locks as it gave up: producers, mostly).
+func lockWaitError(ctx context.Context, tx, sp pgx.Tx, schema, table string, began time.Time, lockTimeout time.Duration, longer string, err error) error {
 	// lock_not_available, or query_canceled by a statement_timeout shorter
 	// than the lock timeout (a role's, say).
 	var pgErr *pgconn.PgError
@@ -384,15 +453,15 @@ func lockWaitError(ctx context.Context, tx, sp pgx.Tx, schema, table string, loc
 		return err
 	}
 	rows, qerr := tx.Query(ctx, `SELECT a.pid, coalesce(a.usename, ''), coalesce(a.application_name, ''), coalesce(a.state, ''),
-    coalesce(extract(epoch FROM now() - a.xact_start)::bigint, 0), coalesce(left(a.query, 120), ''),
+    coalesce(extract(epoch FROM clock_timestamp() - a.xact_start)::bigint, 0), coalesce(left(a.query, 120), ''),
     array_agg(DISTINCT c.relname::text ORDER BY c.relname::text)
 FROM pg_locks l
 JOIN pg_class c ON c.oid = l.relation AND c.relkind IN ('r', 'p')
 JOIN pg_stat_activity a ON a.pid = l.pid
 WHERE l.granted AND l.pid <> pg_backend_pid() AND c.relnamespace = to_regnamespace($1)
-    AND ($2 = '' OR c.relname = $2)
+    AND ($2 = '' OR c.relname = $2) AND a.xact_start < $3
 GROUP BY 1, 2, 3, 4, 5, 6
-ORDER BY a.pid`, pgx.Identifier{schema}.Sanitize(), table)
+ORDER BY a.pid`, pgx.Identifier{schema}.Sanitize(), table, began)
 	if qerr != nil {
 		return err
 	}
@@ -405,16 +474,16 @@ ORDER BY a.pid`, pgx.Identifier{schema}.Sanitize(), table)
 			pid, user, app, state, age, query, strings.Join(rels, ", ")))
 		return nil
 	})
-	what := "the tables"
+	what, them := "the tables", "them"
 	if table != "" {
-		what = table
+		what, them = table, "it"
 	}
 	if qerr != nil || len(holders) == 0 {
 		holders = []string{"sessions no longer there"}
 	}
-	return fmt.Errorf("gave up after %s waiting for a lock on %s (the sessions that would use it queue behind the wait), held by %s: "+
-		"let those transactions end, or end them, and retry (wait longer: onceflow migrate down --lock-timeout, DownConfig.LockTimeout): %w",
-		lockTimeout, what, strings.Join(holders, "; "), err)
+	return fmt.Errorf("gave up after %s waiting for a lock on %s (the sessions that would use %s queue behind the wait), held by %s: "+
+		"let those transactions end, or end them, and retry (wait longer: %s): %w",
+		lockTimeout, what, them, strings.Join(holders, "; "), longer, err)
 }
 
 // dropTable finds the tables a migration's revert drops.

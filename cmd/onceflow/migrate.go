@@ -38,9 +38,16 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	var lockTimeout *time.Duration
 	switch sub {
 	case "up":
-		fs := newFlagSet("migrate up", "Apply every pending migration (idempotent; safe when several processes run it at once).", stderr)
+		fs := newFlagSet("migrate up", "Apply every pending migration (idempotent; safe when several processes run it at once), all in one\n"+
+			"transaction. A step that waits for a table's lock (behind an open transaction that read the outbox, say)\n"+
+			"holds off every producer meanwhile, so the wait is bounded: past --lock-timeout, apply nothing and name\n"+
+			"the sessions holding the tables; run it again when they are gone.", stderr)
 		c.register(fs, false)
+		lockTimeout = lockTimeoutFlag(fs, "apply nothing")
 		if err := c.parse(fs, rest, false); err != nil {
+			return err
+		}
+		if err := checkLockTimeout(*lockTimeout); err != nil {
 			return err
 		}
 	case "down":
@@ -49,16 +56,15 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		c.register(fs, false)
 		steps = fs.Int("steps", 1, "how many migrations to revert")
 		force = fs.Bool("force", false, "drop tables even when they hold pending events, dead letters, dedup records, idempotency keys, dead events' write order or live janitor windows")
-		lockTimeout = fs.Duration("lock-timeout", envDuration("ONCEFLOW_MIGRATE_LOCK_TIMEOUT", migrations.DefaultLockTimeout),
-			"longest wait for a table's lock (producers queue behind the wait); past it, revert nothing and name the sessions holding it (env ONCEFLOW_MIGRATE_LOCK_TIMEOUT)")
+		lockTimeout = lockTimeoutFlag(fs, "revert nothing")
 		if err := c.parse(fs, rest, false); err != nil {
 			return err
 		}
 		if *steps < 1 {
 			return fmt.Errorf("%w: --steps must be at least 1", errUsage)
 		}
-		if *lockTimeout < time.Millisecond || *lockTimeout > migrations.MaxLockTimeout {
-			return fmt.Errorf("%w: --lock-timeout must be from 1ms to %s (PostgreSQL's limit)", errUsage, migrations.MaxLockTimeout)
+		if err := checkLockTimeout(*lockTimeout); err != nil {
+			return err
 		}
 	case "status":
 		fs := newFlagSet("migrate status", "List migrations and when each was applied.", stderr)
@@ -74,7 +80,7 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	defer pool.Close()
 	switch sub {
 	case "up":
-		applied, err := migrations.Up(ctx, pool, c.schema)
+		applied, err := migrations.UpWith(ctx, pool, c.schema, &migrations.UpConfig{LockTimeout: *lockTimeout})
 		if err != nil {
 			return err
 		}
@@ -110,6 +116,21 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 			}
 			fmt.Fprintf(stdout, "%04d %-20s %s\n", s.Version, s.Name, state)
 		}
+	}
+	return nil
+}
+
+// lockTimeoutFlag registers migrate up's and down's --lock-timeout; past
+// it they do what past says.
+func lockTimeoutFlag(fs *flag.FlagSet, past string) *time.Duration {
+	return fs.Duration("lock-timeout", envDuration("ONCEFLOW_MIGRATE_LOCK_TIMEOUT", migrations.DefaultLockTimeout),
+		"longest wait for each table lock (producers queue behind the wait; it replaces a lock_timeout the URL sets); past it, "+
+			past+" and name the sessions holding the tables (env ONCEFLOW_MIGRATE_LOCK_TIMEOUT)")
+}
+
+func checkLockTimeout(d time.Duration) error {
+	if d < time.Millisecond || d > migrations.MaxLockTimeout {
+		return fmt.Errorf("%w: --lock-timeout must be from 1ms to %s (PostgreSQL's limit)", errUsage, migrations.MaxLockTimeout)
 	}
 	return nil
 }

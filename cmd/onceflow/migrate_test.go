@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"net/url"
 	"strconv"
 	"strings"
 	"testing"
@@ -212,5 +213,156 @@ func TestMigratePrintDownRefusesUnlessForced(t *testing.T) {
 	}
 	if _, err := runCLI(t, "migrate", "print", "--version", "1", "--force"); !errors.Is(err, errUsage) {
 		t.Fatalf("print --force without --down: err %v, want a usage error", err)
+	}
+}
+
+// migrate up (an upgrade: migrations 6 on pending) behind an open
+// transaction that read the outbox (a psql session) waited for the
+// outbox's ACCESS EXCLUSIVE lock with no bound, and every producer's
+// INSERT queued behind it: business transactions stopped for as long as
+// the reader stayed. It waits at most --lock-timeout (default 5s, as
+// migrate down), then fails (exit 1) naming the session that holds the
+// table, having applied nothing.
+func TestMigrateUpDoesNotStopProducersBehindAnOpenReader(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t)
+	schema := pgtest.Schema(t)
+	outbox := pgx.Identifier{schema, "outbox"}.Sanitize()
+	flags := []string{"--database-url", pgtest.URL(t), "--schema", schema}
+	// The schema as the previous release left it: up to migration 5.
+	if _, err := migrations.DownForce(ctx, pool, schema, migrations.Latest()-5); err != nil {
+		t.Fatal(err)
+	}
+	readerConn := pgtest.Conn(t)
+	if _, err := readerConn.Exec(ctx, `SET application_name = 'oftest-open-reader'`); err != nil {
+		t.Fatal(err)
+	}
+	reader, err := readerConn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = reader.Rollback(ctx) }()
+	var n int
+	if err := reader.QueryRow(ctx, `SELECT count(*) FROM `+outbox).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	type result struct {
+		out string
+		err error
+	}
+	up := func(extra ...string) <-chan result {
+		done := make(chan result, 1)
+		go func() {
+			out, err := runCLITimeout(t, 30*time.Second, append(append([]string{"migrate", "up"}, extra...), flags...)...)
+			done <- result{out, err}
+		}()
+		return done
+	}
+	assertFailedNamingTheReader := func(what string, r result, waited, atMost time.Duration) {
+		t.Helper()
+		if r.err == nil || errors.Is(r.err, errUsage) || errors.Is(r.err, context.DeadlineExceeded) ||
+			!strings.Contains(r.err.Error(), "oftest-open-reader") || !strings.Contains(r.err.Error(), "outbox") ||
+			!strings.Contains(r.err.Error(), "migrate up --lock-timeout") {
+			t.Fatalf("%s behind an open reader: %v after %s, want a failure (exit 1) naming the reader's session\n%s", what, r.err, waited.Round(time.Millisecond), r.out)
+		}
+		if waited > atMost {
+			t.Errorf("%s took %s to give up", what, waited.Round(time.Millisecond))
+		}
+		if err := migrations.Check(ctx, pool, schema); err == nil || !strings.HasPrefix(err.(*migrations.MissingError).Missing[0].Name, "outbox_check_domains") {
+			t.Fatalf("after the failed %s: %v, want migrations 6 on still missing", what, err)
+		}
+	}
+
+	// --lock-timeout 1s: a producer's insert waits at most that long.
+	start := time.Now()
+	done := up("--lock-timeout", "1s")
+	var early *result
+	waitUntil(t, "migrate up to end or wait for the outbox's lock", 10*time.Second, func() bool {
+		select {
+		case r := <-done:
+			early = &r
+			return true
+		default:
+		}
+		var waiting bool
+		_ = pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_locks WHERE NOT granted AND relation = to_regclass($1))`, outbox).Scan(&waiting)
+		return waiting
+	})
+	quick, cancel := context.WithTimeout(ctx, 3*time.Second)
+	_, insertErr := pool.Exec(quick, `INSERT INTO `+outbox+` (topic, value) VALUES ('t', 'business as usual')`)
+	cancel()
+	if insertErr != nil {
+		t.Errorf("a producer's insert while migrate up --lock-timeout 1s waited behind an open reader: %v", insertErr)
+	}
+	if early == nil {
+		r := <-done
+		early = &r
+	}
+	assertFailedNamingTheReader("migrate up --lock-timeout 1s", *early, time.Since(start), 5*time.Second)
+	// The producer, granted its lock as migrate up gave up, did not hold
+	// it up: naming it would point the operator at the wrong session.
+	if strings.Contains(early.err.Error(), "business as usual") {
+		t.Errorf("migrate up's failure names the producer queued behind it as a holder: %v", early.err)
+	}
+
+	// The default is migrate down's: 5s.
+	start = time.Now()
+	assertFailedNamingTheReader("migrate up", <-up(), time.Since(start), 12*time.Second)
+
+	for _, bad := range []string{"0", "720h"} { // 720h: past PostgreSQL's lock_timeout limit
+		if _, err := runCLI(t, append([]string{"migrate", "up", "--lock-timeout", bad}, flags...)...); !errors.Is(err, errUsage) {
+			t.Errorf("migrate up --lock-timeout %s: err %v, want a usage error", bad, err)
+		}
+	}
+
+	// The reader gone, the upgrade goes through, with a URL that sets a
+	// lock_timeout of its own, as docs/operations.md used to advise.
+	if err := reader.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	u, err := url.Parse(pgtest.URL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	q := u.Query()
+	q.Set("lock_timeout", "2s")
+	u.RawQuery = q.Encode()
+	out, err := runCLI(t, "migrate", "up", "--database-url", u.String(), "--schema", schema)
+	if err != nil || !strings.Contains(out, "applied 0006") {
+		t.Fatalf("migrate up with ?lock_timeout=2s in the URL: %v\n%s", err, out)
+	}
+	if err := migrations.Check(ctx, pool, schema); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// ONCEFLOW_MIGRATE_LOCK_TIMEOUT sets migrate up's --lock-timeout, as it
+// does migrate down's.
+func TestMigrateUpLockTimeoutFromTheEnvironment(t *testing.T) {
+	ctx := context.Background()
+	pool := pgtest.Pool(t)
+	schema := pgtest.Schema(t)
+	if _, err := migrations.DownForce(ctx, pool, schema, migrations.Latest()-5); err != nil {
+		t.Fatal(err)
+	}
+	reader, err := pgtest.Conn(t).Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = reader.Rollback(ctx) }()
+	if _, err := reader.Exec(ctx, `SELECT count(*) FROM `+pgx.Identifier{schema, "outbox"}.Sanitize()); err != nil {
+		t.Fatal(err)
+	}
+	flags := []string{"--database-url", pgtest.URL(t), "--schema", schema}
+	t.Setenv("ONCEFLOW_MIGRATE_LOCK_TIMEOUT", "300ms")
+	start := time.Now()
+	out, err := runCLITimeout(t, 30*time.Second, append([]string{"migrate", "up"}, flags...)...)
+	if waited := time.Since(start); err == nil || !strings.Contains(err.Error(), "gave up after 300ms") || waited > 4*time.Second {
+		t.Fatalf("migrate up with ONCEFLOW_MIGRATE_LOCK_TIMEOUT=300ms behind an open reader: %v after %s\n%s", err, waited, out)
+	}
+	t.Setenv("ONCEFLOW_MIGRATE_LOCK_TIMEOUT", "0")
+	if _, err := runCLI(t, append([]string{"migrate", "up"}, flags...)...); !errors.Is(err, errUsage) {
+		t.Errorf("migrate up with ONCEFLOW_MIGRATE_LOCK_TIMEOUT=0: err %v, want a usage error", err)
 	}
 }
