@@ -21,5 +21,7 @@
 //
 // Users of their own migration tool apply Script's output (`onceflow migrate
 // print`): the SQL of each step plus the insert that records its version, so
-// Up and Check see it. The bare files in FS record nothing.
+// Up and Check see it. The bare files in FS record nothing: on a schema
+// built from them, Check's error (and Up's refusal) gives the SQL that
+// records the versions applied.
 package migrations

@@ -106,6 +106,10 @@ func All() ([]Migration, error) {
 // transaction holds off every producer's insert meanwhile): past it, Up
 // fails, applying nothing, naming the sessions that hold the schema's
 // tables. UpWith sets another bound.
+// A schema that holds onceflow's tables but no version table (applied
+// from the files by another tool) is refused, changing nothing, with the
+// *MissingError Check returns, whose message gives the SQL that records
+// the versions applied.
 func Up(ctx context.Context, db Beginner, schema string) ([]int, error) {
 	return UpWith(ctx, db, schema, nil)
 }
@@ -624,10 +628,20 @@ func inLockedTx(ctx context.Context, db Beginner, schema string, create bool, fn
 		// PostgreSQL checks the privilege to create a schema or a table
 		// (which a service role using its schema often lacks) before IF
 		// NOT EXISTS looks.
-		var hasSchema, hasVersions bool
-		if err := tx.QueryRow(ctx, `SELECT to_regnamespace($1) IS NOT NULL, to_regclass($2) IS NOT NULL`,
-			ident, pgx.Identifier{schema, "schema_migrations"}.Sanitize()).Scan(&hasSchema, &hasVersions); err != nil {
+		var hasSchema, hasVersions, hasOutbox bool
+		if err := tx.QueryRow(ctx, `SELECT to_regnamespace($1) IS NOT NULL, to_regclass($2) IS NOT NULL, to_regclass($3) IS NOT NULL`,
+			ident, pgx.Identifier{schema, "schema_migrations"}.Sanitize(), pgx.Identifier{schema, "outbox"}.Sanitize()).Scan(&hasSchema, &hasVersions, &hasOutbox); err != nil {
 			return fmt.Errorf("migrations: look up schema %s: %w", ident, err)
+		}
+		if create && hasOutbox && !hasVersions {
+			// Tables applied from the files by another tool: applying
+			// 0001 would fail on them. Check's advice says how to record
+			// what was applied.
+			all, err := All()
+			if err != nil {
+				return err
+			}
+			return &MissingError{Schema: schema, Missing: all, NoVersionTable: true, Tables: true}
 		}
 		if create && !hasSchema {
 			if _, err := tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+ident); err != nil {

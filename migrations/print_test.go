@@ -101,7 +101,9 @@ func TestCheckWithoutVersionTable(t *testing.T) {
 	all, _ := migrations.All()
 	execScript(t, `CREATE SCHEMA `+pgx.Identifier{schema}.Sanitize()+`; SET search_path TO `+pgx.Identifier{schema}.Sanitize()+`, public; `+all[0].Up+`; RESET search_path`)
 	err := migrations.Check(ctx, pool, schema)
-	if !errors.As(err, &missing) || !strings.Contains(err.Error(), "migrate print") {
+	// Not `onceflow migrate print` output nor `migrate up`, which fail on
+	// the tables there: the SQL that records them.
+	if !errors.As(err, &missing) || strings.Contains(err.Error(), "migrate print") || !strings.Contains(err.Error(), "INSERT INTO") {
 		t.Fatalf("Check on hand-applied tables: %v", err)
 	}
 }

@@ -152,7 +152,10 @@ type MissingError struct {
 	// Missing lists the migrations not recorded, in version order.
 	Missing []Migration
 	// NoVersionTable is set when schema_migrations does not exist; Tables
-	// then says whether onceflow's outbox table does (files applied by hand).
+	// then says whether onceflow's outbox table does (files applied by
+	// hand). With both, Error gives the SQL that creates the version table
+	// and records the versions applied (1 to a placeholder <N> the
+	// operator fills in), and Up refuses the schema with this error.
 	NoVersionTable, Tables bool
 }
 
@@ -164,11 +167,28 @@ func (e *MissingError) Error() string {
 	ident := pgx.Identifier{e.Schema}.Sanitize()
 	if e.NoVersionTable && e.Tables {
 		return fmt.Sprintf("migrations: schema %s has onceflow's tables but no schema_migrations table (applied from the files by another tool?), "+
-			"so none of %s is recorded: apply `onceflow migrate print` output, which records each version, or use `onceflow migrate up`",
-			ident, strings.Join(names, ", "))
+			"so no migration is recorded and `onceflow migrate up` would fail creating what is there. "+
+			"Record the versions applied, 1 to <N>, <N> the highest NNNN of the up files your tool ran: `%s` "+
+			"then run `onceflow migrate up` for the rest",
+			ident, recordSQL(e.Schema, e.Missing))
 	}
 	return fmt.Sprintf("migrations: schema %s lacks %s: run `onceflow migrate up` (or apply `onceflow migrate print --version N` with your own tool)",
 		ident, strings.Join(names, ", "))
+}
+
+// recordSQL is the SQL, on one line, that creates schema's version table
+// and records the versions of steps up to <N>, a placeholder the operator
+// replaces (left in place it is a syntax error, recording nothing).
+func recordSQL(schema string, steps []Migration) string {
+	values := make([]string, len(steps))
+	for i, m := range steps {
+		values[i] = fmt.Sprintf("(%d, '%s')", m.Version, strings.ReplaceAll(m.Name, "'", "''"))
+	}
+	table := pgx.Identifier{schema, "schema_migrations"}.Sanitize()
+	create := strings.Replace(strings.Join(strings.Fields(versionTableSQL), " "), "schema_migrations (", table+" (", 1)
+	create = strings.Replace(create, "( ", "(", 1)
+	return fmt.Sprintf("BEGIN; %s; INSERT INTO %s (version, name) SELECT v, n FROM (VALUES %s) m (v, n) WHERE v <= <N>; COMMIT;",
+		create, table, strings.Join(values, ", "))
 }
 
 // Check reports, as a *MissingError, every migration up to Latest that is

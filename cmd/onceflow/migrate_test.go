@@ -366,3 +366,48 @@ func TestMigrateUpLockTimeoutFromTheEnvironment(t *testing.T) {
 		t.Errorf("migrate up with ONCEFLOW_MIGRATE_LOCK_TIMEOUT=0: err %v, want a usage error", err)
 	}
 }
+
+// A schema whose tables another tool applied from the bare files has no
+// version table. The advice migrate up and the relay gave for it (apply
+// `onceflow migrate print` output, or run `onceflow migrate up`) failed
+// both ways: relation "outbox" already exists. migrate up refuses it,
+// changing nothing, with SQL that records the versions applied, and
+// after that SQL applies the rest.
+func TestMigrateUpOnHandAppliedTablesSaysHowToRecordThem(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	schema := pgtest.EmptySchema(t)
+	ident := pgx.Identifier{schema}.Sanitize()
+	all, err := migrations.All()
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn := pgtest.Conn(t)
+	if _, err := conn.Exec(ctx, `CREATE SCHEMA `+ident+`; SET search_path TO `+ident+`, public`); err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range all[:3] {
+		if _, err := conn.Exec(ctx, m.Up); err != nil {
+			t.Fatal(err)
+		}
+	}
+	flags := []string{"--database-url", pgtest.URL(t), "--schema", schema}
+	out, err := runCLI(t, append([]string{"migrate", "up"}, flags...)...)
+	if err == nil || errors.Is(err, errUsage) || strings.Contains(err.Error(), "already exists") || !strings.Contains(err.Error(), "<N>") {
+		t.Fatalf("migrate up on hand-applied tables: %v, want a failure (exit 1) with SQL that records them\n%s", err, out)
+	}
+	// The SQL between backquotes, as an operator would copy it.
+	var record string
+	for i, part := range strings.Split(err.Error(), "`") {
+		if i%2 == 1 && strings.HasPrefix(part, "BEGIN; CREATE TABLE") {
+			record = strings.ReplaceAll(part, "<N>", "3")
+		}
+	}
+	if _, err := pgtest.Conn(t).Exec(ctx, record); err != nil {
+		t.Fatalf("the advised SQL %q: %v", record, err)
+	}
+	out, err = runCLI(t, append([]string{"migrate", "up"}, flags...)...)
+	if err != nil || strings.Contains(out, "applied 0003") || !strings.Contains(out, "applied 0004") {
+		t.Fatalf("migrate up after the advised SQL: %v\n%s", err, out)
+	}
+}
