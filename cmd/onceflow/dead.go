@@ -49,7 +49,6 @@ func runDead(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		if err := c.parse(fs, rest, false); err != nil {
 			return err
 		}
-		warnUnknownEnv(stderr)
 		if *limit < 1 {
 			return fmt.Errorf("%w: --limit must be at least 1", errUsage)
 		}
@@ -108,7 +107,6 @@ func runDead(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		if err := c.parse(fs, rest, false); err != nil {
 			return err
 		}
-		warnUnknownEnv(stderr)
 		idList, err := parseIDs(fs, *ids, *all)
 		if err != nil {
 			return err
@@ -156,7 +154,6 @@ func runDead(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		if err := c.parse(fs, rest, false); err != nil {
 			return err
 		}
-		warnUnknownEnv(stderr)
 		idList, err := parseIDs(fs, *ids, false)
 		if err != nil {
 			return err

@@ -25,16 +25,18 @@ func TestAMistypedVariableIsNamed(t *testing.T) {
 	t.Setenv("ONCEFLOW_HTTP_ADRR", ":9999")
 	t.Setenv("ONCEFLOW_TEST_SOMETHING", "x") // the tests' own: left alone
 
-	out, err := runCLI(t, "status", "--database-url", url, "--schema", schema)
-	if err != nil {
-		t.Fatalf("status: %v\n%s", err, out)
-	}
-	want := "ONCEFLOW_HTTP_ADRR is set, but onceflow reads no such variable: it is ignored (did you mean ONCEFLOW_HTTP_ADDR?)"
-	if !strings.Contains(out, want) {
-		t.Errorf("status's output does not warn of the mistyped variable; want %q in:\n%s", want, out)
-	}
-	if strings.Contains(out, "ONCEFLOW_TEST_SOMETHING") {
-		t.Errorf("status warns of a test harness variable:\n%s", out)
+	for _, cmd := range [][]string{{"status"}, {"migrate", "status"}, {"dead", "list"}} {
+		out, err := runCLI(t, append(cmd, "--database-url", url, "--schema", schema)...)
+		if err != nil {
+			t.Fatalf("%v: %v\n%s", cmd, err, out)
+		}
+		want := "ONCEFLOW_HTTP_ADRR is set, but onceflow reads no such variable: it is ignored (did you mean ONCEFLOW_HTTP_ADDR?)"
+		if !strings.Contains(out, want) {
+			t.Errorf("%v's output does not warn of the mistyped variable; want %q in:\n%s", cmd, want, out)
+		}
+		if strings.Contains(out, "ONCEFLOW_TEST_SOMETHING") {
+			t.Errorf("%v warns of a test harness variable:\n%s", cmd, out)
+		}
 	}
 
 	c, err := kfake.NewCluster(kfake.NumBrokers(1))

@@ -77,6 +77,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	cmd, rest := args[0], args[1:]
 	switch cmd {
+	case "migrate", "status", "dead":
+		// The relay logs these at start instead; the demo reads no variables.
+		warnUnknownEnv(stderr)
+	}
+	switch cmd {
 	case "migrate":
 		return runMigrate(ctx, rest, stdout, stderr)
 	case "relay":

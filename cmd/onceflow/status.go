@@ -18,7 +18,6 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	if err := c.parse(fs, args, false); err != nil {
 		return err
 	}
-	warnUnknownEnv(stderr)
 	pool, err := c.connectMigrated(ctx)
 	if err != nil {
 		return err
