@@ -135,10 +135,17 @@ func newStore(schema string) (*store, error) {
 	// at work, and taking its key over would run the work twice at once.
 	// (Transactional claims have no lease and never commit running.)
 	const live = `CASE WHEN k.state = 'running' THEN coalesce(k.lease_until > now(), false) ELSE k.expires_at > now() END`
+	// A dead record may be taken over by the request with fingerprint $3
+	// unless it is a running claim whose holder died (its lease lapsed), of
+	// another request, that has not expired: the holder's side effect may
+	// have happened under the key, and another request run under it would
+	// be answered, downstream, with the first one's outcome.
+	const takeable = `(k.state <> 'running' OR k.fingerprint = $3 OR k.expires_at <= now())`
 	claimSQL := func(lock string) string {
 		// The INSERT takes a free key. Otherwise the outer SELECT reads the
-		// record in the way and whether it is live; a dead one (expired, or
-		// running with a lapsed lease) is taken over by takeoverSQL. A record
+		// record in the way, whether it is live, and whether this request
+		// may take it over if dead; a dead one (expired, or running with a
+		// lapsed lease) is taken over by takeoverSQL. A record
 		// committed after this statement's snapshot is in the way but
 		// invisible: the caller sees neither and runs the statement again.
 		// DO NOTHING takes no row lock, so replays never write.
@@ -151,7 +158,7 @@ ins AS (
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING 1
 )
-SELECT (SELECT got FROM lock), EXISTS (SELECT FROM ins), coalesce(` + live + `, false),
+SELECT (SELECT got FROM lock), EXISTS (SELECT FROM ins), coalesce(` + live + `, false), coalesce(` + takeable + `, false),
     k.state, k.fingerprint, k.status, k.headers, k.body
 FROM (SELECT) AS one
 LEFT JOIN ` + t + ` AS k ON k.scope = $1 AND k.key = $2 AND NOT EXISTS (SELECT FROM ins)`
@@ -166,16 +173,13 @@ WHERE k.scope = $1 AND k.key = $2 AND ` + live,
 		claimTxSQL:     claimSQL(`pg_try_advisory_xact_lock($7::bigint)`),
 		claimLeasedSQL: claimSQL(`true`),
 		// UPDATE re-checks its WHERE on the newest row version, so of two
-		// callers taking over one dead record, one wins. A running record
-		// whose holder died (its lease lapsed) is taken over only by the
-		// same request until it expires: the holder's side effect may have
-		// happened under the key, and another request run under it would
-		// be answered, downstream, with the first one's outcome.
+		// callers taking over one dead record, one wins; the loser changes
+		// no row. A running record whose holder died (its lease lapsed) is
+		// taken over only by the same request until it expires (takeable).
 		takeoverSQL: `UPDATE ` + t + ` AS k SET fingerprint = $3, state = 'running', token = $4,
     lease_until = now() + $5::float8 * interval '1 second', status = NULL, headers = NULL, body = NULL,
     created_at = now(), completed_at = NULL, expires_at = now() + $6::float8 * interval '1 second'
-WHERE k.scope = $1 AND k.key = $2 AND NOT (` + live + `)
-    AND (k.state <> 'running' OR k.fingerprint = $3 OR k.expires_at <= now())`,
+WHERE k.scope = $1 AND k.key = $2 AND NOT (` + live + `) AND ` + takeable,
 		// Every parameter is text, bytea, a number or cast, so the statements
 		// need no server-described parameter types: they work in every pgx
 		// QueryExecMode, exec and simple_protocol included (PgBouncer).
@@ -299,8 +303,8 @@ func (s *store) tryClaim(ctx context.Context, db querier, c claim, lease, window
 		args = append(args, lockKey(s.table, c.scope, c.key))
 	}
 	for attempt := 0; ; attempt++ {
-		var got, inserted, live bool
-		rec, err := scanRecord(db.QueryRow(ctx, sql, args...), &got, &inserted, &live)
+		var got, inserted, live, takeable bool
+		rec, err := scanRecord(db.QueryRow(ctx, sql, args...), &got, &inserted, &live, &takeable)
 		var pgErr *pgconn.PgError
 		switch {
 		case errors.As(err, &pgErr) && pgErr.Code == "54000": // program_limit_exceeded: the key does not fit the index
@@ -313,6 +317,13 @@ func (s *store) tryClaim(ctx context.Context, db querier, c claim, lease, window
 			return true, nil, nil
 		case rec != nil && live:
 			return false, rec, nil
+		case rec != nil && !takeable:
+			// A dead holder's key, another request: refused, with no
+			// takeover tried. The answer is the record as just read: this
+			// request is answered as if before any retry of the holder's
+			// that takes the key over after this read.
+			rec.lapsed = true
+			return false, rec, nil
 		case rec != nil: // dead: take it over
 			tag, err := db.Exec(ctx, s.takeoverSQL, args[:6]...)
 			if err != nil {
@@ -321,12 +332,11 @@ func (s *store) tryClaim(ctx context.Context, db querier, c claim, lease, window
 			if tag.RowsAffected() == 1 {
 				return true, nil, nil
 			}
-			if rec.state == stateRunning && !bytes.Equal(rec.fingerprint, c.fingerprint) {
-				// A dead holder's key, another request: refused
-				// (takeoverSQL), not raced.
-				rec.lapsed = true
-				return false, rec, nil
-			}
+			// Another claimer changed the record since it was read (took
+			// it over, or finished or released it): the record read is
+			// stale, so read the key again and answer from what won, not
+			// from the dead record (whose fingerprint may differ from
+			// that of a live claim of this very request).
 		}
 		if attempt == 10 {
 			return false, nil, fmt.Errorf("claim of key %q kept racing with other claims", c.key)
