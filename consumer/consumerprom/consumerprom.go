@@ -109,7 +109,12 @@ func (h *Hook) OnRetry(e consumer.RetryEvent) {
 }
 
 // topicCounters are one (consumer, topic)'s counters, created together at
-// 0 so that rate() and increase() see a topic's first retry or dead letter.
+// 0 by the topic's first event, so that rate() and increase() see the
+// topic's later retries, dead letters and dead-letter failures. That first
+// event's own counter is born at 1, and Prometheus may first scrape it so
+// (a topic's first message since the process started, dead-lettered at
+// once): increase() shows no such series, and alert rules must count a new
+// series above 0 themselves, as deploy/prometheus's dead-letter alert does.
 type topicCounters struct {
 	outcomes      [consumer.DeadLettered + 1]prometheus.Counter
 	retries, dead prometheus.Counter
@@ -127,8 +132,7 @@ func (h *Hook) counters(name, topic string) *topicCounters {
 	for _, o := range []consumer.Outcome{consumer.Processed, consumer.Duplicate, consumer.DeadLettered} {
 		c.outcomes[o] = h.messages.WithLabelValues(name, topic, o.String())
 	}
-	// At 0 from the topic's first message: a counter born at 1 on the
-	// first failure shows no increase() to an alert.
+	// At 0 from the topic's first event on (see topicCounters).
 	for _, reason := range []string{"topic-missing", "too-large", "other"} {
 		h.dlqFail.WithLabelValues(name, topic, reason)
 	}
@@ -150,5 +154,6 @@ func (h *Hook) OnDeadLetterFailed(e consumer.DeadLetterFailedEvent) {
 	case e.TooLarge:
 		reason = "too-large"
 	}
+	h.counters(e.Consumer, e.Message.Topic) // a message with no id fails here first
 	h.dlqFail.WithLabelValues(e.Consumer, e.Message.Topic, reason).Inc()
 }
