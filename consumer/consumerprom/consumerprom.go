@@ -24,9 +24,17 @@
 //   - onceflow_consumer_transaction_seconds{mode="message|batch"}: begin to
 //     commit of a committed transaction, the handler latency as the
 //     database sees it
+//   - onceflow_consumer_oldest_in_flight_seconds{topic}: how long the
+//     longest-running attempt at a message of topic in the consumer's hands
+//     has run (since the message was taken, or since the backoff after its
+//     last failed attempt; its dead-letter publish included); 0 when none
+//     is in flight. A handler that hangs (a lock wait, a call with no
+//     deadline) shows here, and nowhere else: the lag gauge holds the last
+//     finished message's lag, and nothing finishes or retries
 package consumerprom
 
 import (
+	"context"
 	"strconv"
 	"sync"
 	"time"
@@ -37,9 +45,10 @@ import (
 )
 
 // Hook implements consumer.HookDone, consumer.HookRetry,
-// consumer.HookDeadLetter, consumer.HookDeadLetterFailed and
-// consumer.HookBatch. It is safe for concurrent use; one Hook may
-// serve several Processors.
+// consumer.HookDeadLetter, consumer.HookDeadLetterFailed,
+// consumer.HookBatch and, to know which messages are in flight,
+// consumer.HookTrace. It is safe for concurrent use; one Hook may serve
+// several Processors.
 type Hook struct {
 	messages *prometheus.CounterVec
 	retries  *prometheus.CounterVec
@@ -55,6 +64,7 @@ var (
 	_ consumer.HookRetry      = (*Hook)(nil)
 	_ consumer.HookDeadLetter = (*Hook)(nil)
 	_ consumer.HookBatch      = (*Hook)(nil)
+	_ consumer.HookTrace      = (*Hook)(nil)
 
 	_ consumer.HookDeadLetterFailed = (*Hook)(nil)
 )
@@ -76,7 +86,10 @@ func NewHook(reg prometheus.Registerer) *Hook {
 			Help:    "Begin to commit of committed consumer transactions (dedup record plus handler).",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16)}, []string{"consumer", "mode"}),
 	}
-	reg.MustRegister(h.messages, h.retries, h.dead, h.lag, h.dlqFail, h.txn)
+	inFlight := inFlightCollector{h: h, desc: prometheus.NewDesc("onceflow_consumer_oldest_in_flight_seconds",
+		"How long the longest-running attempt at a message in flight has run: since the message was taken, or since the backoff after its last failed attempt (its dead-letter publish included); 0 with none in flight.",
+		[]string{"consumer", "topic"}, nil)}
+	reg.MustRegister(h.messages, h.retries, h.dead, h.lag, h.dlqFail, h.txn, inFlight)
 	return h
 }
 
@@ -109,15 +122,19 @@ func (h *Hook) OnRetry(e consumer.RetryEvent) {
 }
 
 // topicCounters are one (consumer, topic)'s counters, created together at
-// 0 by the topic's first event, so that rate() and increase() see the
-// topic's later retries, dead letters and dead-letter failures. That first
-// event's own counter is born at 1, and Prometheus may first scrape it so
-// (a topic's first message since the process started, dead-lettered at
-// once): increase() shows no such series, and alert rules must count a new
-// series above 0 themselves, as deploy/prometheus's dead-letter alert does.
+// 0 when the consumer takes the topic's first message (TraceStart), before
+// any outcome, so that rate() and increase() see the topic's retries, dead
+// letters and dead-letter failures once a scrape has seen them at 0. A
+// topic's first message since the process started may still be
+// dead-lettered before the next scrape, and its counter first scraped at 1:
+// increase() shows no such series, so alert rules count a new series above
+// 0 themselves, as deploy/prometheus's dead-letter alert does.
 type topicCounters struct {
 	outcomes      [consumer.DeadLettered + 1]prometheus.Counter
 	retries, dead prometheus.Counter
+
+	mu      sync.Mutex
+	flights map[*flight]struct{} // the topic's messages in flight
 }
 
 func (h *Hook) counters(name, topic string) *topicCounters {
@@ -128,11 +145,12 @@ func (h *Hook) counters(name, topic string) *topicCounters {
 	c := &topicCounters{
 		retries: h.retries.WithLabelValues(name, topic),
 		dead:    h.dead.WithLabelValues(name, topic),
+		flights: make(map[*flight]struct{}),
 	}
 	for _, o := range []consumer.Outcome{consumer.Processed, consumer.Duplicate, consumer.DeadLettered} {
 		c.outcomes[o] = h.messages.WithLabelValues(name, topic, o.String())
 	}
-	// At 0 from the topic's first event on (see topicCounters).
+	// At 0 from the topic's first message on (see topicCounters).
 	for _, reason := range []string{"topic-missing", "too-large", "other"} {
 		h.dlqFail.WithLabelValues(name, topic, reason)
 	}
@@ -154,6 +172,72 @@ func (h *Hook) OnDeadLetterFailed(e consumer.DeadLetterFailedEvent) {
 	case e.TooLarge:
 		reason = "too-large"
 	}
-	h.counters(e.Consumer, e.Message.Topic) // a message with no id fails here first
+	h.counters(e.Consumer, e.Message.Topic) // made by TraceStart, unless a wrapper left it out
 	h.dlqFail.WithLabelValues(e.Consumer, e.Message.Topic, reason).Inc()
+}
+
+// flight is a message in the consumer's hands, from TraceStart to TraceEnd.
+type flight struct {
+	c *topicCounters
+	// since is when its current attempt began; guarded by c.mu.
+	since time.Time
+}
+
+// flightKey finds a Hook's flight in a message's context.
+type flightKey struct{ h *Hook }
+
+// TraceStart implements consumer.HookTrace: the message is in flight from
+// now, and its topic's counters exist (at 0) before its outcome.
+func (h *Hook) TraceStart(ctx context.Context, e consumer.TraceStartEvent) context.Context {
+	c := h.counters(e.Consumer, e.Message.Topic)
+	f := &flight{c: c, since: time.Now()}
+	c.mu.Lock()
+	c.flights[f] = struct{}{}
+	c.mu.Unlock()
+	return context.WithValue(ctx, flightKey{h}, f)
+}
+
+// TraceRetry implements consumer.HookTrace: the message's next attempt
+// begins after the backoff, so a message that keeps failing, however long
+// its backoffs, is not taken for hung.
+func (h *Hook) TraceRetry(ctx context.Context, e consumer.RetryEvent) {
+	if f, ok := ctx.Value(flightKey{h}).(*flight); ok {
+		f.c.mu.Lock()
+		f.since = time.Now().Add(e.Backoff)
+		f.c.mu.Unlock()
+	}
+}
+
+// TraceEnd implements consumer.HookTrace: the message is finished or
+// abandoned.
+func (h *Hook) TraceEnd(ctx context.Context, _ consumer.TraceEndEvent) {
+	if f, ok := ctx.Value(flightKey{h}).(*flight); ok {
+		f.c.mu.Lock()
+		delete(f.c.flights, f)
+		f.c.mu.Unlock()
+	}
+}
+
+// inFlightCollector reports onceflow_consumer_oldest_in_flight_seconds
+// at scrape time, for every (consumer, topic) seen.
+type inFlightCollector struct {
+	h    *Hook
+	desc *prometheus.Desc
+}
+
+func (c inFlightCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c inFlightCollector) Collect(ch chan<- prometheus.Metric) {
+	now := time.Now()
+	c.h.byTopic.Range(func(k, v any) bool {
+		key, tc := k.([2]string), v.(*topicCounters)
+		var age time.Duration
+		tc.mu.Lock()
+		for f := range tc.flights {
+			age = max(age, now.Sub(f.since))
+		}
+		tc.mu.Unlock()
+		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, age.Seconds(), key[0], key[1])
+		return true
+	})
 }
