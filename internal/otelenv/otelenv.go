@@ -31,6 +31,8 @@ import (
 // process; tracing must not stop one from starting): an exporter other
 // than otlp in the list, and a protocol other than http/protobuf, which
 // turns export off (HTTP sent to a gRPC collector's port cannot work).
+// Values are read case-insensitively, as the specification asks of enum
+// values: OTEL_TRACES_EXPORTER=OTLP is otlp, NONE is none.
 func Enabled(getenv func(string) string, warn func(string)) bool {
 	if strings.EqualFold(getenv("OTEL_SDK_DISABLED"), "true") {
 		return false
@@ -39,7 +41,7 @@ func Enabled(getenv func(string) string, warn func(string)) bool {
 	if list := strings.TrimSpace(getenv("OTEL_TRACES_EXPORTER")); list != "" {
 		on = false
 		for _, exp := range strings.Split(list, ",") {
-			switch exp = strings.TrimSpace(exp); exp {
+			switch exp = strings.TrimSpace(exp); strings.ToLower(exp) {
 			case "":
 			case "otlp":
 				on = true
@@ -57,7 +59,7 @@ func Enabled(getenv func(string) string, warn func(string)) bool {
 	if proto == "" {
 		name, proto = "OTEL_EXPORTER_OTLP_PROTOCOL", getenv("OTEL_EXPORTER_OTLP_PROTOCOL")
 	}
-	if proto != "" && proto != "http/protobuf" {
+	if p := strings.TrimSpace(proto); p != "" && !strings.EqualFold(p, "http/protobuf") {
 		warn(fmt.Sprintf("%s=%q is not supported (only http/protobuf): traces are not exported", name, proto))
 		return false
 	}
@@ -65,7 +67,8 @@ func Enabled(getenv func(string) string, warn func(string)) bool {
 }
 
 // Setup returns the tracer provider the environment asks for and a
-// function that flushes and stops it (waiting at most 5 s). When tracing is
+// function that flushes and stops it (waiting at most 5 s; a flush that
+// does not finish in time, spans lost, goes to warn). When tracing is
 // enabled it also becomes the global provider, with the W3C trace-context
 // and baggage propagators. The exporter speaks OTLP over HTTP
 // (http/protobuf) and reads the other OTEL_EXPORTER_OTLP_* variables itself
@@ -96,6 +99,8 @@ func Setup(ctx context.Context, service string, warn func(string)) (trace.Tracer
 	return tp, func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
-		_ = tp.Shutdown(ctx)
+		if err := tp.Shutdown(ctx); err != nil {
+			warn(fmt.Sprintf("shutdown: spans not yet exported may be lost: %v", err))
+		}
 	}, nil
 }
