@@ -2,6 +2,7 @@ package otelonceflow
 
 import (
 	"context"
+	"errors"
 	"strconv"
 	"unicode/utf8"
 
@@ -48,8 +49,11 @@ const (
 // messaging.destination.name, messaging.destination.partition.id,
 // messaging.kafka.message.key, messaging.kafka.offset,
 // messaging.consumer.group.name, messaging.message.id; and adds the
-// onceflow.* attributes above. A retry adds a "retry" event; a dead letter
-// sets the span's status to Error. Safe for concurrent use.
+// onceflow.* attributes above. A retry adds a "retry" event. A dead letter
+// sets the span's status to Error and error.type to the type of the
+// handler's error (or ErrorTypeNoMessageID); an abandoned message's span
+// gets status Error and error.type ErrorTypeAbandoned. Safe for concurrent
+// use.
 type Consumer struct {
 	tracer     trace.Tracer
 	propagator propagation.TextMapPropagator
@@ -132,6 +136,7 @@ func (c *Consumer) TraceEnd(ctx context.Context, e consumer.TraceEndEvent) {
 	span.SetAttributes(attrs...)
 	switch {
 	case e.Outcome == consumer.DeadLettered:
+		span.SetAttributes(errorType(e.Err))
 		if e.Err != nil {
 			span.RecordError(e.Err)
 			span.SetStatus(codes.Error, "dead-lettered: "+e.Err.Error())
@@ -139,7 +144,35 @@ func (c *Consumer) TraceEnd(ctx context.Context, e consumer.TraceEndEvent) {
 			span.SetStatus(codes.Error, "dead-lettered")
 		}
 	case e.Outcome == 0 && e.Err != nil:
+		span.SetAttributes(semconv.ErrorTypeKey.String(ErrorTypeAbandoned))
 		span.SetStatus(codes.Error, "abandoned: "+e.Err.Error())
 	}
 	span.End()
+}
+
+// error.type values of this package's own, for failures that are not an
+// error of a type of their own.
+const (
+	// ErrorTypeNoMessageID is a message dead-lettered for want of a
+	// usable id (consumer.ErrNoMessageID).
+	ErrorTypeNoMessageID = "onceflow.no_message_id"
+	// ErrorTypeAbandoned is a message left unfinished (shutdown, lost
+	// partition, a failed batch's message then processed alone), which is
+	// processed again.
+	ErrorTypeAbandoned = "onceflow.abandoned"
+)
+
+// errorType is the error.type of a dead-lettered message's span: the type
+// of the handler's error (see semconv.ErrorType; consumer.Permanent is a
+// marker, so the type it wraps), ErrorTypeNoMessageID, or _OTHER when
+// there is no error.
+func errorType(err error) attribute.KeyValue {
+	if errors.Is(err, consumer.ErrNoMessageID) {
+		return semconv.ErrorTypeKey.String(ErrorTypeNoMessageID)
+	}
+	var pe *consumer.PermanentError
+	if errors.As(err, &pe) && pe.Err != nil {
+		err = pe.Err
+	}
+	return semconv.ErrorType(err)
 }
