@@ -59,7 +59,11 @@ type Config struct {
 	// as the W3C trace context (traceparent, tracestate, baggage) that
 	// otelonceflow.NewInjector's Injector records, so the consumer's span joins the
 	// producer's trace. A header the message sets itself wins over an
-	// injected one, and an injected "message-id" is ignored. Injected
+	// injected one, and an injected "message-id" is ignored. The trace
+	// context is one unit: a message that sets its own traceparent or
+	// tracestate (forwarding another trace's context) gets none of the
+	// injected traceparent, tracestate and baggage; one that sets only
+	// baggage keeps it and still gets the injected trace context. Injected
 	// headers must be text like the message's own: Write refuses a message
 	// that would carry one that is not with ErrInvalidMessage. Defaults to
 	// nil: no header is added.
@@ -131,7 +135,7 @@ func (w *Writer) Write(ctx context.Context, db DB, msgs ...Message) error {
 	var injected map[string]string
 	// notText lists the injected headers that are not text, checked once:
 	// the injector's headers are the same for every message, and a message
-	// that sets such a header itself does not use the injected one.
+	// that does not use the injected one (usesInjected) may do without.
 	var notText []string
 	if w.inject != nil {
 		injected = make(map[string]string, 3)
@@ -153,7 +157,7 @@ func (w *Writer) Write(ctx context.Context, db DB, msgs ...Message) error {
 			return fmt.Errorf("outbox: message %d: %w", i, err)
 		}
 		for _, k := range notText {
-			if _, own := m.Headers[k]; !own {
+			if usesInjected(m.Headers, k) {
 				return fmt.Errorf("outbox: message %d: %w: injected header %q (Config.Inject): %s", i, ErrInvalidMessage, k, notTextReason)
 			}
 		}
@@ -194,20 +198,48 @@ func (w *Writer) Write(ctx context.Context, db DB, msgs ...Message) error {
 type idTopic struct{ id, topic string }
 
 // withInjected returns h with the injected headers it does not set itself,
-// leaving h as it was.
+// leaving h as it was. traceparent and tracestate are one unit (W3C Trace
+// Context: a tracestate belongs to its traceparent's trace), and baggage
+// goes with them: a message that sets either of the two forwards a trace
+// context of its own and gets none of the three injected. Other headers
+// are taken one by one.
 func withInjected(h, injected map[string]string) map[string]string {
 	if len(injected) == 0 {
 		return h
 	}
 	out := make(map[string]string, len(h)+len(injected))
 	for k, v := range injected {
-		out[k] = v
+		if usesInjected(h, k) {
+			out[k] = v
+		}
 	}
 	for k, v := range h {
 		out[k] = v
 	}
 	return out
 }
+
+// usesInjected reports whether a message with headers h takes the
+// injected header k (see withInjected).
+func usesInjected(h map[string]string, k string) bool {
+	if _, own := h[k]; own {
+		return false
+	}
+	switch k {
+	case traceparentHeader, tracestateHeader, baggageHeader:
+		_, tp := h[traceparentHeader]
+		_, ts := h[tracestateHeader]
+		return !tp && !ts
+	}
+	return true
+}
+
+// The W3C Trace Context and Baggage headers (see withInjected).
+const (
+	traceparentHeader = "traceparent"
+	tracestateHeader  = "tracestate"
+	baggageHeader     = "baggage"
+)
 
 // NewID returns a random (version 4) UUID for Message.ID.
 func NewID() string {

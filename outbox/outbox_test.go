@@ -302,7 +302,7 @@ func TestInjectorAddsContextHeadersWithoutOverridingTheMessages(t *testing.T) {
 		t.Fatalf("got %d rows, want 2", len(got))
 	}
 	want := []map[string]string{
-		{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "tracestate": "mine", "type": "created"},
+		{"tracestate": "mine", "type": "created"}, // the trace context is one unit: see TestInjectedTraceContextIsOneUnit
 		{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "tracestate": "vendor=1"},
 	}
 	for i, r := range got {
@@ -314,6 +314,59 @@ func TestInjectorAddsContextHeadersWithoutOverridingTheMessages(t *testing.T) {
 			if r.headers[k] != v {
 				t.Errorf("row %d header %q = %q, want %q", i, k, r.headers[k], v)
 			}
+		}
+	}
+}
+
+// traceparent and tracestate are one unit, and baggage goes with them: a
+// message that forwards a trace context of its own (an upstream's) got
+// the request's tracestate and baggage merged in header by header, so
+// consumers saw the upstream trace carrying another trace's vendor state
+// and the request's baggage. A message setting either header now gets
+// none of the injected three; one setting only baggage keeps its baggage
+// and still joins the request's trace; other injected headers still fill
+// in one by one.
+func TestInjectedTraceContextIsOneUnit(t *testing.T) {
+	t.Parallel()
+	schema := pgtest.Schema(t)
+	db := pgtest.Pool(t)
+	w, err := outbox.NewWriter(&outbox.Config{Schema: schema, Inject: ctxHeaders{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const reqTP = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+	const upTP = "00-22222222222222222222222222222222-2222222222222222-01"
+	ctx := context.WithValue(context.Background(), headersKey{}, map[string]string{
+		"traceparent": reqTP, "tracestate": "vendor=request", "baggage": "tenant=request", "x-other": "injected",
+	})
+	cases := []struct {
+		own, want map[string]string
+	}{
+		{own: map[string]string{"traceparent": upTP},
+			want: map[string]string{"traceparent": upTP, "x-other": "injected"}},
+		{own: map[string]string{"tracestate": "vendor=mine"},
+			want: map[string]string{"tracestate": "vendor=mine", "x-other": "injected"}},
+		{own: map[string]string{"traceparent": upTP, "baggage": "tenant=upstream"},
+			want: map[string]string{"traceparent": upTP, "baggage": "tenant=upstream", "x-other": "injected"}},
+		{own: map[string]string{"baggage": "tenant=mine"},
+			want: map[string]string{"traceparent": reqTP, "tracestate": "vendor=request", "baggage": "tenant=mine", "x-other": "injected"}},
+		{own: map[string]string{"x-other": "mine"},
+			want: map[string]string{"traceparent": reqTP, "tracestate": "vendor=request", "baggage": "tenant=request", "x-other": "mine"}},
+	}
+	var msgs []outbox.Message
+	for _, c := range cases {
+		msgs = append(msgs, outbox.Message{Topic: "orders", Value: []byte("v"), Headers: c.own})
+	}
+	if err := w.Write(ctx, db, msgs...); err != nil {
+		t.Fatal(err)
+	}
+	got := readOutbox(t, db, schema)
+	if len(got) != len(cases) {
+		t.Fatalf("got %d rows, want %d", len(got), len(cases))
+	}
+	for i, r := range got {
+		if fmt.Sprint(r.headers) != fmt.Sprint(cases[i].want) {
+			t.Errorf("message with own headers %v stored %v; want %v", cases[i].own, r.headers, cases[i].want)
 		}
 	}
 }
