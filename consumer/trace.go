@@ -20,7 +20,11 @@ type HookTrace interface {
 	// messages belong to many traces.
 	TraceStart(ctx context.Context, e TraceStartEvent) context.Context
 	// TraceRetry is called after every failed attempt that will be
-	// retried, with TraceStart's context.
+	// retried, with TraceStart's context. With several HookTrace hooks,
+	// each TraceStart is given the context the previous one returned, the
+	// message is processed under the last one's, and each hook's
+	// TraceRetry and TraceEnd get the context its own TraceStart returned
+	// (TraceEnd in the reverse order, innermost first).
 	TraceRetry(ctx context.Context, e RetryEvent)
 	// TraceEnd is called once per TraceStart, when the message is finished
 	// (committed, duplicate or dead-lettered) or abandoned (shutdown, lost
@@ -58,6 +62,10 @@ type TraceEndEvent struct {
 
 // traceState collects, under a traced message's context, how it finished.
 type traceState struct {
+	// hookCtx holds, with more than one trace hook, the context each
+	// hook's TraceStart returned, which its TraceRetry and TraceEnd get;
+	// with one, that is the message's context itself.
+	hookCtx   []context.Context
 	msg       Message
 	outcome   Outcome
 	attempts  int
@@ -84,10 +92,25 @@ func (p *Processor) traced(ctx context.Context, msg Message, fn func(context.Con
 func (p *Processor) traceStart(ctx context.Context, msg Message) context.Context {
 	st := &traceState{msg: msg, batch: 1}
 	msg.ID = ""
-	for _, h := range p.hooks.trace {
+	if len(p.hooks.trace) > 1 {
+		st.hookCtx = make([]context.Context, len(p.hooks.trace))
+	}
+	for i, h := range p.hooks.trace {
 		ctx = h.TraceStart(ctx, TraceStartEvent{Consumer: p.name, Message: msg})
+		if st.hookCtx != nil {
+			st.hookCtx[i] = ctx
+		}
 	}
 	return context.WithValue(ctx, traceKey{}, st)
+}
+
+// hookContext is the context hook i of p.hooks.trace gets for the message
+// traced under ctx: the one its own TraceStart returned.
+func (st *traceState) hookContext(ctx context.Context, i int) context.Context {
+	if st == nil || st.hookCtx == nil {
+		return ctx
+	}
+	return st.hookCtx[i]
 }
 
 // traceEnd calls the trace hooks' TraceEnd for the message traced under ctx
@@ -102,8 +125,9 @@ func (p *Processor) traceEnd(ctx context.Context, err error) {
 	if err != nil {
 		ev.Outcome, ev.Err, ev.DeadLetterTopic = 0, err, ""
 	}
-	for _, h := range p.hooks.trace {
-		h.TraceEnd(ctx, ev)
+	// Innermost first, as the hooks' spans nest.
+	for i := len(p.hooks.trace) - 1; i >= 0; i-- {
+		p.hooks.trace[i].TraceEnd(st.hookContext(ctx, i), ev)
 	}
 }
 
@@ -123,7 +147,8 @@ func (p *Processor) traceDeadLetter(ctx context.Context, cause error, topic stri
 }
 
 func (p *Processor) traceRetry(ctx context.Context, e RetryEvent) {
-	for _, h := range p.hooks.trace {
-		h.TraceRetry(ctx, e)
+	st, _ := ctx.Value(traceKey{}).(*traceState)
+	for i, h := range p.hooks.trace {
+		h.TraceRetry(st.hookContext(ctx, i), e)
 	}
 }
