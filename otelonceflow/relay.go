@@ -16,12 +16,18 @@ import (
 const AttrOutboxDwell = attribute.Key("onceflow.outbox.dwell_seconds")
 
 // RelayObserver is a relay.Observer that adds, for each published event
-// whose headers carry a trace context, a producer span "send <topic>"
-// linked to the producer's span (a link, not a child: the relay publishes
-// long after the request ended, in rounds of many traces), from the start of
+// whose headers carry a trace context, a producer span "send <topic>", a
+// child of the producer's span in the producer's trace, from the start of
 // the attempt that published it (its round, or the side retry of an event
 // not acknowledged within relay.Config.PublishTimeout) to Kafka's
 // acknowledgement, with onceflow.outbox.dwell_seconds.
+// The span honours the producer's sampling decision: with a
+// parent-based sampler (the SDK's default, and what OTEL_TRACES_SAMPLER's
+// parentbased_* values give) it is recorded and exported if and only if
+// the producer's trace was sampled (traceparent flags 01), whatever ratio
+// the relay's own sampler applies to new traces. The span may start and
+// end after the producer's span ended (the event waited in the outbox):
+// trace viewers show it as the later hop it is.
 // Events without a trace context get no span. It passes every call on to
 // the Observer it wraps (relayprom's, say). Set it as relay.Config.Observer.
 // Safe for concurrent use.
@@ -75,15 +81,15 @@ func (o *RelayObserver) ObservePublished(e relay.PublishedEvent) {
 	if o.nextEvents != nil {
 		o.nextEvents.ObservePublished(e)
 	}
-	producer := trace.SpanContextFromContext(o.propagator.Extract(context.Background(), propagation.MapCarrier(e.Headers)))
-	if !producer.IsValid() {
+	producer := o.propagator.Extract(context.Background(), propagation.MapCarrier(e.Headers))
+	if !trace.SpanContextFromContext(producer).IsValid() {
 		return
 	}
-	_, span := o.tracer.Start(context.Background(), "send "+e.Topic,
-		trace.WithNewRoot(),
+	// A child of the producer's span, so the sampler (ParentBased, the
+	// SDK's default) follows the producer's decision.
+	_, span := o.tracer.Start(producer, "send "+e.Topic,
 		trace.WithSpanKind(trace.SpanKindProducer),
 		trace.WithTimestamp(e.PublishStart),
-		trace.WithLinks(trace.Link{SpanContext: producer}),
 		trace.WithAttributes(
 			semconv.MessagingSystemKafka,
 			semconv.MessagingOperationTypeSend,

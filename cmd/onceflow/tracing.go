@@ -9,7 +9,8 @@ import (
 )
 
 // withTracing adds a producer span per published event carrying a trace
-// context (linked to it, with its outbox dwell time) when tp exports; with
+// context (a child of it, sampled as it was, with its outbox dwell time)
+// when tp exports; with
 // the OTEL_* variables unset tp is a no-op and obs is returned as is.
 func withTracing(obs relay.Observer, tp trace.TracerProvider) relay.Observer {
 	if _, off := tp.(noop.TracerProvider); off {
