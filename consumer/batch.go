@@ -33,9 +33,9 @@ func (p *Processor) runBatch(ctx context.Context, stop <-chan struct{}, msgs []M
 	}
 	deadLetter := func(m Message, cause error) error {
 		if len(p.hooks.trace) > 0 {
-			return p.traced(ctx, m, func(ctx context.Context) error { return p.deadLetter(ctx, stop, m, 0, cause, t) })
+			return p.traced(ctx, m, func(ctx context.Context) error { return p.deadLetter(ctx, stop, m, 0, 0, cause, t) })
 		}
-		return p.deadLetter(ctx, stop, m, 0, cause, t)
+		return p.deadLetter(ctx, stop, m, 0, 0, cause, t)
 	}
 	if len(good) > 0 {
 		switch err := p.attemptBatch(ctx, stop, good); {
@@ -170,10 +170,10 @@ func (p *Processor) batchTx(ctx context.Context, stop <-chan struct{}, msgs []Me
 			o, n = Processed, 1
 		}
 		if traces != nil {
-			p.finished(traces[i], m, o, n, dur, len(msgs), true)
+			p.finished(traces[i], m, o, n, 0, dur, len(msgs), true)
 			continue
 		}
-		p.finished(ctx, m, o, n, dur, len(msgs), true)
+		p.finished(ctx, m, o, n, 0, dur, len(msgs), true)
 	}
 	return nil
 }

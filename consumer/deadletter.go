@@ -191,7 +191,7 @@ func (p *Processor) deadLetterTopic(msg Message) (topic string) {
 // deadLetter publishes msg to the dead-letter topic, retrying the publish
 // until the broker acknowledges it: a message is never dropped silently. It
 // returns errAbandoned when ctx or stop ends first.
-func (p *Processor) deadLetter(ctx context.Context, stop <-chan struct{}, msg Message, attempts int, cause error, t Transport) error {
+func (p *Processor) deadLetter(ctx context.Context, stop <-chan struct{}, msg Message, attempts, retries int, cause error, t Transport) error {
 	rec := p.newDeadLetter(msg, attempts, cause)
 	p.log.LogAttrs(ctx, slog.LevelError, "consumer: dead-lettering message",
 		slog.String("topic", msg.Topic), slog.Int("partition", int(msg.Partition)), slog.Int64("offset", msg.Offset),
@@ -246,6 +246,6 @@ func (p *Processor) deadLetter(ctx context.Context, stop <-chan struct{}, msg Me
 	if len(p.hooks.trace) > 0 {
 		p.traceDeadLetter(ctx, cause, rec.Topic)
 	}
-	p.finished(ctx, msg, DeadLettered, attempts, 0, 1, false)
+	p.finished(ctx, msg, DeadLettered, attempts, retries, 0, 1, false)
 	return nil
 }

@@ -15,7 +15,9 @@ const (
 	// Processed: the handler ran and its transaction committed.
 	Processed Outcome = iota + 1
 	// Duplicate: the message id was already recorded; the handler did not
-	// run.
+	// run for this delivery. (A delivery whose own COMMIT lost its
+	// connection yet went through is Processed: the retry finds the
+	// record its handler's transaction committed.)
 	Duplicate
 	// DeadLettered: the message was published to the dead-letter topic.
 	DeadLettered
@@ -42,6 +44,12 @@ type DoneEvent struct {
 	Outcome  Outcome
 	// Attempts is how many times the handler ran (0 for a duplicate).
 	Attempts int
+	// Retries is how many failed attempts were retried (the HookRetry
+	// calls for it), those that failed before the handler ran or at
+	// COMMIT included. A message whose COMMIT lost its connection and
+	// went through anyway is Processed, one Attempt, one Retry: the retry
+	// found its dedup record, the effect of this very delivery.
+	Retries int
 	// Duration is the last attempt's time in the database transaction
 	// (begin to commit), the handler latency as seen by the database.
 	Duration time.Duration

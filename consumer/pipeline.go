@@ -121,7 +121,7 @@ func (p *Processor) commit(ctx context.Context, tx pgx.Tx, msg Message, la *look
 		// The connection broke: the COMMIT may or may not have
 		// happened, and the retry will tell (the dedup record).
 		la.giveBack()
-		return &lostError{fmt.Errorf("consumer %s: commit message %s: %w", p.name, msg.ID, err)}
+		return &lostError{err: fmt.Errorf("consumer %s: commit message %s: %w", p.name, msg.ID, err), atCommit: true}
 	}
 }
 
@@ -174,7 +174,7 @@ func (p *Processor) commitError(tx pgx.Tx, msg Message, err error) error {
 		// the server ended for the transaction's own doing (it idled
 		// past idle_in_transaction_session_timeout) fails every COMMIT,
 		// and must not hold the partition forever.
-		return &lostError{fmt.Errorf("consumer %s: commit message %s: %w", p.name, msg.ID, err)}
+		return &lostError{err: fmt.Errorf("consumer %s: commit message %s: %w", p.name, msg.ID, err), atCommit: true}
 	default:
 		return fmt.Errorf("consumer %s: commit message %s: %w", p.name, msg.ID, err)
 	}

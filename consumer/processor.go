@@ -184,14 +184,18 @@ func (p *Processor) runOne(ctx context.Context, stop <-chan struct{}, msg Messag
 func (p *Processor) run(ctx context.Context, stop <-chan struct{}, msg Message, t Transport, batchMode bool, la *lookahead) error {
 	id, err := p.messageID(msg)
 	if err != nil {
-		return p.deadLetter(ctx, stop, msg, 0, err, t)
+		return p.deadLetter(ctx, stop, msg, 0, 0, err, t)
 	}
 	msg.ID = id
 	bo := p.newBackoff()
 	// runs counts the handler's runs, failed the failures that spend
-	// MaxAttempts, lost those that spend MaxLostConnections.
-	var runs, failed, lost int
+	// MaxAttempts, lost those that spend MaxLostConnections, retries the
+	// failed attempts retried.
+	var runs, failed, lost, retries int
 	var lastErr error
+	// commitUnknown is set while the last COMMIT's outcome is unknown (its
+	// connection was lost) and no attempt since found the record missing.
+	commitUnknown := false
 	for {
 		// Once the lost-connection budget is spent, the next attempt only
 		// learns whether the last lost COMMIT went through.
@@ -199,15 +203,22 @@ func (p *Processor) run(ctx context.Context, stop <-chan struct{}, msg Message, 
 		outcome, dur, ran, err := p.attempt(ctx, stop, msg, batchMode, la, resolve)
 		if ran {
 			runs++
+			commitUnknown = false // the record was not in: nothing had committed
 		}
 		var unavailable *unavailableError
 		var lostConn *lostError
 		switch {
 		case err == nil:
-			p.finished(ctx, msg, outcome, runs, dur, 1, false)
+			if outcome == Duplicate && commitUnknown {
+				// The lost COMMIT went through (only its reply was
+				// lost): the record is this delivery's, and so is the
+				// effect.
+				outcome = Processed
+			}
+			p.finished(ctx, msg, outcome, runs, retries, dur, 1, false)
 			return nil
 		case errors.Is(err, errNotCommitted):
-			return p.deadLetter(ctx, stop, msg, runs, lastErr, t)
+			return p.deadLetter(ctx, stop, msg, runs, retries, lastErr, t)
 		case ctx.Err() != nil:
 			return errAbandoned
 		case errors.As(err, &unavailable):
@@ -219,12 +230,15 @@ func (p *Processor) run(ctx context.Context, stop <-chan struct{}, msg Message, 
 			if isInsufficientPrivilege(err) {
 				level, what = slog.LevelError, `consumer: the database role lacks a privilege the consumer needs (README, "Roles and privileges"); retrying`
 			}
+			retries++
 			if !p.retryAfterAt(ctx, level, stop, msg, bo, runs, err, what) {
 				return errAbandoned
 			}
 		case errors.As(err, &lostConn):
 			lost++
 			lastErr = err
+			commitUnknown = lostConn.atCommit
+			retries++
 			if !p.retryAfter(ctx, stop, msg, bo, runs, err, "consumer: connection lost while handling message; retrying",
 				slog.Int("lost_connections", lost), slog.Int("max_lost_connections", p.cfg.MaxLostConnections)) {
 				return errAbandoned
@@ -233,8 +247,9 @@ func (p *Processor) run(ctx context.Context, stop <-chan struct{}, msg Message, 
 			failed++
 			lastErr = err
 			if IsPermanent(err) || failed >= p.cfg.MaxAttempts {
-				return p.deadLetter(ctx, stop, msg, runs, err, t)
+				return p.deadLetter(ctx, stop, msg, runs, retries, err, t)
 			}
+			retries++
 			if !p.retryAfter(ctx, stop, msg, bo, runs, err, "consumer: handler failed; retrying", slog.Int("attempt", failed)) {
 				return errAbandoned
 			}
@@ -337,7 +352,7 @@ func (p *Processor) attempt(ctx context.Context, stop <-chan struct{}, msg Messa
 					"topic", msg.Topic, "partition", msg.Partition, "offset", msg.Offset, "message_id", msg.ID, "error", err)
 			}
 		} else if tx.Conn().IsClosed() {
-			err = &lostError{err}
+			err = &lostError{err: err}
 		}
 		return 0, 0, true, err
 	}
@@ -612,14 +627,14 @@ func (p *Processor) closeRunning(stop <-chan struct{}) {
 	}
 }
 
-func (p *Processor) finished(ctx context.Context, msg Message, o Outcome, attempts int, dur time.Duration, batch int, batched bool) {
+func (p *Processor) finished(ctx context.Context, msg Message, o Outcome, attempts, retries int, dur time.Duration, batch int, batched bool) {
 	if len(p.hooks.trace) > 0 {
-		p.traceFinished(ctx, msg, o, attempts, batch)
+		p.traceFinished(ctx, msg, o, attempts, retries, batch)
 	}
 	if len(p.hooks.done) == 0 {
 		return
 	}
-	ev := DoneEvent{Consumer: p.name, Message: msg, Outcome: o, Attempts: attempts, Duration: dur, BatchSize: batch, Batched: batched}
+	ev := DoneEvent{Consumer: p.name, Message: msg, Outcome: o, Attempts: attempts, Retries: retries, Duration: dur, BatchSize: batch, Batched: batched}
 	for _, h := range p.hooks.done {
 		h.OnDone(ev)
 	}
@@ -717,10 +732,13 @@ func (e *unavailableError) Error() string { return e.err.Error() }
 func (e *unavailableError) Unwrap() error { return e.err }
 
 // lostError marks an attempt whose connection was lost after its
-// transaction began: while the handler ran, or at COMMIT (whose outcome is
-// then unknown until the next attempt's dedup insert tells). It spends
-// Config.MaxLostConnections.
-type lostError struct{ err error }
+// transaction began: while the handler ran, or at COMMIT (atCommit; the
+// outcome is then unknown until the next attempt's dedup insert tells). It
+// spends Config.MaxLostConnections.
+type lostError struct {
+	err      error
+	atCommit bool
+}
 
 func (e *lostError) Error() string { return e.err.Error() }
 

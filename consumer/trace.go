@@ -50,6 +50,10 @@ type TraceEndEvent struct {
 	Outcome Outcome
 	// Attempts is how many times the handler ran for it.
 	Attempts int
+	// Retries is how many failed attempts were retried (the TraceRetry
+	// calls for it), those that failed before the handler ran or at
+	// COMMIT included.
+	Retries int
 	// BatchSize is the size of the batch transaction that finished it; 1
 	// in per-message mode.
 	BatchSize int
@@ -69,6 +73,7 @@ type traceState struct {
 	msg       Message
 	outcome   Outcome
 	attempts  int
+	retries   int
 	batch     int
 	cause     error
 	deadTopic string
@@ -121,7 +126,7 @@ func (p *Processor) traceEnd(ctx context.Context, err error) {
 		return
 	}
 	ev := TraceEndEvent{Consumer: p.name, Message: st.msg, Outcome: st.outcome, Attempts: st.attempts,
-		BatchSize: st.batch, Err: st.cause, DeadLetterTopic: st.deadTopic}
+		Retries: st.retries, BatchSize: st.batch, Err: st.cause, DeadLetterTopic: st.deadTopic}
 	if err != nil {
 		ev.Outcome, ev.Err, ev.DeadLetterTopic = 0, err, ""
 	}
@@ -132,9 +137,9 @@ func (p *Processor) traceEnd(ctx context.Context, err error) {
 }
 
 // traceFinished records in a traced message's state how it finished.
-func (p *Processor) traceFinished(ctx context.Context, msg Message, o Outcome, attempts, batch int) {
+func (p *Processor) traceFinished(ctx context.Context, msg Message, o Outcome, attempts, retries, batch int) {
 	if st, ok := ctx.Value(traceKey{}).(*traceState); ok {
-		st.msg, st.outcome, st.attempts, st.batch = msg, o, attempts, batch
+		st.msg, st.outcome, st.attempts, st.retries, st.batch = msg, o, attempts, retries, batch
 	}
 }
 

@@ -28,7 +28,9 @@ const (
 	AttrDuplicate = attribute.Key("onceflow.duplicate")
 	// AttrAttempts is how many times the handler ran for the message.
 	AttrAttempts = attribute.Key("onceflow.attempts")
-	// AttrRetried is true when an attempt failed and was retried.
+	// AttrRetried is true when an attempt failed and was retried (the
+	// span has a "retry" event), whether the handler had run or not: a
+	// database that could not be reached, a connection lost at COMMIT.
 	AttrRetried = attribute.Key("onceflow.retried")
 	// AttrDeadLetterTopic is the topic a dead-lettered message went to.
 	AttrDeadLetterTopic = attribute.Key("onceflow.dead_letter.topic")
@@ -122,7 +124,7 @@ func (c *Consumer) TraceEnd(ctx context.Context, e consumer.TraceEndEvent) {
 		AttrOutcome.String(outcome),
 		AttrDuplicate.Bool(e.Outcome == consumer.Duplicate),
 		AttrAttempts.Int(e.Attempts),
-		AttrRetried.Bool(e.Attempts > 1),
+		AttrRetried.Bool(e.Retries > 0),
 	)
 	if e.Message.ID != "" {
 		attrs = append(attrs, semconv.MessagingMessageID(e.Message.ID))
