@@ -17,7 +17,13 @@ type HookTrace interface {
 	// batch's transaction begins, and TraceEnd after it commits, so each
 	// message's trace covers the transaction; the BatchHandler and the
 	// database calls run under the Processor's context, since the batch's
-	// messages belong to many traces.
+	// messages belong to many traces. With pipelined commits (the default,
+	// Config.PlainBegin unset), the next message's BEGIN and dedup insert
+	// go to PostgreSQL in one query with the previous message's COMMIT, so
+	// a pgx tracer (otelpgx) shows them under the previous message's
+	// context; the handler's own statements and the message's COMMIT are
+	// under its own. Set PlainBegin for each message's statements under its
+	// own trace, at one more round trip a message.
 	TraceStart(ctx context.Context, e TraceStartEvent) context.Context
 	// TraceRetry is called after every failed attempt that will be
 	// retried, with TraceStart's context. With several HookTrace hooks,
