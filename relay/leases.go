@@ -55,8 +55,14 @@ type leases struct {
 	validUntil time.Time // local clock: when the leases may have lapsed
 	excess     int       // shards to hand back at the next chance
 	releasing  []int16   // shards being handed back now
-	lapsed     bool      // the leases lapsed before a renewal: reported as 0 owned
-	claimed    bool      // the instance row is this process's (charged its crashed round)
+	// releases counts the hand-backs sent (releaseExcess), and releasedBy
+	// is, per shard, the count of the last one that gave it back: a tick
+	// keeps out of its result every shard handed back since it began
+	// renewing (its renewal may have reached the database first).
+	releases   uint64
+	releasedBy [NumShards]uint64
+	lapsed     bool // the leases lapsed before a renewal: reported as 0 owned
+	claimed    bool // the instance row is this process's (charged its crashed round)
 	changed    chan struct{}
 	// recheck asks the lease loop for a tick now (recheckSoon): a delete
 	// refused for a shard this relay no longer holds means its leases may
@@ -73,6 +79,18 @@ type leases struct {
 	// shards over for want of Kafka (logged once each way).
 	reachesKafka  func() bool
 	standingAside bool
+
+	// testHook, nil outside tests (export_test.go sets it before Run), is
+	// called at the named points of the lease upkeep, so that a test can
+	// hold one goroutine there and force an interleaving.
+	testHook func(point string)
+}
+
+// at calls the test hook, if any.
+func (l *leases) at(point string) {
+	if l.testHook != nil {
+		l.testHook(point)
+	}
 }
 
 func newLeases(st *store, id string, duration time.Duration, obs Observer, log *slog.Logger) *leases {
@@ -205,6 +223,9 @@ func (l *leases) tick(ctx context.Context) error {
 	}
 	fair := l.fairShare(live, reaching, reaches)
 
+	l.mu.Lock()
+	releases := l.releases
+	l.mu.Unlock()
 	renewed, err := l.queryShards(ctx, l.st.renewSQL, l.id, dur)
 	if err != nil {
 		return fmt.Errorf("renew shards: %w", err)
@@ -220,10 +241,17 @@ func (l *leases) tick(ctx context.Context) error {
 	}
 	slices.Sort(renewed)
 	renewed = slices.Compact(renewed)
+	l.at("renewed")
 
 	l.mu.Lock()
-	// Shards being handed back right now stay out, even if renewed above.
-	renewed = slices.DeleteFunc(renewed, func(s int16) bool { return slices.Contains(l.releasing, s) })
+	// Shards being handed back right now, or handed back since the renewal
+	// began, stay out even if renewed above: the renewal may have run
+	// before the hand-back committed, and another relay may own them now.
+	// (One that this tick took again after the hand-back is renewed, and
+	// published, from the next tick on.)
+	renewed = slices.DeleteFunc(renewed, func(s int16) bool {
+		return slices.Contains(l.releasing, s) || l.releasedBy[s] > releases
+	})
 	before := len(l.owned)
 	l.owned = renewed
 	l.validUntil = start.Add(l.duration - l.duration/6)
@@ -232,6 +260,7 @@ func (l *leases) tick(ctx context.Context) error {
 	l.lapsed = false
 	excess := l.excess
 	l.mu.Unlock()
+	l.at("installed")
 	if len(taken) > 0 {
 		l.log.Info("relay: took shards", "shards", len(taken), "owned", len(renewed))
 	}
@@ -313,10 +342,17 @@ func (l *leases) releaseExcess(ctx context.Context) error {
 	l.releasing = give
 	owned := len(l.owned)
 	l.mu.Unlock()
+	l.at("release")
 	_, err := l.st.pool.Exec(ctx, l.st.releaseSQL, l.id, give)
 	l.mu.Lock()
+	// Even if it failed: it may have committed.
+	l.releases++
+	for _, s := range give {
+		l.releasedBy[s] = l.releases
+	}
 	l.releasing = nil
 	l.mu.Unlock()
+	l.at("released")
 	if err != nil {
 		return fmt.Errorf("release shards: %w", err)
 	}

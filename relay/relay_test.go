@@ -73,6 +73,13 @@ func (b *bundle) publisher(t testing.TB) *kgopublisher.Publisher {
 // until the test ends or stop is called.
 func (b *bundle) startRelayWith(t testing.TB, pool *pgxpool.Pool, pub relay.Publisher, cfg relay.Config) (r *relay.Relay, stop func()) {
 	t.Helper()
+	return b.startHookedRelay(t, pool, pub, cfg, nil)
+}
+
+// startHookedRelay is startRelayWith, with leaseHook (if not nil) set as
+// the relay's lease test hook (relay.SetLeaseTestHook).
+func (b *bundle) startHookedRelay(t testing.TB, pool *pgxpool.Pool, pub relay.Publisher, cfg relay.Config, leaseHook func(string)) (r *relay.Relay, stop func()) {
+	t.Helper()
 	cfg.Schema = b.schema
 	if cfg.PollInterval == 0 {
 		cfg.PollInterval = 50 * time.Millisecond
@@ -83,6 +90,9 @@ func (b *bundle) startRelayWith(t testing.TB, pool *pgxpool.Pool, pub relay.Publ
 	r, err := relay.New(pool, pub, &cfg)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if leaseHook != nil {
+		relay.SetLeaseTestHook(r, leaseHook)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
