@@ -50,8 +50,12 @@ type leases struct {
 	obs      Observer
 	log      *slog.Logger
 
-	mu         sync.Mutex
-	owned      []int16   // sorted
+	mu    sync.Mutex
+	owned []int16 // sorted
+	// until is, per owned shard, the lease_until its last renewal (or
+	// take) by this process wrote: the proof at a stop that a shard's
+	// lease is still this process's when its instance row is gone.
+	until      [NumShards]time.Time
 	validUntil time.Time // local clock: when the leases may have lapsed
 	excess     int       // shards to hand back at the next chance
 	releasing  []int16   // shards being handed back now
@@ -226,14 +230,15 @@ func (l *leases) tick(ctx context.Context) error {
 	l.mu.Lock()
 	releases := l.releases
 	l.mu.Unlock()
-	renewed, err := l.queryShards(ctx, l.st.renewSQL, l.id, dur)
+	var until [NumShards]time.Time
+	renewed, err := l.queryShards(ctx, &until, l.st.renewSQL, l.id, dur)
 	if err != nil {
 		return fmt.Errorf("renew shards: %w", err)
 	}
 	var taken []int16
 	if len(renewed) < fair && charged {
 		// takeSQL also re-takes this relay's own lapsed leases first.
-		taken, err = l.queryShards(ctx, l.st.takeSQL, l.id, dur, fair-len(renewed))
+		taken, err = l.queryShards(ctx, &until, l.st.takeSQL, l.id, dur, fair-len(renewed))
 		if err != nil {
 			return fmt.Errorf("take shards: %w", err)
 		}
@@ -254,6 +259,9 @@ func (l *leases) tick(ctx context.Context) error {
 	})
 	before := len(l.owned)
 	l.owned = renewed
+	for _, s := range renewed {
+		l.until[s] = until[s]
+	}
 	l.validUntil = start.Add(l.duration - l.duration/6)
 	l.excess = max(len(renewed)-fair, 0)
 	signal := before != len(renewed) || l.excess > 0 || l.lapsed
@@ -362,25 +370,52 @@ func (l *leases) releaseExcess(ctx context.Context) error {
 }
 
 // releaseAll hands back every shard and removes the instance row, in one
-// transaction and only if the row still carries this process's token: a
-// successor may have taken the id (and the shards) after this relay's lease
-// lapsed, and its shards are not this relay's to hand back.
+// transaction. While the row carries this process's token, the shards
+// leased to its id are this process's. A row with another token means a
+// successor took the id after this relay's lease lapsed: the shards, the
+// rounds and the row are the successor's, and nothing is handed back. No
+// row at all (deleted by hand, say) proves nothing about the shards: the
+// relay writes the row back with its token for the length of the
+// transaction (another process taking the id now waits for it) and hands
+// back only the shards whose leases still end where its own last renewal
+// set them, so not those another process under the same id renewed since.
 func (l *leases) releaseAll(ctx context.Context) error {
 	l.mu.Lock()
+	owned, until := l.owned, make([]time.Time, len(l.owned))
+	for i, s := range owned {
+		until[i] = l.until[s]
+	}
 	l.owned = nil
 	l.mu.Unlock()
 	l.obs.ObserveShards(0)
 	return pgx.BeginFunc(ctx, l.st.pool, func(tx pgx.Tx) error {
 		var ours bool
 		switch err := tx.QueryRow(ctx, l.st.ownInstanceSQL, l.id, l.token).Scan(&ours); {
-		case errors.Is(err, pgx.ErrNoRows):
-			l.log.Info("relay: instance id taken by another process: its shards left alone")
+		case errors.Is(err, pgx.ErrNoRows) && !l.claimed:
+			// Stopped before its first lease round charged the id's
+			// crashed rounds: it took no shard, and the rounds are not
+			// its own to forget.
 			return nil
+		case errors.Is(err, pgx.ErrNoRows):
+			switch err := tx.QueryRow(ctx, l.st.instanceBackSQL, l.id, l.host, os.Getpid(), l.token).Scan(&ours); {
+			case errors.Is(err, pgx.ErrNoRows):
+				l.log.Info("relay: instance id taken by another process: its shards left alone")
+				return nil
+			case err != nil:
+				return fmt.Errorf("write back the instance row: %w", err)
+			}
+			tag, err := tx.Exec(ctx, l.st.releaseLeasesSQL, l.id, owned, until)
+			if err != nil {
+				return fmt.Errorf("release shards: %w", err)
+			}
+			l.log.Warn("relay: the instance row was gone (deleted by hand?); handed back the shards this process still held",
+				"shards", tag.RowsAffected())
 		case err != nil:
 			return fmt.Errorf("lock instance: %w", err)
-		}
-		if _, err := tx.Exec(ctx, l.st.releaseAllSQL, l.id, l.token); err != nil {
-			return fmt.Errorf("release shards: %w", err)
+		default:
+			if _, err := tx.Exec(ctx, l.st.releaseAllSQL, l.id, l.token); err != nil {
+				return fmt.Errorf("release shards: %w", err)
+			}
 		}
 		// A round read ahead but never sent was not cut short: forget it.
 		if _, err := tx.Exec(ctx, l.st.forgetRoundsSQL, l.id, l.token); err != nil {
@@ -393,7 +428,9 @@ func (l *leases) releaseAll(ctx context.Context) error {
 	})
 }
 
-func (l *leases) queryShards(ctx context.Context, sql string, args ...any) ([]int16, error) {
+// queryShards runs a statement returning shards and their lease_until,
+// noting each shard's lease end in until.
+func (l *leases) queryShards(ctx context.Context, until *[NumShards]time.Time, sql string, args ...any) ([]int16, error) {
 	rows, err := l.st.pool.Query(ctx, sql, args...)
 	if err != nil {
 		return nil, err
@@ -402,9 +439,14 @@ func (l *leases) queryShards(ctx context.Context, sql string, args ...any) ([]in
 	var out []int16
 	for rows.Next() {
 		var s int16
-		if err := rows.Scan(&s); err != nil {
+		var t time.Time
+		if err := rows.Scan(&s, &t); err != nil {
 			return nil, err
 		}
+		if s < 0 || int(s) >= NumShards {
+			return nil, fmt.Errorf("shard %d out of range", s)
+		}
+		until[s] = t
 		out = append(out, s)
 	}
 	return out, rows.Err()

@@ -103,6 +103,8 @@ type store struct {
 	releaseSQL       string
 	ownInstanceSQL   string
 	releaseAllSQL    string
+	instanceBackSQL  string
+	releaseLeasesSQL string
 	goodbyeSQL       string
 	landedSQL        string
 	forgetRoundsSQL  string
@@ -217,7 +219,7 @@ FROM ` + instances + ` WHERE lease_until > now()`,
 		restoreShardsSQL: `INSERT INTO ` + shards + ` (shard) SELECT g::smallint FROM generate_series(0, ` + strconv.Itoa(NumShards-1) + `) g
 ON CONFLICT (shard) DO NOTHING`,
 		renewSQL: `UPDATE ` + shards + ` SET lease_until = now() + $2::interval
-WHERE owner = $1 AND lease_until > now() RETURNING shard`,
+WHERE owner = $1 AND lease_until > now() RETURNING shard, lease_until`,
 		takeSQL: `UPDATE ` + shards + ` SET owner = $1, lease_until = now() + $2::interval
 WHERE shard IN (
     SELECT shard FROM ` + shards + `
@@ -225,7 +227,7 @@ WHERE shard IN (
     ORDER BY (owner = $1) DESC NULLS LAST, shard
     LIMIT $3
     FOR UPDATE SKIP LOCKED)
-RETURNING shard`,
+RETURNING shard, lease_until`,
 		releaseSQL: `UPDATE ` + shards + ` SET owner = NULL, lease_until = NULL WHERE owner = $1 AND shard = ANY($2::smallint[])`,
 		// The goodbye (releaseAll): one transaction, and only while the
 		// instance row still carries this process's token ($2). A
@@ -235,6 +237,17 @@ RETURNING shard`,
 		ownInstanceSQL: `SELECT true FROM ` + instances + ` WHERE id = $1 AND token = $2 FOR UPDATE`,
 		releaseAllSQL: `UPDATE ` + shards + ` SET owner = NULL, lease_until = NULL
 WHERE owner = $1 AND EXISTS (SELECT 1 FROM ` + instances + ` WHERE id = $1 AND token = $2)`,
+		// With the instance row gone (deleted by hand), the goodbye writes
+		// it back with this process's token (lapsed, and deleted again by
+		// goodbyeSQL) unless another process did meanwhile; it then
+		// releases the shards ($2) whose lease_until is still what this
+		// process's last renewal wrote ($3): a lease renewed since is
+		// another process's under the same id.
+		instanceBackSQL: `INSERT INTO ` + instances + ` (id, hostname, pid, lease_until, token) VALUES ($1, $2, $3, now(), $4)
+ON CONFLICT (id) DO NOTHING RETURNING true`,
+		releaseLeasesSQL: `UPDATE ` + shards + ` s SET owner = NULL, lease_until = NULL
+FROM unnest($2::smallint[], $3::timestamptz[]) AS x(shard, until)
+WHERE s.shard = x.shard AND s.owner = $1 AND s.lease_until = x.until`,
 		goodbyeSQL: `DELETE FROM ` + instances + ` WHERE id = $1 AND token = $2`,
 		landedSQL:  `DELETE FROM ` + rounds + ` WHERE instance = $1 AND lo = $2 AND hi = $3`,
 		forgetRoundsSQL: `DELETE FROM ` + rounds + ` WHERE instance = $1

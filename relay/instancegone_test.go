@@ -1,0 +1,119 @@
+package relay_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/outbox"
+	"github.com/onceflow/onceflow/relay"
+)
+
+// An operator deletes a live relay's relay_instances row (it looked stale
+// in `onceflow status`, say), and the relay is stopped gracefully before
+// its next heartbeat writes the row back. The stop still hands its shards
+// back (helper 85 saw them stay leased to the stopped relay, their events
+// waiting for the leases to lapse), forgets its rounds and leaves no
+// instance row.
+func TestGracefulStopHandsBackShardsAfterInstanceRowDeleted(t *testing.T) {
+	ctx := context.Background()
+	t.Run("another relay takes them at once", func(t *testing.T) {
+		b := setup(t)
+		shards := pgx.Identifier{b.schema, "relay_shards"}.Sanitize()
+		instances := pgx.Identifier{b.schema, "relay_instances"}.Sanitize()
+		topic := b.kafka.Topic(t, 4)
+		owned := func(id string) (n int) {
+			_ = b.pool.QueryRow(ctx, `SELECT count(*) FROM `+shards+` WHERE owner = $1 AND lease_until > now()`, id).Scan(&n)
+			return n
+		}
+		_, stopA := b.startRelay(t, relay.Config{InstanceID: "a", LeaseDuration: 30 * time.Second})
+		waitFor(t, "A to own every shard", 20*time.Second, func() bool { return owned("a") == relay.NumShards })
+		b.startRelay(t, relay.Config{InstanceID: "b", LeaseDuration: time.Second})
+		waitFor(t, "the shards to be shared", 30*time.Second, func() bool { return owned("a") == 128 && owned("b") == 128 })
+
+		if _, err := b.pool.Exec(ctx, `DELETE FROM `+instances+` WHERE id = 'a'`); err != nil {
+			t.Fatal(err)
+		}
+		stopA() // within A's 10 s lease interval: its heartbeat has not written the row back
+		stopped := time.Now()
+		if n := owned("a"); n != 0 {
+			t.Errorf("after A's graceful stop %d shards are still leased to A, want 0", n)
+		}
+		var msgs []outbox.Message
+		for i := range 100 {
+			msgs = append(msgs, outbox.Message{Topic: topic, Key: []byte(fmt.Sprintf("k%03d", i)), Value: []byte("v")})
+		}
+		b.write(t, msgs...)
+		waitFor(t, "B to publish every event (A's 30 s leases not waited for)", 5*time.Second, func() bool { return b.count(t, "outbox") == 0 })
+		if recs := b.kafka.ReadAll(t, topic, len(msgs), 5*time.Second); len(recs) != len(msgs) {
+			t.Fatalf("records %d, want %d", len(recs), len(msgs))
+		}
+		t.Logf("outbox drained %.1fs after A's stop", time.Since(stopped).Seconds())
+	})
+	t.Run("its rounds and instance row go", func(t *testing.T) {
+		b := setup(t)
+		shards := pgx.Identifier{b.schema, "relay_shards"}.Sanitize()
+		instances := pgx.Identifier{b.schema, "relay_instances"}.Sanitize()
+		rounds := pgx.Identifier{b.schema, "relay_rounds"}.Sanitize()
+		_, stopA := b.startRelay(t, relay.Config{InstanceID: "a", LeaseDuration: 30 * time.Second})
+		waitFor(t, "A to own every shard", 20*time.Second, func() bool { return len(ownedBy(t, b, "a")) == relay.NumShards })
+		// A round A read ahead and never sent, as a stop leaves it: its
+		// relay_rounds row.
+		for _, q := range []string{`DELETE FROM ` + instances + ` WHERE id = 'a'`,
+			`INSERT INTO ` + rounds + ` (instance, lo, hi, shards) VALUES ('a', 1000001, 1000002, '{1}')`} {
+			if _, err := b.pool.Exec(ctx, q); err != nil {
+				t.Fatal(err)
+			}
+		}
+		stopA()
+		var left, rows, n int
+		_ = b.pool.QueryRow(ctx, `SELECT count(*) FROM `+shards+` WHERE owner IS NOT NULL`).Scan(&left)
+		_ = b.pool.QueryRow(ctx, `SELECT count(*) FROM `+rounds+` WHERE instance = 'a'`).Scan(&n)
+		_ = b.pool.QueryRow(ctx, `SELECT count(*) FROM `+instances+` WHERE id = 'a'`).Scan(&rows)
+		if left != 0 || n != 0 || rows != 0 {
+			t.Fatalf("after A's graceful stop: shards owned %d, A's relay_rounds rows %d, instance rows %d (want 0, 0, 0)", left, n, rows)
+		}
+	})
+}
+
+// The same, but another process under the same instance id wrote the row
+// back (it started meanwhile) and renewed the shards; then the row was
+// deleted again. Those shards are that process's now, renewed by it: the
+// stopped relay must not hand them back.
+func TestGracefulStopAfterInstanceRowDeletedKeepsSameIDSuccessorsShards(t *testing.T) {
+	b := setup(t)
+	ctx := context.Background()
+	instances := pgx.Identifier{b.schema, "relay_instances"}.Sanitize()
+	_, stopA := b.startRelay(t, relay.Config{InstanceID: "a", LeaseDuration: 30 * time.Second})
+	waitFor(t, "A to own every shard", 20*time.Second, func() bool { return len(ownedBy(t, b, "a")) == relay.NumShards })
+	if _, err := b.pool.Exec(ctx, `DELETE FROM `+instances+` WHERE id = 'a'`); err != nil {
+		t.Fatal(err)
+	}
+	renewedFrom := time.Now()
+	successor, _ := b.startRelay(t, relay.Config{InstanceID: "a", LeaseDuration: 30 * time.Second})
+	waitFor(t, "the successor to renew the shards", 10*time.Second, func() bool { return len(successor.OwnedShards()) == relay.NumShards })
+	if _, err := b.pool.Exec(ctx, `DELETE FROM `+instances+` WHERE id = 'a'`); err != nil {
+		t.Fatal(err)
+	}
+	stopA()
+	if time.Since(renewedFrom) > 8*time.Second {
+		t.Skip("too slow: A's lease tick may have run meanwhile")
+	}
+	if n := len(ownedBy(t, b, "a")); n != relay.NumShards {
+		t.Fatalf("after A's graceful stop %d shards are leased to id a, want the successor's %d", n, relay.NumShards)
+	}
+}
+
+// ownedBy returns the shards leased to instance id now.
+func ownedBy(t *testing.T, b *bundle, id string) []int16 {
+	t.Helper()
+	var out []int16
+	if err := b.pool.QueryRow(context.Background(), `SELECT coalesce(array_agg(shard ORDER BY shard), '{}') FROM `+
+		pgx.Identifier{b.schema, "relay_shards"}.Sanitize()+` WHERE owner = $1 AND lease_until > now()`, id).Scan(&out); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
