@@ -36,11 +36,25 @@ func (e *InstanceInUseError) Error() string {
 // row, renews its shard leases, takes free or expired shards up to its fair
 // share, and asks the publish loop to hand back shards above it.
 //
-// Shards are released only between publish rounds (the publish loop calls
-// releaseExcess), so a shard never changes hands while this relay has its
-// events in flight unless the relay stopped renewing — and even then the
-// delete re-checks ownership and the new owner republishes the pending
-// prefix in order.
+// What holds:
+//
+//   - A hand-back never overlaps this relay's work on the shards: the
+//     publish loop calls releaseExcess only with nothing of its own in
+//     flight (no round read ahead, the last round's outcome recorded, no
+//     side retry with Kafka), and a tick never puts back in the owned set
+//     a shard handed back while or since it renewed (releasedBy), so the
+//     relay reads no shard it handed back.
+//   - The owned set (snapshot, OwnedShards) holds only shards the last tick
+//     renewed or took in the database, less those handed back since, and
+//     is empty once those leases may have lapsed (validUntil, on the local
+//     clock, a sixth of the lease early).
+//
+// What does not: a relay that stops renewing in time (a database outage, a
+// stalled process, its instance id taken over) can lose a shard to another
+// relay while a round of its events is with Kafka. Then the round's delete
+// re-checks ownership and leaves those events to the new owner, which
+// publishes them again, in order: duplicates, never a loss or a first
+// publication out of order (G2, G3).
 type leases struct {
 	st       *store
 	id       string
@@ -335,8 +349,10 @@ func (l *leases) hasExcess() bool {
 	return l.excess > 0
 }
 
-// releaseExcess hands back the shards above the fair share. The publish loop
-// calls it between rounds.
+// releaseExcess hands back the shards above the fair share, as many as the
+// last tick said. The publish loop calls it only with nothing of its own in
+// flight (no round read ahead, the last outcome recorded, no side retry):
+// their deletes would be refused once the shards are gone.
 func (l *leases) releaseExcess(ctx context.Context) error {
 	l.mu.Lock()
 	n := l.excess

@@ -547,16 +547,26 @@ func (r *Relay) publishLoop(ctx context.Context) {
 	for ctx.Err() == nil {
 		r.beat.Store(time.Now().UnixNano())
 		r.finishSideRetry(ctx, false)
-		r.startSideRetry(ctx)
-		if r.leases.hasExcess() {
+		// Shards are handed back only once nothing of this relay's touches
+		// them: no round read ahead, no outcome being recorded, no side
+		// retry in flight (their deletes check the lease). A hand-back
+		// waits for the side retry in flight (the rounds go on meanwhile)
+		// and starts no new one. The excess is read once: a tick may set
+		// it at any time, and releaseExcess is called only here, after the
+		// wait.
+		excess := r.leases.hasExcess()
+		if !excess {
+			r.startSideRetry(ctx)
+		}
+		if excess && r.sideDone == nil {
 			if ahead != nil { // it may hold events of shards about to go
 				r.forgetRound(ctx, ahead.round)
 				ahead = nil
 			}
 			r.waitFinish() // and their deletes still need the lease
-		}
-		if err := r.leases.releaseExcess(ctx); err != nil && ctx.Err() == nil {
-			r.log.Warn("relay: hand back shards", "error", err)
+			if err := r.leases.releaseExcess(ctx); err != nil && ctx.Err() == nil {
+				r.log.Warn("relay: hand back shards", "error", err)
+			}
 		}
 		shards := r.leases.snapshot()
 		if ahead != nil && !slices.Equal(ahead.shards, shards) {
