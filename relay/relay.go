@@ -446,7 +446,14 @@ func (r *Relay) checkSchema(ctx context.Context) error {
 	}
 	r.st.probeSQL = `SELECT s.v, EXISTS (SELECT 1 FROM ` + table + ` o WHERE o.id = s.v)
 FROM (SELECT CASE WHEN is_called THEN last_value ELSE 0 END AS v FROM ` + *seq + `) s`
-	return r.checkRowSecurity(ctx)
+	// A check that could not run (a short statement_timeout on a busy
+	// server) is no reason not to start: every lease tick checks again.
+	if err := r.checkRowSecurity(ctx); errors.Is(err, ErrInsufficientPrivilege) {
+		return err
+	} else if err != nil {
+		r.log.Warn("relay: could not check row-level security at start; the lease ticks will", "error", err)
+	}
+	return nil
 }
 
 // checkRowSecurity returns an error wrapping ErrInsufficientPrivilege when
