@@ -620,6 +620,22 @@ func inLockedTx(ctx context.Context, db Beginner, schema string, create bool, fn
 		if _, err := tx.Exec(ctx, `SET TRANSACTION ISOLATION LEVEL READ COMMITTED`); err != nil {
 			return fmt.Errorf("migrations: set isolation: %w", err)
 		}
+		// The settings made below are the transaction's own (set_config's
+		// is_local); in a caller's transaction (db a pgx.Tx: a savepoint)
+		// they would outlive this call, so they are put back after fn.
+		var lockTimeout, searchPath string
+		if err := tx.QueryRow(ctx, `SELECT current_setting('lock_timeout'), current_setting('search_path')`).Scan(&lockTimeout, &searchPath); err != nil {
+			return fmt.Errorf("migrations: read settings: %w", err)
+		}
+		restore := func(err error) error {
+			if err != nil {
+				return err
+			}
+			if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true), set_config('search_path', $2, true)`, lockTimeout, searchPath); err != nil {
+				return fmt.Errorf("migrations: restore settings: %w", err)
+			}
+			return nil
+		}
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended('onceflow.migrate.' || $1, 0))`, schema); err != nil {
 			return fmt.Errorf("migrations: take lock: %w", err)
 		}
@@ -661,7 +677,7 @@ func inLockedTx(ctx context.Context, db Beginner, schema string, create bool, fn
 		done := map[int]time.Time{}
 		if !hasVersions {
 			if !create {
-				return fn(tx, done)
+				return restore(fn(tx, done))
 			}
 			if _, err := tx.Exec(ctx, versionTableSQL); err != nil {
 				return fmt.Errorf("migrations: create version table: %w", err)
@@ -676,6 +692,6 @@ func inLockedTx(ctx context.Context, db Beginner, schema string, create bool, fn
 		if _, err := pgx.ForEachRow(rows, []any{&v, &at}, func() error { done[v] = at; return nil }); err != nil {
 			return fmt.Errorf("migrations: read versions: %w", err)
 		}
-		return fn(tx, done)
+		return restore(fn(tx, done))
 	})
 }
