@@ -490,6 +490,9 @@ func (r *Relay) leaseLoop(ctx context.Context) {
 	defer t.Stop()
 	tickBound := max(2*r.cfg.LeaseDuration, 5*time.Second)
 	failing := false
+	// rlsUnchecked: the last tick's row-level security check could not run
+	// (logged once, until one runs again).
+	rlsUnchecked := false
 	for n := 0; ; n++ {
 		select {
 		case <-ctx.Done():
@@ -535,10 +538,17 @@ func (r *Relay) leaseLoop(ctx context.Context) {
 			checkCtx, cancel := context.WithTimeout(ctx, tickBound)
 			err := r.checkRowSecurity(checkCtx)
 			cancel()
-			if errors.Is(err, ErrInsufficientPrivilege) {
+			switch {
+			case errors.Is(err, ErrInsufficientPrivilege):
 				r.log.Error("relay: stopping", "error", err)
 				r.stopRun(err)
 				return
+			case err != nil && !rlsUnchecked && ctx.Err() == nil:
+				rlsUnchecked = true
+				r.log.Warn("relay: could not check row-level security; will retry at every lease tick", "error", err)
+			case err == nil && rlsUnchecked:
+				rlsUnchecked = false
+				r.log.Info("relay: row-level security checked again")
 			}
 		}
 		if n%100 == 0 {

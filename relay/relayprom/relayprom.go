@@ -193,8 +193,11 @@ func (c *BacklogCollector) read() (b *relay.Backlog, ok bool, at time.Time) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.Timeout)
 	defer cancel()
+	// Taken before the read, as Backlog.ReadAt is at its first statement:
+	// the ages after it are the database's plus the time since.
+	start := time.Now()
 	b, err := relay.ReadBacklog(ctx, c.db, c.schema, shards)
-	c.at, c.ok = time.Now(), err == nil
+	c.at, c.ok = start, err == nil
 	switch {
 	case err == nil:
 		c.last = b
