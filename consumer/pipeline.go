@@ -35,6 +35,8 @@ type lookahead struct {
 	// carry is next's transaction, begun by the previous COMMIT's round
 	// trip.
 	carry *carried
+	// turn is the worker's run on its connection (see keepConnection).
+	turn turn
 }
 
 // carried is a transaction begun, with its dedup record inserted, for the
@@ -47,7 +49,11 @@ type carried struct {
 
 // take returns the carried transaction if it is msg's.
 func (la *lookahead) take(msg Message) *carried {
-	if la == nil || la.carry == nil {
+	if la == nil {
+		return nil
+	}
+	if la.carry == nil {
+		la.turn.begun() // msg begins on a connection of its own
 		return nil
 	}
 	c := la.carry
@@ -138,6 +144,9 @@ func (p *Processor) pipelinable(tx pgx.Tx, la *lookahead) (Message, string, bool
 	// tx.Commit reports that (pgx.ErrTxCommitRollback).
 	if tx.Conn().PgConn().TxStatus() != 'T' {
 		return Message{}, "", false
+	}
+	if !p.keepConnection(la) {
+		return Message{}, "", false // the pool's other users get their turn
 	}
 	next, ok := la.next()
 	if !ok || next.skip {
