@@ -11,9 +11,9 @@ import (
 )
 
 // runBatch takes msgs (one partition, offset order) to a final state, like
-// runOne. It tries them in one transaction first; if that fails, it falls
-// back to one transaction per message so a poison message costs only
-// itself.
+// runOne. It tries them in one transaction first (again, whole, after a
+// conflict: see attemptBatchRetrying); if that fails, it falls back to one
+// transaction per message so a poison message costs only itself.
 func (p *Processor) runBatch(ctx context.Context, stop <-chan struct{}, msgs []Message, t Transport) error {
 	good := make([]Message, 0, len(msgs))
 	var bad []Message
@@ -38,7 +38,7 @@ func (p *Processor) runBatch(ctx context.Context, stop <-chan struct{}, msgs []M
 		return p.deadLetter(ctx, stop, m, 0, 0, cause, t)
 	}
 	if len(good) > 0 {
-		switch err := p.attemptBatch(ctx, stop, good); {
+		switch err := p.attemptBatchRetrying(ctx, stop, good); {
 		case err == nil:
 		case ctx.Err() != nil || errors.Is(err, errAbandoned):
 			return errAbandoned

@@ -44,6 +44,22 @@ type Config struct {
 	// Processor first looks at the dedup record: a message whose COMMIT
 	// went through is never dead-lettered. Defaults to 3.
 	MaxLostConnections int
+	// MaxConflicts is the budget, apart from MaxAttempts, for attempts
+	// PostgreSQL rolled back with a serialization failure (SQLSTATE 40001)
+	// or a deadlock (40P01), from a handler's statement or at COMMIT:
+	// PostgreSQL's answer to both is to retry the transaction, and under
+	// REPEATABLE READ or SERIALIZABLE (a role's or the pool's
+	// default_transaction_isolation) valid messages meet them whenever
+	// handlers contend for rows. They are retried with the same backoff,
+	// logged at Warn as conflicts and reported with RetryEvent.Conflict
+	// set. In batch mode a conflicting batch is retried whole, spending
+	// this budget, before it is split. Once spent, further conflicts
+	// count as handler failures, so a message that conflicts for good is
+	// still dead-lettered (G6). An error the handler wraps in Permanent is
+	// not retried. Lock timeouts (55P03) and statement timeouts (57014)
+	// are handler failures: they end waits that were bounded on purpose.
+	// Defaults to 50.
+	MaxConflicts int
 	// MinBackoff is the wait after the first failed attempt; later waits
 	// grow exponentially with jitter. Defaults to 100ms.
 	MinBackoff time.Duration
@@ -111,6 +127,9 @@ func (c *Config) withDefaults() (Config, error) {
 	if out.MaxLostConnections == 0 {
 		out.MaxLostConnections = 3
 	}
+	if out.MaxConflicts == 0 {
+		out.MaxConflicts = 50
+	}
 	if out.MinBackoff == 0 {
 		out.MinBackoff = 100 * time.Millisecond
 	}
@@ -141,6 +160,8 @@ func (c *Config) withDefaults() (Config, error) {
 		return out, errors.New("consumer: Config.MaxAttempts must be at least 1")
 	case out.MaxLostConnections < 1:
 		return out, errors.New("consumer: Config.MaxLostConnections must be at least 1")
+	case out.MaxConflicts < 1:
+		return out, errors.New("consumer: Config.MaxConflicts must be at least 1")
 	case out.MinBackoff < 0:
 		return out, errors.New("consumer: Config.MinBackoff must not be negative")
 	case out.MaxBackoff < out.MinBackoff:

@@ -67,6 +67,13 @@
 // wrapping ErrDeadLetterTopicMissing instead. Database outages (no connection can be
 // acquired, or the transaction cannot begin) are waited out with backoff
 // and never spend a budget, so an outage does not dead-letter messages. A
+// serialization failure (SQLSTATE 40001) or deadlock (40P01), which
+// PostgreSQL answers with "retry the transaction", spends
+// Config.MaxConflicts (default 50), not MaxAttempts: valid messages meet
+// them under REPEATABLE READ or SERIALIZABLE whenever handlers contend for
+// rows. They are retried with backoff (a batch whole), logged as such and
+// reported with RetryEvent.Conflict; past that budget they count as
+// handler failures. Lock and statement timeouts are handler failures. A
 // connection lost after the transaction began (the server ended the
 // session while the handler ran or at COMMIT: idle_in_transaction_session_timeout,
 // transaction_timeout, pg_terminate_backend, a crashing backend, a restart)
@@ -86,7 +93,8 @@
 //   - Batch (NewBatch): one transaction and one multi-row dedup insert per
 //     batch; the BatchHandler sees only the new messages. A failing batch
 //     is retried one message per transaction, so only the poison message
-//     is dead-lettered. This is the throughput mode.
+//     is dead-lettered (a batch rolled back for a serialization failure or
+//     deadlock is first retried whole). This is the throughput mode.
 //
 // # Rebalances and shutdown
 //

@@ -79,12 +79,19 @@ type RetryEvent struct {
 	Attempt int
 	Err     error
 	Backoff time.Duration
+	// Conflict is set when Err is a serialization failure or a deadlock
+	// (SQLSTATE 40001, 40P01): PostgreSQL rolled the transaction back for
+	// it to be retried, and the retry spends Config.MaxConflicts, not
+	// MaxAttempts, until that is spent. A batch retried whole after one
+	// (batch mode) is reported once, with its first message, Attempt
+	// counting the batch's conflicts.
+	Conflict bool
 }
 
 // HookRetry is called after every failed attempt that will be retried: a
-// handler error, a connection lost in the transaction, and a database
-// that could not be reached or begin the transaction (waited out without
-// spending any budget).
+// handler error, a conflict (RetryEvent.Conflict), a connection lost in
+// the transaction, and a database that could not be reached or begin the
+// transaction (waited out without spending any budget).
 type HookRetry interface {
 	OnRetry(RetryEvent)
 }

@@ -101,7 +101,9 @@ func New(db Beginner, name string, h Handler, cfg *Config) (*Processor, error) {
 // multi-row dedup insert per batch of buffered messages of a partition, the
 // throughput mode. When a batch fails, its messages are retried one at a
 // time (each in its own transaction, with the full retry budget), so only
-// the failing message is dead-lettered. cfg may be nil.
+// the failing message is dead-lettered; a batch rolled back for a
+// serialization failure or deadlock is first retried whole (see
+// Config.MaxConflicts). cfg may be nil.
 func NewBatch(db Beginner, name string, h BatchHandler, cfg *Config) (*Processor, error) {
 	if h == nil {
 		return nil, errors.New("consumer: handler is nil")
@@ -196,6 +198,7 @@ func (p *Processor) run(ctx context.Context, stop <-chan struct{}, msg Message, 
 	// commitUnknown is set while the last COMMIT's outcome is unknown (its
 	// connection was lost) and no attempt since found the record missing.
 	commitUnknown := false
+	conflicts := 0 // serialization failures and deadlocks: they spend MaxConflicts
 	for {
 		// Once the lost-connection budget is spent, the next attempt only
 		// learns whether the last lost COMMIT went through.
@@ -243,6 +246,13 @@ func (p *Processor) run(ctx context.Context, stop <-chan struct{}, msg Message, 
 				slog.Int("lost_connections", lost), slog.Int("max_lost_connections", p.cfg.MaxLostConnections)) {
 				return errAbandoned
 			}
+		case p.retryConflict(err, &conflicts):
+			lastErr = err
+			retries++
+			if !p.retryAfter(ctx, stop, msg, bo, runs, err, retryingConflicts,
+				slog.Int("conflicts", conflicts), slog.Int("max_conflicts", p.cfg.MaxConflicts)) {
+				return errAbandoned
+			}
 		default:
 			failed++
 			lastErr = err
@@ -269,11 +279,12 @@ func (p *Processor) retryAfterAt(ctx context.Context, level slog.Level, stop <-c
 	p.log.LogAttrs(ctx, level, what, append([]slog.Attr{
 		slog.String("topic", msg.Topic), slog.Int("partition", int(msg.Partition)), slog.Int64("offset", msg.Offset),
 		slog.String("message_id", msg.ID), slog.Duration("backoff", wait), slog.Any("error", err)}, attrs...)...)
+	ev := RetryEvent{Consumer: p.name, Message: msg, Attempt: runs, Err: err, Backoff: wait, Conflict: isConflict(err)}
 	for _, h := range p.hooks.retry {
-		h.OnRetry(RetryEvent{Consumer: p.name, Message: msg, Attempt: runs, Err: err, Backoff: wait})
+		h.OnRetry(ev)
 	}
 	if len(p.hooks.trace) > 0 {
-		p.traceRetry(ctx, RetryEvent{Consumer: p.name, Message: msg, Attempt: runs, Err: err, Backoff: wait})
+		p.traceRetry(ctx, ev)
 	}
 	return sleep(ctx, stop, wait)
 }
