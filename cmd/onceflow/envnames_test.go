@@ -7,13 +7,13 @@ import (
 	"regexp"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/onceflow/onceflow/internal/pgtest"
+	"github.com/onceflow/onceflow/internal/proctest"
 )
 
 // A mistyped variable is named, with the one it most likely meant. Before,
@@ -46,7 +46,7 @@ func TestAMistypedVariableIsNamed(t *testing.T) {
 	defer c.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 	defer cancel()
-	var log lockedBuffer
+	var log proctest.Buffer
 	err = run(ctx, []string{"relay", "--database-url", url, "--schema", schema, "--brokers", strings.Join(c.ListenAddrs(), ",")}, &log, &log)
 	if err != nil && !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("relay: %v\n%s", err, log.String())
@@ -87,22 +87,4 @@ func TestEnvNamesMatchTheHelp(t *testing.T) {
 			t.Errorf("envNames has %s, which no flag's help names", name)
 		}
 	}
-}
-
-// lockedBuffer collects what a command writes from several goroutines.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }
