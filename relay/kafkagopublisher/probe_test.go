@@ -162,13 +162,17 @@ func TestUnknownTopicProbeIsBoundedWhenAuthenticationStalls(t *testing.T) {
 	}
 	defer p.Close()
 	ok := relay.Record{Topic: "present", Key: []byte("k"), Value: []byte("v")}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	// Generous for a loaded CI machine: 10 s shared by both calls ran out
+	// in one run.
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	if err := p.Publish(ctx, []relay.Record{ok})[0]; err != nil {
 		t.Fatal(err)
 	}
 	stall.Store(true)
 	start := time.Now()
+	ctx, cancel = context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
 	if err := p.Publish(ctx, []relay.Record{ok})[0]; err != nil {
 		t.Fatalf("publish on the authenticated connections: %v", err)
 	}
