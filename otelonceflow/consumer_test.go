@@ -125,15 +125,7 @@ func TestConsumerSpanRecordsARetry(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	tr := &marks{}
-	ctx := context.Background()
-	w := p.StartPartition(ctx, tr)
-	defer w.Stop(ctx)
-	if err := w.Add(ctx, consumer.Message{Topic: "orders", Value: []byte("v"),
-		Headers: []consumer.Header{{Key: "message-id", Value: []byte("id-0")}}}); err != nil {
-		t.Fatal(err)
-	}
-	waitUntil(t, 30*time.Second, "the message to be processed", func() bool { return tr.last() == 0 })
+	processOne(t, p, idHeader("id-0"))
 	spans := rec.Ended()
 	if len(spans) != 1 {
 		t.Fatalf("%d spans, want 1", len(spans))
@@ -145,6 +137,25 @@ func TestConsumerSpanRecordsARetry(t *testing.T) {
 	if len(s.Events()) != 1 || s.Events()[0].Name != "retry" {
 		t.Errorf("span events %v: want one retry", s.Events())
 	}
+}
+
+// processOne runs one message (offset 0 of "orders") with headers through
+// p on a partition of its own, and waits until it is finished.
+func processOne(t *testing.T, p *consumer.Processor, headers []consumer.Header) {
+	t.Helper()
+	tr := &marks{}
+	ctx := context.Background()
+	w := p.StartPartition(ctx, tr)
+	defer w.Stop(ctx)
+	if err := w.Add(ctx, consumer.Message{Topic: "orders", Value: []byte("v"), Headers: headers}); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, 30*time.Second, "the message to finish", func() bool { return tr.last() == 0 })
+}
+
+// idHeader is the headers of a message with id.
+func idHeader(id string) []consumer.Header {
+	return []consumer.Header{{Key: "message-id", Value: []byte(id)}}
 }
 
 // marks is a consumer.Transport that records the last offset marked done.

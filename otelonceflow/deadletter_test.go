@@ -3,7 +3,6 @@ package otelonceflow_test
 import (
 	"context"
 	"testing"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"go.opentelemetry.io/otel/codes"
@@ -50,14 +49,7 @@ func TestDeadLetteredSpanHasErrorType(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			tr := &marks{}
-			ctx := context.Background()
-			w := p.StartPartition(ctx, tr)
-			defer w.Stop(ctx)
-			if err := w.Add(ctx, consumer.Message{Topic: "orders", Value: []byte("v"), Headers: tc.headers}); err != nil {
-				t.Fatal(err)
-			}
-			waitUntil(t, 30*time.Second, "the message to finish", func() bool { return tr.last() == 0 })
+			processOne(t, p, tc.headers)
 			s := rec.Ended()[0]
 			if got := attrOf(s, "error.type"); got != tc.want {
 				t.Errorf("span (outcome %s, status %v) has error.type %q; want %q", attrOf(s, "onceflow.outcome"), s.Status(), got, tc.want)

@@ -158,15 +158,7 @@ func TestLostCommitReplyIsReportedProcessed(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	tr := &marks{}
-	ctx := context.Background()
-	w := p.StartPartition(ctx, tr)
-	defer w.Stop(ctx)
-	if err := w.Add(ctx, consumer.Message{Topic: "orders", Value: []byte("v"),
-		Headers: []consumer.Header{{Key: "message-id", Value: []byte("lost-commit")}}}); err != nil {
-		t.Fatal(err)
-	}
-	waitUntil(t, 30*time.Second, "the message to finish", func() bool { return tr.last() == 0 })
+	processOne(t, p, idHeader("lost-commit"))
 	if px.cuts.Load() != 1 || ran.Load() != 1 {
 		t.Fatalf("cuts %d, handler ran %d times: want one COMMIT cut, one run", px.cuts.Load(), ran.Load())
 	}

@@ -55,15 +55,7 @@ func TestTwoTraceHooksEachEndTheirOwnSpan(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			tr := &marks{}
-			ctx := context.Background()
-			w := p.StartPartition(ctx, tr)
-			defer w.Stop(ctx)
-			if err := w.Add(ctx, consumer.Message{Topic: "orders", Value: []byte("v"),
-				Headers: []consumer.Header{{Key: "message-id", Value: []byte("two-hooks")}}}); err != nil {
-				t.Fatal(err)
-			}
-			waitUntil(t, 30*time.Second, "the message to be processed", func() bool { return tr.last() == 0 })
+			processOne(t, p, idHeader("two-hooks"))
 			for _, r := range []struct {
 				name string
 				rec  *tracetest.SpanRecorder
