@@ -225,6 +225,13 @@ func TestPlainSQLInsert(t *testing.T) {
 	if err == nil {
 		t.Fatal("non-string header value was accepted")
 	}
+	// README: SQL NULL is "no headers"; the JSON null is refused.
+	if _, err = db.Exec(context.Background(), `INSERT INTO `+table+` (topic, headers) VALUES ('orders', NULL)`); err != nil {
+		t.Fatalf("SQL NULL headers: %v", err)
+	}
+	if _, err = db.Exec(context.Background(), `INSERT INTO `+table+` (topic, headers) VALUES ('orders', 'null')`); err == nil {
+		t.Fatal("JSON null headers were accepted")
+	}
 }
 
 func TestWriteRejectsBadMessages(t *testing.T) {
