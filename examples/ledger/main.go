@@ -24,6 +24,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/onceflow/onceflow/consumer"
@@ -75,6 +77,11 @@ func run(ctx context.Context, args []string, log *slog.Logger) error {
 	if err := createTable(ctx, pool); err != nil {
 		return err
 	}
+
+	// Without its dead-letter topic a payment that cannot be applied would
+	// stop its partition until someone creates it (the consumer waits
+	// rather than drop the message): create it here, as the tables above.
+	createDeadLetterTopic(ctx, strings.Split(*brokers, ","), *topic+".dlq", log)
 
 	cfg := &consumer.Config{Schema: *schema, Logger: log}
 	if *tracing {
@@ -167,6 +174,27 @@ func createTable(ctx context.Context, pool *pgxpool.Pool) error {
 		return fmt.Errorf("create ledger_accounts: %w", err)
 	}
 	return nil
+}
+
+// createDeadLetterTopic creates topic with the broker's default partitions
+// and replication unless it exists. Failing that (no CREATE on the cluster,
+// the broker not up yet) it logs and goes on: the topic may be created by
+// hand, and the consumer waits for the broker.
+func createDeadLetterTopic(ctx context.Context, brokers []string, topic string, log *slog.Logger) {
+	cl, err := kgo.NewClient(kgo.SeedBrokers(brokers...))
+	if err == nil {
+		defer cl.Close()
+		ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
+		_, err = kadm.NewClient(cl).CreateTopic(ctx, -1, -1, nil, topic)
+	}
+	switch {
+	case err == nil:
+		log.Info("ledger: created the dead-letter topic", "topic", topic)
+	case errors.Is(err, kerr.TopicAlreadyExists):
+	default:
+		log.Warn("ledger: could not create the dead-letter topic; a payment that cannot be applied will stop its partition until it exists", "topic", topic, "error", err)
+	}
 }
 
 func envOr(name, fallback string) string {

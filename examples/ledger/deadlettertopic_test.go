@@ -13,7 +13,7 @@ import (
 	"github.com/onceflow/onceflow/internal/pgtest"
 )
 
-// examples/ledger/README.md, "Run it": "the topic must exist, and
+// examples/ledger/README.md, "Run it", before: "the topic must exist, and
 // `payments.dlq` too if you want to see dead letters", then it publishes
 // `not json` to show the dead letter. A reader who does not care to see
 // dead letters leaves payments.dlq out; the README promises the bad message
