@@ -106,7 +106,8 @@ type Config struct {
 	Hooks []Hook
 
 	// Logger receives retries (Warn), dead letters and panics (Error).
-	// Defaults to discarding.
+	// Defaults to slog.Default(): a partition waiting on a missing
+	// dead-letter topic or a missing grant must be heard.
 	Logger *slog.Logger
 }
 
@@ -149,7 +150,7 @@ func (c *Config) withDefaults() (Config, error) {
 		out.QueueSize = 1024
 	}
 	if out.Logger == nil {
-		out.Logger = slog.New(slog.DiscardHandler)
+		out.Logger = slog.Default()
 	}
 
 	if err := migrations.ValidateSchema(out.Schema); err != nil {

@@ -4,7 +4,6 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
-	"io"
 	"log/slog"
 	"os"
 	"time"
@@ -108,7 +107,7 @@ type Config struct {
 	// taken and handed back and recovery after an outage, and Debug for the
 	// loop's decisions (leases, each round's outcome, wake-ups). Lines carry
 	// instance=InstanceID; errors are logged as error. Defaults to
-	// discarding.
+	// slog.Default().
 	Logger *slog.Logger
 	// Observer receives metrics events. Defaults to none.
 	Observer Observer
@@ -200,7 +199,7 @@ func (c *Config) withDefaults() (Config, error) {
 		return out, fmt.Errorf("relay: Config.MaxHeldKeys must not be negative, got %d", out.MaxHeldKeys)
 	}
 	if out.Logger == nil {
-		out.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+		out.Logger = slog.Default()
 	}
 	if out.Observer == nil {
 		out.Observer = nopObserver{}

@@ -78,7 +78,7 @@ type Config struct {
 	// topic is created. onceflow never creates topics. Defaults to false.
 	StopOnMissingDeadLetterTopic bool
 	// Logger receives group, fetch and commit errors (Warn). Defaults to
-	// discarding.
+	// slog.Default().
 	Logger *slog.Logger
 }
 
@@ -144,7 +144,7 @@ func New(p *consumer.Processor, cfg *Config) (*Consumer, error) {
 		c.RevokeGrace = time.Second
 	}
 	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
+		c.Logger = slog.Default()
 	}
 	topics := r.GroupTopics
 	if len(topics) == 0 && r.Topic != "" {

@@ -75,7 +75,7 @@ type Config struct {
 	StopOnMissingDeadLetterTopic bool
 	// Logger receives fetch and commit errors (Warn); a partition's fetch
 	// failures at most once per 10s, with the count of those left out.
-	// Defaults to discarding.
+	// Defaults to slog.Default().
 	Logger *slog.Logger
 }
 
@@ -135,7 +135,7 @@ func New(p *consumer.Processor, cfg *Config) (*Consumer, error) {
 		c.MaxPollRecords = 1000
 	}
 	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
+		c.Logger = slog.Default()
 	}
 	switch {
 	case len(c.Brokers) == 0:

@@ -140,7 +140,7 @@ type CollectorConfig struct {
 	Timeout time.Duration
 	// Logger is told why a read failed (Warn, once for each new error:
 	// a missing grant, the database away) and when reads succeed again
-	// (Info). Defaults to discarding.
+	// (Info). Defaults to slog.Default().
 	Logger *slog.Logger
 }
 
@@ -158,7 +158,7 @@ func NewBacklogCollector(db relay.Querier, schema string, cfg *CollectorConfig) 
 		c.cfg.Timeout = 5 * time.Second
 	}
 	if c.cfg.Logger == nil {
-		c.cfg.Logger = slog.New(slog.DiscardHandler)
+		c.cfg.Logger = slog.Default()
 	}
 	estimate := fmt.Sprintf(" Exact while the shard holds fewer than %d events between two of %d evenly spaced ids, estimated beyond.", relay.BacklogProbeRows, relay.BacklogProbes)
 	c.backlog = prometheus.NewDesc("onceflow_outbox_backlog", "Pending events per shard this relay owns (sum across relays)."+estimate, []string{"shard"}, nil)
