@@ -1,0 +1,57 @@
+package idempotency_test
+
+import (
+	"context"
+	"net/http"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/idempotency"
+)
+
+// helper 98: README: after a Leased request dies, "only the same request
+// (same fingerprint) takes such a key over: another body under it gets 422
+// until the key's Window ends, since the dead request's effect may have
+// happened under that key". When the same request's retry takes the key
+// over and its handler answers 5xx (the downstream, which saw the key
+// before, failed or timed out), the 5xx release DELETEs the record, and with
+// it the memory of the dead request's claim: another body under the key then
+// runs the handler, against a downstream that already used the key.
+func TestLeasedDeadKeyRetriedWith5xxStillRefusesAnotherBody(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	startAndKill(t, b, "leased", "k-dead") // the first request, body "{}", killed after its effect
+	var otherRuns atomic.Int64
+	srv := newServer(t, b, idempotency.Config{Mode: idempotency.Leased}, func(w http.ResponseWriter, r *http.Request) {
+		buf := make([]byte, 64)
+		n, _ := r.Body.Read(buf)
+		if string(buf[:n]) == "{}" {
+			http.Error(w, "gateway timeout", http.StatusBadGateway) // the retry of the dead request
+			return
+		}
+		otherRuns.Add(1)
+		w.WriteHeader(http.StatusCreated)
+	})
+	table := pgx.Identifier{b.schema, "idempotency_keys"}.Sanitize()
+	waitFor(t, 20*time.Second, "the dead claim's lease to lapse", func() bool {
+		var lapsed bool
+		_ = b.pool.QueryRow(context.Background(), `SELECT lease_until < now() FROM `+table+` WHERE key = 'k-dead'`).Scan(&lapsed)
+		return lapsed
+	})
+	other := request{key: "k-dead", body: `{"amount_cents":99999}`}
+	if r := send(t, srv, other); r.status != http.StatusUnprocessableEntity {
+		t.Fatalf("other body after the lapse: %d, want 422", r.status)
+	}
+	if r := send(t, srv, request{key: "k-dead", body: "{}"}); r.status != http.StatusBadGateway {
+		t.Fatalf("same request's retry: %d, want the handler's 502", r.status)
+	}
+	r := send(t, srv, other)
+	if r.status != http.StatusUnprocessableEntity || otherRuns.Load() != 0 {
+		t.Fatalf("other body after the dead request's retry answered 502: %d, handler ran %d times for it; "+
+			"want 422 and 0 runs (the dead request's effect may have happened under this key; its window has not ended)",
+			r.status, otherRuns.Load())
+	}
+}
