@@ -17,7 +17,8 @@ type PurgeConfig struct {
 	// BatchSize is how many records one DELETE removes, so purging never
 	// holds many locks or one long transaction. Defaults to 1000.
 	BatchSize int
-	// Interval is how often Run purges. Defaults to 1 minute.
+	// Interval is how often Run purges. At least one second (a bare 60 is
+	// 60ns, not a minute). Defaults to 1 minute.
 	Interval time.Duration
 	// Logger receives Run's failures (Warn; a missing privilege at
 	// Error). Defaults to slog.Default(): a purger whose purges fail lets
@@ -52,8 +53,8 @@ func NewPurger(db DB, cfg *PurgeConfig) (*Purger, error) {
 	switch {
 	case c.BatchSize < 0:
 		return nil, fmt.Errorf("idempotency: PurgeConfig.BatchSize must be positive, got %d", c.BatchSize)
-	case c.Interval < 0:
-		return nil, fmt.Errorf("idempotency: PurgeConfig.Interval must be positive, got %s", c.Interval)
+	case c.Interval < time.Second:
+		return nil, fmt.Errorf("idempotency: PurgeConfig.Interval %s is under a second (a unit slip? 60 is 60ns, not seconds)", c.Interval)
 	}
 	s, err := newStore(c.Schema)
 	if err != nil {

@@ -2,6 +2,7 @@ package idempotency_test
 
 import (
 	"context"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -36,7 +37,10 @@ func TestNewPurgerRefusesAnIntervalMeantAsSeconds(t *testing.T) {
 	db := &countingPool{Pool: b.pool}
 	p, err := idempotency.NewPurger(db, &idempotency.PurgeConfig{Schema: b.schema, Interval: 60})
 	if err != nil {
-		return // refused: fixed
+		if !strings.Contains(err.Error(), "PurgeConfig.Interval") {
+			t.Errorf("refused, but the error does not name the field: %v", err)
+		}
+		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
 	defer cancel()
