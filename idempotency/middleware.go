@@ -567,12 +567,24 @@ func (m *Middleware) serveWithoutKey(w http.ResponseWriter, r *http.Request, nex
 		m.fail(w, r, rw.err)
 		return
 	}
-	if rw.statusCode() < 500 {
-		if err := tx.Commit(ctx); err != nil {
+	if status := rw.statusCode(); status < 500 {
+		err := tx.Commit(ctx)
+		committed = true
+		if errors.Is(err, pgx.ErrTxCommitRollback) {
+			// A statement of the handler's failed (a unique violation it
+			// answered 409, say) and the COMMIT rolled back. A client error
+			// says nothing was written: answer it, as the keyed path does.
+			// A success would describe writes never made.
+			if status >= 400 {
+				err = nil
+			} else {
+				err = fmt.Errorf("the handler answered %d after a statement in its transaction failed; nothing was committed: %w", status, err)
+			}
+		}
+		if err != nil {
 			m.fail(w, r, fmt.Errorf("idempotency: commit: %w", err))
 			return
 		}
-		committed = true
 	}
 	rw.flush(false)
 }
