@@ -42,6 +42,12 @@ var (
 // is the request's to fix, not a server fault.
 var errScopeText = errors.New("idempotency: the request's scope cannot be stored")
 
+// errRequestBody: the request body could not be read to its end (shorter
+// than its Content-Length, a malformed chunk, the client gone or too slow):
+// it cannot be fingerprinted (HTTP 400). The request's fault, not the
+// server's.
+var errRequestBody = errors.New("idempotency: the request body could not be read")
+
 // ScopeError is returned when Config.Scope fails for a request, typically
 // because the caller is not authenticated (HTTP 401).
 type ScopeError struct {
@@ -54,13 +60,14 @@ func (e *ScopeError) Error() string { return "idempotency: scope: " + e.Err.Erro
 func (e *ScopeError) Unwrap() error { return e.Err }
 
 // StatusCode returns the HTTP status the middleware answers err with: 400,
-// 401, 409, 413 or 422 for the package's errors; 503 for ErrLeaseLost and
+// 401, 409, 413 or 422 for the package's errors (400 too for a request body
+// that could not be read to its end); 503 for ErrLeaseLost and
 // for an error wrapping a context's end (the client left, a timeout,
 // including the database's connect timeout); 500 for anything else.
 func StatusCode(err error) int {
 	var scopeErr *ScopeError
 	switch {
-	case errors.Is(err, ErrKeyMissing), errors.Is(err, ErrKeyInvalid), errors.Is(err, errScopeText):
+	case errors.Is(err, ErrKeyMissing), errors.Is(err, ErrKeyInvalid), errors.Is(err, errScopeText), errors.Is(err, errRequestBody):
 		return http.StatusBadRequest
 	case errors.As(err, &scopeErr):
 		return http.StatusUnauthorized

@@ -667,7 +667,9 @@ func readBody(r *http.Request, max int64) ([]byte, error) {
 		return nil, fmt.Errorf("%w: more than %d bytes", ErrRequestTooLarge, tooBig.Limit)
 	}
 	if err != nil {
-		return nil, fmt.Errorf("idempotency: read request body: %w", err)
+		// The client's doing (a truncated body, a bad chunk, a connection
+		// gone): 400, not a server failure.
+		return nil, fmt.Errorf("%w: %w", errRequestBody, err)
 	}
 	if int64(len(body)) > max {
 		return nil, fmt.Errorf("%w: more than %d bytes", ErrRequestTooLarge, max)

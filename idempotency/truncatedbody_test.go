@@ -60,8 +60,11 @@ func TestTruncatedRequestBodyIsNotAServerError(t *testing.T) {
 		}
 		resp.Body.Close()
 		conn.Close()
-		if resp.StatusCode >= 500 {
-			t.Errorf("%s: answered %d, a server error, for the client's incomplete body; logged:\n%s", tc.name, resp.StatusCode, logs.String())
+		if resp.StatusCode != http.StatusBadRequest {
+			t.Errorf("%s: answered %d for the client's incomplete body, want 400; logged:\n%s", tc.name, resp.StatusCode, logs.String())
 		}
+	}
+	if strings.Contains(logs.String(), "request failed") {
+		t.Errorf("the clients' incomplete bodies were logged as server failures:\n%s", logs.String())
 	}
 }
