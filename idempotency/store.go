@@ -185,10 +185,13 @@ WHERE k.scope = $1 AND k.key = $2 AND NOT (` + live + `) AND ` + takeable,
 		// QueryExecMode, exec and simple_protocol included (PgBouncer).
 		// The window runs from the result, too: a result stored after its
 		// claim's window (a renewed lease outlasts it) would be stored
-		// expired, and the next call would run again.
+		// expired, and the next call would run again. It runs from the
+		// clock, not now(): in Transactional mode now() is the BEGIN before
+		// the handler ran, and a handler slower than Window would commit a
+		// record already expired.
 		completeSQL: `UPDATE ` + t + ` SET state = $4, status = $5, headers = $6::jsonb, body = $7,
-    completed_at = now(), lease_until = NULL,
-    expires_at = greatest(expires_at, now() + $8::float8 * interval '1 second')
+    completed_at = clock_timestamp(), lease_until = NULL,
+    expires_at = greatest(expires_at, clock_timestamp() + $8::float8 * interval '1 second')
 WHERE scope = $1 AND key = $2 AND token = $3`,
 		releaseSQL: `DELETE FROM ` + t + ` WHERE scope = $1 AND key = $2 AND token = $3`,
 		// A renewal finds the claim while it carries its token: running,
