@@ -118,7 +118,9 @@ type Config struct {
 	// StoreServerErrors stores 5xx responses like any other, so a retry
 	// gets the 5xx instead of running the handler again. By default a 5xx
 	// response (or a panic) releases the claim, so a retry runs the handler
-	// again; 4xx responses are always stored. In Transactional mode a 5xx
+	// again (in Leased mode, after taking over a dead request's key, only
+	// the same request: another one still gets 422 until the Window ends);
+	// 4xx responses are always stored. In Transactional mode a 5xx
 	// rolls the handler's writes back either way: a stored 5xx is stored in
 	// a transaction of its own. Defaults to false.
 	StoreServerErrors bool
@@ -375,7 +377,7 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 			_ = tx.Rollback(context.WithoutCancel(ctx))
 		}
 	}()
-	claimed, rec, err := m.store.tryClaim(ctx, tx, c, 0, m.cfg.Window)
+	claimed, rec, err := m.store.tryClaim(ctx, tx, &c, 0, m.cfg.Window)
 	if err != nil {
 		m.fail(w, r, fmt.Errorf("idempotency: claim key: %w", err))
 		return
@@ -439,7 +441,7 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 func (m *Middleware) storeErrorAlone(w http.ResponseWriter, r *http.Request, c claim, rw *recorder) {
 	ctx := r.Context()
 	err := pgx.BeginFunc(ctx, m.db, func(tx pgx.Tx) error {
-		claimed, _, err := m.store.tryClaim(ctx, tx, c, 0, m.cfg.Window)
+		claimed, _, err := m.store.tryClaim(ctx, tx, &c, 0, m.cfg.Window)
 		if err != nil || !claimed {
 			return err
 		}
@@ -469,7 +471,7 @@ func (m *Middleware) outcome(rw *recorder) (state string, headers map[string][]s
 func (m *Middleware) serveLeased(w http.ResponseWriter, r *http.Request, next http.Handler, c claim) {
 	ctx := r.Context()
 	held := time.Now()
-	claimed, rec, err := m.store.tryClaim(ctx, m.db, c, m.cfg.Lease, m.cfg.Window)
+	claimed, rec, err := m.store.tryClaim(ctx, m.db, &c, m.cfg.Lease, m.cfg.Window)
 	if err != nil {
 		m.fail(w, r, fmt.Errorf("idempotency: claim key: %w", err))
 		return

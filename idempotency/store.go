@@ -113,13 +113,19 @@ func (r *record) check(fp []byte) error {
 type claim struct {
 	scope, key, token string
 	fingerprint       []byte
+	// heir is set by tryClaim when the claim took over a dead holder's
+	// running claim within its window: that holder's effect may have
+	// happened under the key, so releasing this claim must not forget it
+	// (see release).
+	heir bool
 }
 
 // store holds the SQL for one schema's idempotency_keys table.
 type store struct {
 	table                                              string
 	lookupSQL, claimTxSQL, claimLeasedSQL, takeoverSQL string
-	completeSQL, releaseSQL, renewSQL, purgeSQL        string
+	completeSQL, releaseSQL, lapseSQL, renewSQL        string
+	purgeSQL                                           string
 }
 
 func newStore(schema string) (*store, error) {
@@ -141,6 +147,9 @@ func newStore(schema string) (*store, error) {
 	// have happened under the key, and another request run under it would
 	// be answered, downstream, with the first one's outcome.
 	const takeable = `(k.state <> 'running' OR k.fingerprint = $3 OR k.expires_at <= now())`
+	// A dead holder's running claim within its window: taking it over makes
+	// the taker its heir (claim.heir).
+	const deadHolder = `(k.state = 'running' AND k.expires_at > now())`
 	claimSQL := func(lock string) string {
 		// The INSERT takes a free key. Otherwise the outer SELECT reads the
 		// record in the way, whether it is live, and whether this request
@@ -159,7 +168,7 @@ ins AS (
     RETURNING 1
 )
 SELECT (SELECT got FROM lock), EXISTS (SELECT FROM ins), coalesce(` + live + `, false), coalesce(` + takeable + `, false),
-    k.state, k.fingerprint, k.status, k.headers, k.body
+    coalesce(` + deadHolder + `, false), k.state, k.fingerprint, k.status, k.headers, k.body
 FROM (SELECT) AS one
 LEFT JOIN ` + t + ` AS k ON k.scope = $1 AND k.key = $2 AND NOT EXISTS (SELECT FROM ins)`
 	}
@@ -176,10 +185,13 @@ WHERE k.scope = $1 AND k.key = $2 AND ` + live,
 		// callers taking over one dead record, one wins; the loser changes
 		// no row. A running record whose holder died (its lease lapsed) is
 		// taken over only by the same request until it expires (takeable).
+		// $7 is whether the record read was a dead holder's: a record
+		// that became or ceased to be one since is not taken over, so the
+		// claim knows whose heir it is.
 		takeoverSQL: `UPDATE ` + t + ` AS k SET fingerprint = $3, state = 'running', token = $4,
     lease_until = now() + $5::float8 * interval '1 second', status = NULL, headers = NULL, body = NULL,
     created_at = now(), completed_at = NULL, expires_at = now() + $6::float8 * interval '1 second'
-WHERE k.scope = $1 AND k.key = $2 AND NOT (` + live + `) AND ` + takeable,
+WHERE k.scope = $1 AND k.key = $2 AND NOT (` + live + `) AND ` + takeable + ` AND ` + deadHolder + ` = $7::boolean`,
 		// Every parameter is text, bytea, a number or cast, so the statements
 		// need no server-described parameter types: they work in every pgx
 		// QueryExecMode, exec and simple_protocol included (PgBouncer).
@@ -194,6 +206,10 @@ WHERE k.scope = $1 AND k.key = $2 AND NOT (` + live + `) AND ` + takeable,
     expires_at = greatest(expires_at, clock_timestamp() + $8::float8 * interval '1 second')
 WHERE scope = $1 AND key = $2 AND token = $3`,
 		releaseSQL: `DELETE FROM ` + t + ` WHERE scope = $1 AND key = $2 AND token = $3`,
+		// An heir's release keeps the record, running with its lease
+		// lapsed: the same request may take it over again at once, and
+		// another is refused until it expires (takeable).
+		lapseSQL: `UPDATE ` + t + ` SET lease_until = now() WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'`,
 		// A renewal finds the claim while it carries its token: running,
 		// or finished by this holder (renewals go on while the result is
 		// stored, so the key is not taken over during a store's retries;
@@ -297,7 +313,8 @@ func (s *store) lookup(ctx context.Context, db querier, scope, key string) (*rec
 // tryClaim claims c.key for c.token, or returns the record in the way
 // (claimed false). lease 0 means a transactional claim: run it in the
 // transaction that will also store the response. Usually one round trip.
-func (s *store) tryClaim(ctx context.Context, db querier, c claim, lease, window time.Duration) (claimed bool, in *record, err error) {
+// It sets c.heir.
+func (s *store) tryClaim(ctx context.Context, db querier, c *claim, lease, window time.Duration) (claimed bool, in *record, err error) {
 	sql, args := s.claimLeasedSQL, []any{c.scope, c.key, c.fingerprint, c.token, nil, window.Seconds()}
 	if lease > 0 {
 		args[4] = lease.Seconds()
@@ -306,8 +323,8 @@ func (s *store) tryClaim(ctx context.Context, db querier, c claim, lease, window
 		args = append(args, lockKey(s.table, c.scope, c.key))
 	}
 	for attempt := 0; ; attempt++ {
-		var got, inserted, live, takeable bool
-		rec, err := scanRecord(db.QueryRow(ctx, sql, args...), &got, &inserted, &live, &takeable)
+		var got, inserted, live, takeable, deadHolder bool
+		rec, err := scanRecord(db.QueryRow(ctx, sql, args...), &got, &inserted, &live, &takeable, &deadHolder)
 		var pgErr *pgconn.PgError
 		switch {
 		case errors.As(err, &pgErr) && pgErr.Code == "54000": // program_limit_exceeded: the key does not fit the index
@@ -328,11 +345,12 @@ func (s *store) tryClaim(ctx context.Context, db querier, c claim, lease, window
 			rec.lapsed = true
 			return false, rec, nil
 		case rec != nil: // dead: take it over
-			tag, err := db.Exec(ctx, s.takeoverSQL, args[:6]...)
+			tag, err := db.Exec(ctx, s.takeoverSQL, append(args[:6:6], deadHolder)...)
 			if err != nil {
 				return false, nil, err
 			}
 			if tag.RowsAffected() == 1 {
+				c.heir = deadHolder
 				return true, nil, nil
 			}
 			// Another claimer changed the record since it was read (took
@@ -407,9 +425,16 @@ func (s *store) completeRetrying(db querier, c claim, budget, window time.Durati
 	}
 }
 
-// release deletes c's claim so the key can run again.
+// release gives up c's claim so the key can run again: it deletes the
+// record, or, for an heir (c.heir), lapses its lease, so that only the same
+// request (fingerprint) may run under the key until the record expires, as
+// before the heir took it over: the dead holder's effect may have happened.
 func (s *store) release(ctx context.Context, db querier, c claim) error {
-	_, err := db.Exec(ctx, s.releaseSQL, c.scope, c.key, c.token)
+	sql := s.releaseSQL
+	if c.heir {
+		sql = s.lapseSQL
+	}
+	_, err := db.Exec(ctx, sql, c.scope, c.key, c.token)
 	return err
 }
 

@@ -90,7 +90,7 @@ VALUES ('http:u', 'k', 'D', 'running', gen_random_uuid(), now() - interval '1 ho
 			var yClaimed bool
 			var yErr error
 			y := func() {
-				yClaimed, _, yErr = st.tryClaim(ctx, pool, claim{scope: "http:u", key: "k", token: newToken(), fingerprint: []byte(tc.y)}, lease, window)
+				yClaimed, _, yErr = st.tryClaim(ctx, pool, &claim{scope: "http:u", key: "k", token: newToken(), fingerprint: []byte(tc.y)}, lease, window)
 			}
 			db := querier(pool)
 			if tc.yFirst {
@@ -98,7 +98,7 @@ VALUES ('http:u', 'k', 'D', 'running', gen_random_uuid(), now() - interval '1 ho
 			} else {
 				db = &racer{querier: pool, other: y}
 			}
-			xClaimed, rec, err := st.tryClaim(ctx, db, claim{scope: "http:u", key: "k", token: newToken(), fingerprint: []byte(tc.x)}, lease, window)
+			xClaimed, rec, err := st.tryClaim(ctx, db, &claim{scope: "http:u", key: "k", token: newToken(), fingerprint: []byte(tc.x)}, lease, window)
 			if err != nil || yErr != nil {
 				t.Fatalf("X: %v; Y: %v", err, yErr)
 			}

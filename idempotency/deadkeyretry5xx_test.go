@@ -54,4 +54,8 @@ func TestLeasedDeadKeyRetriedWith5xxStillRefusesAnotherBody(t *testing.T) {
 			"want 422 and 0 runs (the dead request's effect may have happened under this key; its window has not ended)",
 			r.status, otherRuns.Load())
 	}
+	// The same request may still retry at once: the 502 lapsed its claim.
+	if r := send(t, srv, request{key: "k-dead", body: "{}"}); r.status != http.StatusBadGateway {
+		t.Fatalf("same request's second retry: %d, want the handler's 502 again (not 409: its claim was given up)", r.status)
+	}
 }
