@@ -35,7 +35,10 @@
 // renewals fail, the request's context is cancelled before the lease lapses;
 // a handler whose context ended and that wrote nothing is answered 503, with
 // nothing stored and the key released); use it for handlers whose effects
-// leave the database, and pass Key(ctx) to the downstream service. A request that dies holds its key
+// leave the database, and pass Key(ctx) to the downstream service: it is
+// derived from the scope and the client's key, so two principals' same key
+// never meet downstream, and it is the same on every retry (ClientKey(ctx)
+// is the key as sent, which Key(ctx) used to return). A request that dies holds its key
 // until the lease lapses, then a retry runs the handler again: the
 // downstream's own deduplication on the key is what makes that harmless.
 // A response whose store fails (a database blip) is stored again, backing
@@ -70,7 +73,7 @@
 // ErrInProgress to concurrent ones, and lets an expired lease be taken over:
 //
 //	receipt, err := idempotency.Do(ctx, pool, "charge:"+orderID, func(ctx context.Context) ([]byte, error) {
-//		return gateway.Charge(ctx, orderID, idempotency.Key(ctx)) // the gateway dedups on the key too
+//		return gateway.Charge(ctx, orderID, idempotency.Key(ctx)) // the gateway dedups on the key too (scoped by the namespace)
 //	})
 //
 // Pass a *pgxpool.Pool, in a consumer handler too: the claim commits on its

@@ -111,7 +111,7 @@ func ExampleFence_Do() {
 	charges := 0
 	charge := func(ctx context.Context) ([]byte, error) {
 		charges++ // a real gateway call would pass idempotency.Key(ctx) along
-		return []byte("receipt for " + idempotency.Key(ctx)), nil
+		return []byte("receipt for " + idempotency.ClientKey(ctx)), nil
 	}
 	for range 3 { // the same message, delivered three times
 		receipt, err := fence.Do(ctx, "order-42", charge)

@@ -93,7 +93,8 @@ func NewFence(db DB, cfg *FenceConfig) (*Fence, error) {
 // running fn. Concretely:
 //
 //   - The first caller claims the key (one committed row with a lease), runs
-//     fn with a context carrying the key (Key(ctx)) and stores the result.
+//     fn with a context carrying the key (ClientKey(ctx); Key(ctx) is the
+//     key scoped by Namespace, to pass downstream) and stores the result.
 //   - A caller while fn runs gets ErrInProgress at once; retry later.
 //   - If fn returns an error, the claim is released and the error returned:
 //     the next call runs fn again.
@@ -108,8 +109,9 @@ func NewFence(db DB, cfg *FenceConfig) (*Fence, error) {
 // What it cannot promise: an effect outside the database and the stored
 // result do not commit together. If the process dies after the gateway
 // charged the card but before the result was stored, the next call after the
-// lease runs fn again. Give the downstream the key (most payment APIs take
-// an idempotency key) so it deduplicates that re-run: the fence makes
+// lease runs fn again. Give the downstream Key(ctx) (most payment APIs take
+// an idempotency key; Key(ctx) is key scoped by Namespace) so it deduplicates
+// that re-run: the fence makes
 // re-runs rare and serial, the downstream makes them harmless.
 //
 // The claim commits on its own, outside any transaction of the caller's:
@@ -146,7 +148,7 @@ func (f *Fence) Do(ctx context.Context, key string, fn func(ctx context.Context)
 		return rec.body, nil
 	}
 	bg := context.WithoutCancel(ctx)
-	fctx, cancel := context.WithCancelCause(context.WithValue(ctx, keyKey, key))
+	fctx, cancel := context.WithCancelCause(withRun(ctx, &c))
 	defer cancel(nil)
 	stop := f.store.keepLease(f.db, c, f.cfg.Lease, held, cancel, f.cfg.Logger.Warn)
 	returned := false

@@ -41,8 +41,8 @@ func TestDoRunsOnceUnderConcurrency(t *testing.T) {
 			defer wg.Done()
 			results[i], errs[i] = f.Do(context.Background(), "charge-1", func(ctx context.Context) ([]byte, error) {
 				runs.Add(1)
-				if idempotency.Key(ctx) != "charge-1" {
-					t.Errorf("Key(ctx) = %q", idempotency.Key(ctx))
+				if idempotency.ClientKey(ctx) != "charge-1" {
+					t.Errorf("ClientKey(ctx) = %q", idempotency.ClientKey(ctx))
 				}
 				deadline := time.Now().Add(10 * time.Second)
 				for answered.Load() < n/2 && time.Now().Before(deadline) {

@@ -49,7 +49,7 @@ func TestHookSeesEachRequestsOutcomeOnItsContext(t *testing.T) {
 				t.Fatal(err)
 			}
 			h := m.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-				switch idempotency.Key(r.Context()) {
+				switch idempotency.ClientKey(r.Context()) {
 				case "slow":
 					close(started)
 					<-release

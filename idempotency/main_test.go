@@ -93,10 +93,10 @@ func (b bundle) records(t testing.TB) int {
 func writeEffect(ctx context.Context, pool *pgxpool.Pool, schema, note string) error {
 	sql := `INSERT INTO ` + pgx.Identifier{schema, "effects"}.Sanitize() + ` (key, note) VALUES ($1, $2)`
 	if tx := idempotency.Tx(ctx); tx != nil {
-		_, err := tx.Exec(ctx, sql, idempotency.Key(ctx), note)
+		_, err := tx.Exec(ctx, sql, idempotency.ClientKey(ctx), note)
 		return err
 	}
-	_, err := pool.Exec(ctx, sql, idempotency.Key(ctx), note)
+	_, err := pool.Exec(ctx, sql, idempotency.ClientKey(ctx), note)
 	return err
 }
 

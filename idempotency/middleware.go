@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -39,7 +40,8 @@ const (
 	// Leased commits the claim first, with a lease the middleware renews
 	// while the handler runs, then stores the response. Use it when the
 	// handler has effects outside the database (calls another service):
-	// pass Key(ctx) on so the downstream can deduplicate too. A request that
+	// pass Key(ctx) (the key scoped by Config.Scope, not the client's bare
+	// key) on so the downstream can deduplicate too. A request that
 	// dies mid-way holds the key until its lease lapses; then a retry runs
 	// the handler again (the same request only: another one under the key
 	// gets 422 until its Window ends).
@@ -252,8 +254,26 @@ type ctxKey int
 
 const (
 	txKey ctxKey = iota
-	keyKey
+	runKey
 )
+
+// run is what a claimed request or Do call's context carries.
+type run struct {
+	key, clientKey string
+}
+
+func withRun(ctx context.Context, c *claim) context.Context {
+	return context.WithValue(ctx, runKey, &run{key: downstreamKey(c.scope, c.key), clientKey: c.key})
+}
+
+// downstreamKey is Key's value for a key in a scope: hex SHA-256 over both,
+// length-prefixed, so two scopes' same key never meet downstream and the
+// result fits any key limit (64 bytes of [0-9a-f]).
+func downstreamKey(scope, key string) string {
+	h := sha256.New()
+	fmt.Fprintf(h, "onceflow idempotency key\x00%d:%s%d:%s", len(scope), scope, len(key), key)
+	return hex.EncodeToString(h.Sum(nil))
+}
 
 // Tx returns the transaction a Transactional middleware gives the handler,
 // or nil. Write the handler's rows
@@ -264,11 +284,33 @@ func Tx(ctx context.Context) pgx.Tx {
 	return tx
 }
 
-// Key returns the idempotency key of the request or Do call, or "". Pass it
-// to downstream services so they can deduplicate too.
+// Key returns the key to pass to downstream services (as their own
+// idempotency key) so they can deduplicate too, or "" outside a keyed
+// request or Do call. It is derived from the scope and the key: the request's
+// Config.Scope (the principal) and its Idempotency-Key, or the Fence's
+// Namespace and Do's key. So it is the same on every retry, and two scopes
+// that use the same key (two clients both sending "order-1") get different
+// ones: a downstream deduplicating on the client's bare key would answer
+// one principal with another's effect. It is 64 lowercase hex digits, within
+// any key limit (Stripe's is 255). It depends on nothing else: two services
+// calling one downstream account with the same scope and key (say, Fences
+// in two databases both in namespace "default") get the same Key; give
+// them different namespaces.
 func Key(ctx context.Context) string {
-	k, _ := ctx.Value(keyKey).(string)
-	return k
+	if r, _ := ctx.Value(runKey).(*run); r != nil {
+		return r.key
+	}
+	return ""
+}
+
+// ClientKey returns the key as the client sent it (the Idempotency-Key
+// header, unquoted) or as passed to Do, or "". It is unique only within its
+// scope: pass Key, not ClientKey, to a downstream that deduplicates.
+func ClientKey(ctx context.Context) string {
+	if r, _ := ctx.Value(runKey).(*run); r != nil {
+		return r.clientKey
+	}
+	return ""
 }
 
 // Handler wraps next. Per request: no key answers 400 (unless KeyOptional);
@@ -335,7 +377,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		fp = []byte{} // a Fingerprint that returns nil compares every request equal
 	}
 	c := claim{scope: "http:" + scope, key: key, token: newToken(), fingerprint: fp}
-	r = r.WithContext(context.WithValue(r.Context(), keyKey, key))
+	r = r.WithContext(withRun(r.Context(), &c))
 	if m.cfg.Mode == Leased {
 		m.serveLeased(w, r, next, c)
 	} else {
@@ -346,7 +388,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 // replay answers from an existing record.
 func (m *Middleware) replay(w http.ResponseWriter, r *http.Request, rec *record, fp []byte) {
 	err := rec.check(fp)
-	m.observe(r.Context(), outcomeOf(err), Key(r.Context()))
+	m.observe(r.Context(), outcomeOf(err), ClientKey(r.Context()))
 	if err != nil {
 		m.fail(w, r, err)
 		return
