@@ -83,10 +83,15 @@
 //
 // Do cannot make an outside effect and its stored result atomic: if the
 // process dies after the effect and before the store, the next call after the
-// lease runs fn again. It makes re-runs rare and never concurrent; the key
-// passed downstream makes them harmless. If lease renewals fail, fn's
-// context is cancelled before the lease lapses: an fn that honours its
-// context never runs concurrently with another run of the key.
+// lease runs fn again. It makes re-runs rare and serial; the key passed
+// downstream makes them harmless. If lease renewals fail, fn's context is
+// cancelled before the lease lapses: an fn that honours its context does
+// not run concurrently with another run of the key while its process runs.
+// A process paused past its lease (stopped, a frozen VM) is cancelled by
+// nothing and may resume while a later run is under way; pass
+// FenceToken(ctx) downstream too, and let it refuse a token lower than the
+// highest it has seen for the key (the later run's is greater). Leased
+// requests have one too.
 //
 // # Retention
 //

@@ -89,6 +89,9 @@ func TestKeyIsScopedStableAndShort(t *testing.T) {
 		id := r.Header.Get("X-User") + " " + idempotency.ClientKey(r.Context())
 		seen[id] = append(seen[id], idempotency.Key(r.Context()))
 		mu.Unlock()
+		if idempotency.FenceToken(r.Context()) <= 0 {
+			t.Errorf("a Leased request's FenceToken(ctx) = %d, want > 0", idempotency.FenceToken(r.Context()))
+		}
 		w.WriteHeader(http.StatusServiceUnavailable) // released: the retry runs again
 	})
 	for _, user := range []string{"alice", "bob"} {

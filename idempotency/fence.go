@@ -104,7 +104,14 @@ func NewFence(db DB, cfg *FenceConfig) (*Fence, error) {
 //   - If lease renewals fail until only Lease/6 of the lease is left, or the
 //     claim is found lost, fn's context is cancelled with cause ErrLeaseLost
 //     while no other caller can have taken the key: an fn that returns when
-//     its context is done never runs concurrently with another run.
+//     its context is done does not run concurrently with another run, as
+//     long as its process runs. A process paused past its lease (stopped,
+//     a frozen VM, a long stall) runs no timer, so nothing cancels fn, and
+//     it resumes while another caller's run, which took the key over, is
+//     under way. Where that must not reach the downstream, pass it
+//     FenceToken(ctx): the later run's is greater, so a downstream that
+//     refuses a token lower than the highest it has seen for the key
+//     refuses the paused one.
 //
 // What it cannot promise: an effect outside the database and the stored
 // result do not commit together. If the process dies after the gateway

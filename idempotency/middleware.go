@@ -257,13 +257,14 @@ const (
 	runKey
 )
 
-// run is what a claimed request or Do call's context carries.
+// run is what a keyed request or Do call's context carries.
 type run struct {
 	key, clientKey string
+	token          int64
 }
 
 func withRun(ctx context.Context, c *claim) context.Context {
-	return context.WithValue(ctx, runKey, &run{key: downstreamKey(c.scope, c.key), clientKey: c.key})
+	return context.WithValue(ctx, runKey, &run{key: downstreamKey(c.scope, c.key), clientKey: c.key, token: c.run})
 }
 
 // downstreamKey is Key's value for a key in a scope: hex SHA-256 over both,
@@ -301,6 +302,26 @@ func Key(ctx context.Context) string {
 		return r.key
 	}
 	return ""
+}
+
+// FenceToken returns the fencing token of a Leased request's or Do call's
+// claim, or 0 (outside one, and in Transactional mode, whose claim cannot
+// outlive its transaction). A claim that takes over a key whose lease
+// lapsed gets a greater token than every earlier claim of the key (it is
+// the claim's time on the database's clock, in microseconds since 1970,
+// and a takeover's is forced past its predecessor's; only a claim made
+// after the record expired and was purged, at least Window later, relies
+// on the clock not stepping back). Pass it downstream with Key(ctx) when two
+// runs must never overlap there: a holder that is paused past its lease (a
+// stopped process, a frozen VM, a long stall) runs no timer, so nothing
+// cancels it, and it resumes while a second run, which took the key over,
+// is under way. A downstream that keeps the highest token seen per key
+// and refuses a lower one refuses the stale holder.
+func FenceToken(ctx context.Context) int64 {
+	if r, _ := ctx.Value(runKey).(*run); r != nil {
+		return r.token
+	}
+	return 0
 }
 
 // ClientKey returns the key as the client sent it (the Idempotency-Key
@@ -523,6 +544,7 @@ func (m *Middleware) serveLeased(w http.ResponseWriter, r *http.Request, next ht
 		return
 	}
 	m.observe(ctx, OutcomeClaimed, c.key)
+	ctx = withRun(ctx, &c) // with its fencing token
 	// From here the claim is committed: finish it (store or release) even if
 	// the client goes away.
 	bg := context.WithoutCancel(ctx)

@@ -113,6 +113,9 @@ func (r *record) check(fp []byte) error {
 type claim struct {
 	scope, key, token string
 	fingerprint       []byte
+	// run is the claim's fencing token, set by tryClaim: its created_at in
+	// microseconds (see FenceToken).
+	run int64
 	// heir is set by tryClaim when the claim took over a dead holder's
 	// running claim within its window: that holder's effect may have
 	// happened under the key, so releasing this claim must not forget it
@@ -165,9 +168,9 @@ ins AS (
         now() + $5::float8 * interval '1 second', now() + $6::float8 * interval '1 second'
     FROM lock WHERE lock.got
     ON CONFLICT (scope, key) DO NOTHING
-    RETURNING 1
+    RETURNING created_at
 )
-SELECT (SELECT got FROM lock), EXISTS (SELECT FROM ins), coalesce(` + live + `, false), coalesce(` + takeable + `, false),
+SELECT (SELECT got FROM lock), (SELECT created_at FROM ins), coalesce(` + live + `, false), coalesce(` + takeable + `, false),
     coalesce(` + deadHolder + `, false), k.state, k.fingerprint, k.status, k.headers, k.body
 FROM (SELECT) AS one
 LEFT JOIN ` + t + ` AS k ON k.scope = $1 AND k.key = $2 AND NOT EXISTS (SELECT FROM ins)`
@@ -187,11 +190,14 @@ WHERE k.scope = $1 AND k.key = $2 AND ` + live,
 		// taken over only by the same request until it expires (takeable).
 		// $7 is whether the record read was a dead holder's: a record
 		// that became or ceased to be one since is not taken over, so the
-		// claim knows whose heir it is.
+		// claim knows whose heir it is. created_at, the fencing token, is
+		// after the record's, whatever the clock says.
 		takeoverSQL: `UPDATE ` + t + ` AS k SET fingerprint = $3, state = 'running', token = $4,
     lease_until = now() + $5::float8 * interval '1 second', status = NULL, headers = NULL, body = NULL,
-    created_at = now(), completed_at = NULL, expires_at = now() + $6::float8 * interval '1 second'
-WHERE k.scope = $1 AND k.key = $2 AND NOT (` + live + `) AND ` + takeable + ` AND ` + deadHolder + ` = $7::boolean`,
+    created_at = greatest(now(), k.created_at + interval '1 microsecond'), completed_at = NULL,
+    expires_at = now() + $6::float8 * interval '1 second'
+WHERE k.scope = $1 AND k.key = $2 AND NOT (` + live + `) AND ` + takeable + ` AND ` + deadHolder + ` = $7::boolean
+RETURNING k.created_at`,
 		// Every parameter is text, bytea, a number or cast, so the statements
 		// need no server-described parameter types: they work in every pgx
 		// QueryExecMode, exec and simple_protocol included (PgBouncer).
@@ -313,7 +319,7 @@ func (s *store) lookup(ctx context.Context, db querier, scope, key string) (*rec
 // tryClaim claims c.key for c.token, or returns the record in the way
 // (claimed false). lease 0 means a transactional claim: run it in the
 // transaction that will also store the response. Usually one round trip.
-// It sets c.heir.
+// It sets c.heir and c.run.
 func (s *store) tryClaim(ctx context.Context, db querier, c *claim, lease, window time.Duration) (claimed bool, in *record, err error) {
 	sql, args := s.claimLeasedSQL, []any{c.scope, c.key, c.fingerprint, c.token, nil, window.Seconds()}
 	if lease > 0 {
@@ -323,7 +329,8 @@ func (s *store) tryClaim(ctx context.Context, db querier, c *claim, lease, windo
 		args = append(args, lockKey(s.table, c.scope, c.key))
 	}
 	for attempt := 0; ; attempt++ {
-		var got, inserted, live, takeable, deadHolder bool
+		var got, live, takeable, deadHolder bool
+		var inserted *time.Time
 		rec, err := scanRecord(db.QueryRow(ctx, sql, args...), &got, &inserted, &live, &takeable, &deadHolder)
 		var pgErr *pgconn.PgError
 		switch {
@@ -333,7 +340,8 @@ func (s *store) tryClaim(ctx context.Context, db querier, c *claim, lease, windo
 			return false, nil, err
 		case !got:
 			return false, &record{state: stateRunning, fingerprint: c.fingerprint}, nil
-		case inserted:
+		case inserted != nil:
+			c.run = inserted.UnixMicro()
 			return true, nil, nil
 		case rec != nil && live:
 			return false, rec, nil
@@ -345,12 +353,13 @@ func (s *store) tryClaim(ctx context.Context, db querier, c *claim, lease, windo
 			rec.lapsed = true
 			return false, rec, nil
 		case rec != nil: // dead: take it over
-			tag, err := db.Exec(ctx, s.takeoverSQL, append(args[:6:6], deadHolder)...)
-			if err != nil {
+			var created time.Time
+			err := db.QueryRow(ctx, s.takeoverSQL, append(args[:6:6], deadHolder)...).Scan(&created)
+			if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 				return false, nil, err
 			}
-			if tag.RowsAffected() == 1 {
-				c.heir = deadHolder
+			if err == nil {
+				c.heir, c.run = deadHolder, created.UnixMicro()
 				return true, nil, nil
 			}
 			// Another claimer changed the record since it was read (took
