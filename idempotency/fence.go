@@ -35,7 +35,7 @@ type FenceConfig struct {
 	// ErrNotStored. Defaults to 1 MiB.
 	MaxResultBytes int
 	// Logger receives warnings (failed lease renewals). Defaults to
-	// discarding.
+	// slog.Default().
 	Logger *slog.Logger
 }
 
@@ -69,7 +69,7 @@ func NewFence(db DB, cfg *FenceConfig) (*Fence, error) {
 	setDefault(&c.Window, 24*time.Hour)
 	setDefault(&c.MaxResultBytes, 1<<20)
 	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
+		c.Logger = slog.Default()
 	}
 	switch {
 	case c.Lease < 10*time.Millisecond:

@@ -147,7 +147,7 @@ type Config struct {
 	// example to record it on the request's trace span. Defaults to none.
 	Hook Hook
 	// Logger receives warnings (failed stores, lost leases). Defaults to
-	// discarding.
+	// slog.Default().
 	Logger *slog.Logger
 }
 
@@ -194,7 +194,7 @@ func New(db DB, cfg *Config) (*Middleware, error) {
 		c.ErrorHandler = defaultErrorHandler
 	}
 	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
+		c.Logger = slog.Default()
 	}
 	switch {
 	case c.Mode != Transactional && c.Mode != Leased:
