@@ -1,0 +1,59 @@
+package main
+
+import (
+	"context"
+	"net/url"
+	"strings"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/internal/pgtest"
+)
+
+// withSetting returns the test database's URL with a setting every session
+// starts with (libpq's options), as a database or role may carry it.
+func withSetting(t *testing.T, setting string) string {
+	t.Helper()
+	u, err := url.Parse(pgtest.URL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	q := u.Query()
+	q.Set("options", "-c "+setting)
+	u.RawQuery = strings.ReplaceAll(q.Encode(), "+", "%20") // pgx reads no + as a space
+	return u.String()
+}
+
+// The reading commands pick exec mode, whose results come as text; under
+// a bytea_output or DateStyle pgx cannot read as text they failed with a
+// scan error ("invalid hex format", "invalid PostgreSQL date/time value").
+// They must read as under the defaults.
+func TestReadingCommandsUnderTextResultSettings(t *testing.T) {
+	t.Parallel()
+	for _, setting := range []string{"bytea_output=escape", "DateStyle=German", "DateStyle=SQL,DMY", "DateStyle=Postgres,MDY"} {
+		t.Run(setting, func(t *testing.T) {
+			t.Parallel()
+			schema, _ := deadSetup(t, 1)
+			ctx := context.Background()
+			// A relay row, so that status reads its timestamps.
+			if _, err := pgtest.Pool(t).Exec(ctx, `INSERT INTO `+pgx.Identifier{schema, "outbox"}.Sanitize()+
+				` (event_id, topic, key, value) VALUES (gen_random_uuid(), 't', '\x00ff', 'v')`); err != nil {
+				t.Fatal(err)
+			}
+			flags := []string{"--database-url", withSetting(t, setting), "--schema", schema}
+			if out, err := runCLI(t, append([]string{"dead", "list"}, flags...)...); err != nil || !strings.Contains(out, "unknown topic") {
+				t.Errorf("dead list: %v\n%s", err, out)
+			}
+			if out, err := runCLI(t, append([]string{"dead", "list", "--json"}, flags...)...); err != nil || !strings.Contains(out, "unknown topic") {
+				t.Errorf("dead list --json: %v\n%s", err, out)
+			}
+			if out, err := runCLI(t, append([]string{"status"}, flags...)...); err != nil || !strings.Contains(out, "backlog:         1 events") {
+				t.Errorf("status: %v\n%s", err, out)
+			}
+			if out, err := runCLI(t, append([]string{"migrate", "status"}, flags...)...); err != nil || !strings.Contains(out, "applied") {
+				t.Errorf("migrate status: %v\n%s", err, out)
+			}
+		})
+	}
+}
