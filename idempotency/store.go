@@ -170,14 +170,14 @@ ins AS (
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING created_at
 )
-SELECT (SELECT got FROM lock), (SELECT created_at FROM ins), coalesce(` + live + `, false), coalesce(` + takeable + `, false),
-    coalesce(` + deadHolder + `, false), k.state, k.fingerprint, k.status, k.headers, k.body
+SELECT (SELECT got FROM lock), (SELECT ` + micros("created_at") + ` FROM ins), coalesce(` + live + `, false), coalesce(` + takeable + `, false),
+    coalesce(` + deadHolder + `, false), ` + recordColumns + `
 FROM (SELECT) AS one
 LEFT JOIN ` + t + ` AS k ON k.scope = $1 AND k.key = $2 AND NOT EXISTS (SELECT FROM ins)`
 	}
 	return &store{
 		table: t,
-		lookupSQL: `SELECT k.state, k.fingerprint, k.status, k.headers, k.body FROM ` + t + ` AS k
+		lookupSQL: `SELECT ` + recordColumns + ` FROM ` + t + ` AS k
 WHERE k.scope = $1 AND k.key = $2 AND ` + live,
 		// Transactional claims first take a transaction-scoped advisory lock on
 		// the key: a concurrent claimer fails to get it and answers "in
@@ -197,7 +197,7 @@ WHERE k.scope = $1 AND k.key = $2 AND ` + live,
     created_at = greatest(now(), k.created_at + interval '1 microsecond'), completed_at = NULL,
     expires_at = now() + $6::float8 * interval '1 second'
 WHERE k.scope = $1 AND k.key = $2 AND NOT (` + live + `) AND ` + takeable + ` AND ` + deadHolder + ` = $7::boolean
-RETURNING k.created_at`,
+RETURNING ` + micros("k.created_at"),
 		// Every parameter is text, bytea, a number or cast, so the statements
 		// need no server-described parameter types: they work in every pgx
 		// QueryExecMode, exec and simple_protocol included (PgBouncer).
@@ -230,18 +230,42 @@ WHERE scope = $1 AND key = $2 AND token = $3`,
 	}, nil
 }
 
+// recordColumns are a record's columns as scanRecord reads them. The bytea
+// columns are read as base64 text: in the exec and simple_protocol modes
+// (PgBouncer in transaction mode) results come as text, and pgx reads
+// bytea text only in the hex form, while a database or role may set
+// bytea_output = 'escape' (a legacy application's setting); then every
+// replay failed with "invalid hex format". base64 reads alike in every
+// mode and under every setting, for a third more bytes than the binary
+// form (half of hex's).
+// micros is a timestamp column as microseconds since the epoch: an
+// integer reads alike in every result format, where a timestamp's text
+// follows DateStyle.
+func micros(column string) string {
+	return `(extract(epoch FROM ` + column + `) * 1000000)::int8`
+}
+
+const recordColumns = `k.state, encode(k.fingerprint, 'base64'), k.status, k.headers, encode(k.body, 'base64')`
+
 func scanRecord(row pgx.Row, extra ...any) (*record, error) {
 	var (
-		state  *string
-		rec    record
-		status *int32
+		state, fp, body *string
+		rec             record
+		status          *int32
 	)
-	dest := append(extra, &state, &rec.fingerprint, &status, &rec.headers, &rec.body)
+	dest := append(extra, &state, &fp, &status, &rec.headers, &body)
 	if err := row.Scan(dest...); err != nil {
 		return nil, err
 	}
 	if state == nil {
 		return nil, nil
+	}
+	var err error
+	if rec.fingerprint, err = decodeBytea(fp); err != nil {
+		return nil, fmt.Errorf("read fingerprint: %w", err)
+	}
+	if rec.body, err = decodeBytea(body); err != nil {
+		return nil, fmt.Errorf("read body: %w", err)
 	}
 	rec.state = *state
 	if status != nil {
@@ -251,6 +275,18 @@ func scanRecord(row pgx.Row, extra ...any) (*record, error) {
 		return nil, err
 	}
 	return &rec, nil
+}
+
+// decodeBytea decodes a bytea column read as encode(x, 'base64'), whose
+// lines PostgreSQL breaks every 76 characters (the decoder skips newlines).
+// NULL is nil.
+func decodeBytea(b64 *string) ([]byte, error) {
+	if b64 == nil {
+		return nil, nil
+	}
+	out := make([]byte, base64.StdEncoding.DecodedLen(len(*b64)))
+	n, err := base64.StdEncoding.Decode(out, []byte(*b64))
+	return out[:n], err
 }
 
 // encodedHeaderPrefix marks, in the stored headers, a header whose values
@@ -330,7 +366,7 @@ func (s *store) tryClaim(ctx context.Context, db querier, c *claim, lease, windo
 	}
 	for attempt := 0; ; attempt++ {
 		var got, live, takeable, deadHolder bool
-		var inserted *time.Time
+		var inserted *int64 // the new record's created_at, µs
 		rec, err := scanRecord(db.QueryRow(ctx, sql, args...), &got, &inserted, &live, &takeable, &deadHolder)
 		var pgErr *pgconn.PgError
 		switch {
@@ -341,7 +377,7 @@ func (s *store) tryClaim(ctx context.Context, db querier, c *claim, lease, windo
 		case !got:
 			return false, &record{state: stateRunning, fingerprint: c.fingerprint}, nil
 		case inserted != nil:
-			c.run = inserted.UnixMicro()
+			c.run = *inserted
 			return true, nil, nil
 		case rec != nil && live:
 			return false, rec, nil
@@ -353,13 +389,13 @@ func (s *store) tryClaim(ctx context.Context, db querier, c *claim, lease, windo
 			rec.lapsed = true
 			return false, rec, nil
 		case rec != nil: // dead: take it over
-			var created time.Time
+			var created int64
 			err := db.QueryRow(ctx, s.takeoverSQL, append(args[:6:6], deadHolder)...).Scan(&created)
 			if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 				return false, nil, err
 			}
 			if err == nil {
-				c.heir, c.run = deadHolder, created.UnixMicro()
+				c.heir, c.run = deadHolder, created
 				return true, nil, nil
 			}
 			// Another claimer changed the record since it was read (took
