@@ -203,11 +203,20 @@ func (r *Relay) LastLoop() time.Time {
 // ErrPreparedStatementsLost, and a role that lacks a privilege the relay
 // needs with one wrapping ErrInsufficientPrivilege, at start or once seen
 // (the round with Kafka gets its stop's grace, the shards are handed back).
+// A pool in exec or simple_protocol mode on a database whose bytea_output
+// or DateStyle pgx cannot read as text is refused at start with an error
+// wrapping ErrTextResultSettings.
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.ran.CompareAndSwap(false, true) {
 		return errors.New("relay: Run called twice")
 	}
 	if err := r.checkSchema(ctx); err != nil {
+		return stoppedWhileStarting(ctx, err)
+	}
+	if err := checkTextSettings(ctx, r.pool); err != nil {
+		if errors.Is(err, ErrTextResultSettings) {
+			r.log.Error("relay: refusing to start: the database writes results as text pgx cannot read", "error", err)
+		}
 		return stoppedWhileStarting(ctx, err)
 	}
 	r.warnOfNewerMigrations(ctx)
@@ -397,7 +406,7 @@ func (r *Relay) start(ctx context.Context) error {
 // statements) is reported whatever ctx says.
 func stoppedWhileStarting(ctx context.Context, err error) error {
 	var inUse *InstanceInUseError
-	if ctx.Err() != nil && !errors.As(err, &inUse) && !errors.Is(err, ErrPreparedStatementsLost) && !errors.Is(err, ErrInsufficientPrivilege) {
+	if ctx.Err() != nil && !errors.As(err, &inUse) && !errors.Is(err, ErrPreparedStatementsLost) && !errors.Is(err, ErrInsufficientPrivilege) && !errors.Is(err, ErrTextResultSettings) {
 		return nil
 	}
 	return err

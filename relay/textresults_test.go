@@ -2,6 +2,7 @@ package relay_test
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"testing"
 	"time"
@@ -16,12 +17,15 @@ import (
 
 // textResultSettings are settings that change how PostgreSQL writes results
 // as text, in the form pgx cannot read: bytea not in hex, dates not in ISO.
-// A database or role may carry them for a legacy application.
+// A database or role may carry them for a legacy application. The last is
+// one pgx reads.
 var textResultSettings = []struct{ name, set string }{
 	{"bytea_output", `SET bytea_output = 'escape'`},
 	{"DateStyle", `SET DateStyle = 'SQL, DMY'`},
 	{"DateStyle", `SET DateStyle = 'German'`},
 	{"DateStyle", `SET DateStyle = 'Postgres, MDY'`},
+	// Readable: no refusal (name "").
+	{"", `SET DateStyle = 'ISO, DMY'`},
 }
 
 // settingPool is a pool sending statements in mode whose connections run
@@ -74,7 +78,7 @@ func TestRelayUnderTextResultSettings(t *testing.T) {
 				for b.count(t, "outbox") != 0 {
 					select {
 					case err := <-done:
-						if mode == pgx.QueryExecModeCacheStatement {
+						if mode == pgx.QueryExecModeCacheStatement || s.name == "" {
 							t.Fatalf("Run in %s: %v", mode, err)
 						}
 						checkTextResultRefusal(t, err, s.name)
@@ -99,14 +103,15 @@ func TestRelayUnderTextResultSettings(t *testing.T) {
 	}
 }
 
-// checkTextResultRefusal fails t unless err names setting and the remedy.
+// checkTextResultRefusal fails t unless err is ErrTextResultSettings
+// naming setting, its value and the remedy.
 func checkTextResultRefusal(t *testing.T, err error, setting string) {
 	t.Helper()
 	if err == nil {
 		t.Fatal("Run returned nil before publishing")
 	}
 	msg := err.Error()
-	if !strings.Contains(msg, setting) || !strings.Contains(msg, "ALTER ROLE") {
+	if !errors.Is(err, relay.ErrTextResultSettings) || !strings.Contains(msg, setting+" is ") || !strings.Contains(msg, "ALTER ROLE") {
 		t.Fatalf("Run refused with %q, want the setting %s and the remedy (ALTER ROLE ... SET) named", msg, setting)
 	}
 }
