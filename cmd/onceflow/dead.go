@@ -61,7 +61,7 @@ func runDead(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		// says how many there were of the ones shown.
 		var dead []relay.DeadEvent
 		total := -1
-		err = pgx.BeginTxFunc(ctx, pool, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
+		err = readTx(ctx, pool, pgx.RepeatableRead, func(tx pgx.Tx) error {
 			var err error
 			if dead, err = relay.ListDead(ctx, tx, c.schema, *limit); err != nil || len(dead) < *limit {
 				return err
@@ -126,6 +126,9 @@ func runDead(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		// replayed", as its help says).
 		var n int
 		err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			if err := readableText(ctx, tx); err != nil {
+				return err
+			}
 			n, err = relay.ReplayDead(ctx, tx, c.schema, idList, opts...)
 			return err
 		})
@@ -179,6 +182,9 @@ func discard(ctx context.Context, pool *pgxpool.Pool, schema string, ids []int64
 		return err
 	}
 	defer func() { _ = tx.Rollback(ctx) }() // after a commit, a no-op
+	if err := readableText(ctx, tx); err != nil {
+		return err
+	}
 	// A stdout that blocks (a pipe nobody reads) must not keep the
 	// transaction, its row locks and the vacuum horizon, for long: past
 	// this the server ends it and nothing is discarded.

@@ -384,6 +384,36 @@ func (c *common) connectWith(ctx context.Context, config func() (*pgxpool.Config
 	return pool, nil
 }
 
+// readableText has the rest of tx's results written in the text forms pgx
+// reads: bytea in hex, timestamps in ISO. In the exec and simple_protocol
+// modes (connectAdmin's default) results come as text, and a database or
+// role may set bytea_output = 'escape' or a DateStyle of SQL, German or
+// Postgres (a legacy application's); then reading a dead event or a
+// timestamp failed with "invalid hex format" or "invalid PostgreSQL
+// date/time value". Set for the transaction only (set_config's is_local),
+// which a pooler in transaction mode keeps on one server connection, and
+// which ends with it (a session SET would stay on the pooler's server
+// connection for its next client, and PgBouncer refuses bytea_output as a
+// start-up parameter).
+func readableText(ctx context.Context, tx pgx.Tx) error {
+	if _, err := tx.Exec(ctx, `SELECT set_config('bytea_output', 'hex', true), set_config('DateStyle', 'ISO', true)`); err != nil {
+		return fmt.Errorf("set bytea_output and DateStyle for the transaction: %w", err)
+	}
+	return nil
+}
+
+// readTx runs fn in a read-only transaction of pool's whose results pgx
+// reads whatever the database's bytea_output and DateStyle (readableText);
+// iso "" is the server's default isolation.
+func readTx(ctx context.Context, pool *pgxpool.Pool, iso pgx.TxIsoLevel, fn func(tx pgx.Tx) error) error {
+	return pgx.BeginTxFunc(ctx, pool, pgx.TxOptions{IsoLevel: iso, AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
+		if err := readableText(ctx, tx); err != nil {
+			return err
+		}
+		return fn(tx)
+	})
+}
+
 // connectMigrated is connect for the commands that read onceflow's tables:
 // a schema missing a migration (never migrated: a typo in the schema's name)
 // is said so, with what to run, rather than as a missing relation.

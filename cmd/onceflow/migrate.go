@@ -7,6 +7,8 @@ import (
 	"io"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/onceflow/onceflow/migrations"
 )
 
@@ -102,7 +104,12 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 			fmt.Fprintf(stdout, "reverted %04d in schema %s\n", v, c.schema)
 		}
 	case "status":
-		list, err := migrations.List(ctx, pool, c.schema)
+		var list []migrations.Status
+		err := readTx(ctx, pool, "", func(tx pgx.Tx) error {
+			var err error
+			list, err = migrations.List(ctx, tx, c.schema) // a savepoint in tx
+			return err
+		})
 		if err != nil {
 			return err
 		}

@@ -7,6 +7,8 @@ import (
 	"io"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/onceflow/onceflow/relay"
 )
 
@@ -23,7 +25,11 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		return err
 	}
 	defer pool.Close()
-	st, err := relay.ReadStatus(ctx, pool, c.schema)
+	var st *relay.Status
+	err = readTx(ctx, pool, "", func(tx pgx.Tx) error {
+		st, err = relay.ReadStatus(ctx, tx, c.schema)
+		return err
+	})
 	if err != nil {
 		return err
 	}

@@ -28,13 +28,13 @@ func withSetting(t *testing.T, setting string) string {
 // The reading commands pick exec mode, whose results come as text; under
 // a bytea_output or DateStyle pgx cannot read as text they failed with a
 // scan error ("invalid hex format", "invalid PostgreSQL date/time value").
-// They must read as under the defaults.
+// They must read as under the defaults; replay and discard too.
 func TestReadingCommandsUnderTextResultSettings(t *testing.T) {
 	t.Parallel()
 	for _, setting := range []string{"bytea_output=escape", "DateStyle=German", "DateStyle=SQL,DMY", "DateStyle=Postgres,MDY"} {
 		t.Run(setting, func(t *testing.T) {
 			t.Parallel()
-			schema, _ := deadSetup(t, 1)
+			schema, _ := deadSetup(t, 2)
 			ctx := context.Background()
 			// A relay row, so that status reads its timestamps.
 			if _, err := pgtest.Pool(t).Exec(ctx, `INSERT INTO `+pgx.Identifier{schema, "outbox"}.Sanitize()+
@@ -53,6 +53,12 @@ func TestReadingCommandsUnderTextResultSettings(t *testing.T) {
 			}
 			if out, err := runCLI(t, append([]string{"migrate", "status"}, flags...)...); err != nil || !strings.Contains(out, "applied") {
 				t.Errorf("migrate status: %v\n%s", err, out)
+			}
+			if out, err := runCLI(t, append([]string{"dead", "replay", "--ids", "1"}, flags...)...); err != nil || !strings.Contains(out, "replayed 1") {
+				t.Errorf("dead replay: %v\n%s", err, out)
+			}
+			if out, err := runCLI(t, append([]string{"dead", "discard", "--ids", "2"}, flags...)...); err != nil || !strings.Contains(out, "unknown topic") || !strings.Contains(out, "discarded 1") {
+				t.Errorf("dead discard: %v\n%s", err, out)
 			}
 		})
 	}
