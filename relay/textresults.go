@@ -59,7 +59,7 @@ func textSettingsError(byteaOutput, dateStyle, role string) error {
 	if len(bad) == 0 {
 		return nil
 	}
-	return fmt.Errorf("%w: %s (a role's setting reaches every new session, through PgBouncer too; "+
-		"one given in the connection's options or by ALTER ROLE ... IN DATABASE takes precedence over it; "+
-		"or use a binary-result mode where no pooler needs exec)", ErrTextResultSettings, strings.Join(bad, "; "))
+	return fmt.Errorf("%w: %s (a role's setting reaches each new session, through PgBouncer too, unless the connection string "+
+		"or ALTER ROLE ... IN DATABASE sets it otherwise; without a pooler in transaction mode, pgx's default query mode reads "+
+		"binary results and needs neither)", ErrTextResultSettings, strings.Join(bad, "; "))
 }

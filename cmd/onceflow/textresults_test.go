@@ -8,6 +8,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/onceflow/onceflow/internal/pgbouncertest"
 	"github.com/onceflow/onceflow/internal/pgtest"
 )
 
@@ -61,5 +62,20 @@ func TestReadingCommandsUnderTextResultSettings(t *testing.T) {
 				t.Errorf("dead discard: %v\n%s", err, out)
 			}
 		})
+	}
+}
+
+// Behind PgBouncer in transaction mode, where a session SET would not
+// follow the command from one transaction to the next, the reading
+// commands read under a DateStyle pgx cannot read as text (PgBouncer
+// passes a client's DateStyle to every server connection it lends it).
+func TestReadingCommandsUnderTextResultSettingsBehindPgBouncer(t *testing.T) {
+	pgb := pgbouncertest.Start(t)
+	schema, _ := deadSetup(t, 1)
+	flags := []string{"--database-url", pgb.TransactionURL + "&DateStyle=German", "--schema", schema}
+	for _, args := range [][]string{{"dead", "list"}, {"status"}, {"migrate", "status"}, {"dead", "discard", "--ids", "1"}} {
+		if out, err := runCLI(t, append(args, flags...)...); err != nil {
+			t.Errorf("%s: %v\n%s", strings.Join(args, " "), err, out)
+		}
 	}
 }
