@@ -13,7 +13,12 @@ import (
 	"github.com/onceflow/onceflow/migrations"
 )
 
-// Querier is satisfied by *pgxpool.Pool, *pgx.Conn and pgx.Tx.
+// Querier is satisfied by *pgxpool.Pool, *pgx.Conn and pgx.Tx. In the exec
+// and simple_protocol modes results come as text, which pgx reads only
+// under bytea_output = 'hex' and an ISO DateStyle (ErrTextResultSettings):
+// under other settings, pass a pgx.Tx that first ran
+// SELECT set_config('bytea_output', 'hex', true), set_config('DateStyle', 'ISO', true),
+// as the onceflow binary does.
 type Querier interface {
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
