@@ -1,0 +1,75 @@
+package kafkagoconsumer_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/segmentio/kafka-go"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/onceflow/onceflow/consumer"
+	"github.com/onceflow/onceflow/consumer/kafkagoconsumer"
+	"github.com/onceflow/onceflow/internal/kafkatest"
+	"github.com/onceflow/onceflow/internal/pgtest"
+)
+
+// TestDeadLetterOfALargeMessageKeepsItsValueWhenItsTopicTakesIt (cold
+// review, helper 96): kgoconsumer's test of that name, for this adapter.
+// The default dead-letter Writer keeps kafka-go's BatchBytes (1 MiB), so
+// the dead letter of a 2 MiB message goes out without its value although
+// its topic takes 8 MiB records.
+func TestDeadLetterOfALargeMessageKeepsItsValueWhenItsTopicTakesIt(t *testing.T) {
+	k := kafkatest.New(t)
+	schema := pgtest.Schema(t)
+	pool := pgtest.Pool(t)
+	limit := "8388608"
+	topic := "h96-large-" + strconv.FormatInt(time.Now().UnixNano(), 36)
+	big := map[string]*string{"max.message.bytes": &limit}
+	k.CreateTopic(t, topic, 1, big)
+	k.CreateTopic(t, topic+".dlq", 1, big)
+
+	value := bytes.Repeat([]byte("v"), 2<<20)
+	cl := k.Client(t, kgo.ProducerBatchMaxBytes(8<<20), kgo.ProducerBatchCompression(kgo.NoCompression()))
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := cl.ProduceSync(ctx,
+		&kgo.Record{Topic: topic, Key: []byte("k"), Value: value, Headers: []kgo.RecordHeader{{Key: consumer.MessageIDHeader, Value: []byte("big")}}},
+	).FirstErr(); err != nil {
+		t.Fatal(err)
+	}
+	p, err := consumer.New(pool, "h96-large", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		return consumer.Permanent(errors.New("cannot apply"))
+	}, &consumer.Config{Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := kafkagoconsumer.New(p, &kafkagoconsumer.Config{Reader: kafka.ReaderConfig{
+		Brokers: k.Brokers, GroupID: "g-" + topic, GroupTopics: []string{topic}, MaxWait: 200 * time.Millisecond,
+	}, CommitInterval: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rctx, stop := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(rctx) }()
+	defer func() { stop(); <-done }()
+	dead := k.ReadAll(t, topic+".dlq", 1, 30*time.Second)
+	if len(dead) != 1 {
+		t.Fatalf("dead-letter topic holds %d records; want 1", len(dead))
+	}
+	omitted := ""
+	for _, h := range dead[0].Headers {
+		if h.Key == consumer.HeaderDLQValueOmitted {
+			omitted = string(h.Value)
+		}
+	}
+	if len(dead[0].Value) != len(value) {
+		t.Errorf("dead letter holds a value of %d bytes (%s=%q), want the message's %d: its topic takes %s bytes",
+			len(dead[0].Value), consumer.HeaderDLQValueOmitted, omitted, len(value), limit)
+	}
+}
