@@ -92,6 +92,7 @@ type Consumer struct {
 	// client fetches records and lists offsets over fetchTransport.
 	client         *kafka.Client
 	fetchTransport *kafka.Transport
+	fetchErrs      fetchErrorLog
 	writer         *kafka.Writer
 	// prober asks for a dead-letter topic the Writer reports unknown by
 	// name (hiddenByACL); nil when the Writer's Transport is not a

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
+	"sync"
 	"time"
 
 	"github.com/segmentio/kafka-go"
@@ -64,8 +66,7 @@ func (f *fetcher) run(ctx context.Context) {
 				"topic", f.topic, "partition", f.partition, "offset", f.offset, "error", err)
 			f.offset = f.c.group.StartOffset
 		} else {
-			f.c.log.Warn("kafkagoconsumer: fetch failed; retrying", "topic", f.topic, "partition", f.partition,
-				"offset", f.offset, "backoff", wait, "error", err)
+			f.c.fetchErrs.log(f.c.log, tp{f.topic, f.partition}, f.offset, err)
 		}
 		select {
 		case <-ctx.Done():
@@ -200,4 +201,43 @@ func (f *fetcher) message(rec *protocol.Record, hwm int64) (kafka.Message, error
 		Headers:       rec.Headers,
 		Time:          rec.Time,
 	}, nil
+}
+
+// fetchErrorLog logs a partition's fetch failures at most once per
+// fetchErrorLogEvery, with how many it left out since: each partition
+// retries a failed fetch every Reader.ReadBackoffMax at most, so an outage
+// would otherwise write a line per partition per second. It is kept for
+// Run's life, across generations. Safe for concurrent use.
+type fetchErrorLog struct {
+	mu sync.Mutex
+	m  map[tp]*fetchErrorState
+}
+
+type fetchErrorState struct {
+	logged  time.Time
+	skipped int
+}
+
+const fetchErrorLogEvery = 10 * time.Second
+
+func (l *fetchErrorLog) log(log *slog.Logger, key tp, offset int64, err error) {
+	l.mu.Lock()
+	if l.m == nil {
+		l.m = map[tp]*fetchErrorState{}
+	}
+	s := l.m[key]
+	if s == nil {
+		s = &fetchErrorState{}
+		l.m[key] = s
+	}
+	if time.Since(s.logged) < fetchErrorLogEvery {
+		s.skipped++
+		l.mu.Unlock()
+		return
+	}
+	skipped := s.skipped
+	s.logged, s.skipped = time.Now(), 0
+	l.mu.Unlock()
+	log.Warn("kafkagoconsumer: fetch failed; retrying", "topic", key.topic, "partition", key.partition,
+		"offset", offset, "error", err, "repeats_not_logged", skipped)
 }

@@ -38,19 +38,19 @@ func (h *fetchFailLines) Handle(_ context.Context, r slog.Record) error {
 func (h *fetchFailLines) WithAttrs([]slog.Attr) slog.Handler { return h }
 func (h *fetchFailLines) WithGroup(string) slog.Handler      { return h }
 
-// TestAPartitionsFetchFailuresAreLoggedOncePer10s (cold review, helper
-// 96): README, on both adapters: "A partition's fetch failures are logged
-// at most once per 10 s." kgoconsumer does (fetchErrorLog); kafkagoconsumer
-// logs a Warn for every failed fetch of every partition, once per
-// ReadBackoffMax (1 s) each while a fault lasts: a broker outage on a
-// member with a hundred partitions writes a hundred lines a second.
+// TestAPartitionsFetchFailuresAreLoggedOncePer10s: README, on both
+// adapters: "A partition's fetch failures are logged at most once per
+// 10 s." kafkagoconsumer logged a Warn for every failed fetch of every
+// partition, once per ReadBackoffMax (1 s) each while a fault lasted
+// (cold review, helper 96: 11 lines in 8 s): a broker outage on a member
+// with a hundred partitions wrote a hundred lines a second.
 func TestAPartitionsFetchFailuresAreLoggedOncePer10s(t *testing.T) {
 	k := kafkatest.New(t)
 	fake := k.RequireFake(t)
 	schema := pgtest.Schema(t)
 	pool := pgtest.Pool(t)
 	topic := k.Topic(t, 1)
-	p, err := consumer.New(pool, "h96-fetchlog", func(context.Context, pgx.Tx, consumer.Message) error { return nil },
+	p, err := consumer.New(pool, "fetchlog", func(context.Context, pgx.Tx, consumer.Message) error { return nil },
 		&consumer.Config{Schema: schema})
 	if err != nil {
 		t.Fatal(err)
