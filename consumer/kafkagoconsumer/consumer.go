@@ -13,6 +13,7 @@ import (
 	"github.com/segmentio/kafka-go"
 
 	"github.com/onceflow/onceflow/consumer"
+	"github.com/onceflow/onceflow/consumer/internal/deadletter"
 	"github.com/onceflow/onceflow/internal/kafkagoconn"
 	"github.com/onceflow/onceflow/kafkaconn"
 )
@@ -65,9 +66,11 @@ type Config struct {
 	// record names its own), its RequiredAcks kafka.RequireAll and Async
 	// false, or New refuses it: a dead letter counts as written when
 	// WriteMessages returns. Defaults to a Writer on Reader.Brokers with
-	// RequiredAcks all, murmur2 partitioning and a 5ms BatchTimeout
-	// (kafka-go's defaults are acks=none and 1s), over Reader.Dialer's TLS
-	// and SASL settings.
+	// RequiredAcks all, murmur2 partitioning, a 5ms BatchTimeout
+	// (kafka-go's defaults are acks=none and 1s) and a 64 MiB BatchBytes
+	// (kafka-go's default, 1 MiB, would refuse a dead letter its topic
+	// takes), over Reader.Dialer's TLS and SASL settings. A Writer of
+	// your own refuses dead letters over its BatchBytes as too large.
 	DeadLetterWriter *kafka.Writer
 	// StopOnMissingDeadLetterTopic makes Run stop (draining and
 	// committing what finished, as at shutdown) and return an error
@@ -94,6 +97,8 @@ type Consumer struct {
 	fetchTransport *kafka.Transport
 	fetchErrs      fetchErrorLog
 	writer         *kafka.Writer
+	// deadLetterTurns publishes one dead letter at a time per topic.
+	deadLetterTurns deadletter.TopicTurns
 	// prober asks for a dead-letter topic the Writer reports unknown by
 	// name (hiddenByACL); nil when the Writer's Transport is not a
 	// *kafka.Transport.
@@ -228,7 +233,11 @@ func New(p *consumer.Processor, cfg *Config) (*Consumer, error) {
 			RequiredAcks: kafka.RequireAll,
 			Balancer:     &kafka.Murmur2Balancer{},
 			BatchTimeout: 5 * time.Millisecond,
-			Transport:    out.ownTransport,
+			// A dead letter is refused for its size by its topic, not by
+			// kafka-go's default limit (1 MiB): refused, it would go out
+			// without the original's value though its topic takes it.
+			BatchBytes: deadletter.MaxBytes,
+			Transport:  out.ownTransport,
 		}
 	}
 	rt := out.writer.Transport
@@ -611,7 +620,14 @@ func (t *transport) PublishDeadLetter(ctx context.Context, d consumer.DeadLetter
 	for i, h := range d.Headers {
 		m.Headers[i] = kafka.Header{Key: h.Key, Value: h.Value}
 	}
-	err := t.c.writer.WriteMessages(ctx, m)
+	// Alone in its batch, so that the topic judges this dead letter's
+	// size alone.
+	done, err := t.c.deadLetterTurns.Take(ctx, d.Topic)
+	if err != nil {
+		return fmt.Errorf("kafkagoconsumer: publish dead letter to %s: %w", d.Topic, err)
+	}
+	defer done()
+	err = t.c.writer.WriteMessages(ctx, m)
 	switch {
 	case err == nil:
 		return nil

@@ -13,6 +13,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/onceflow/onceflow/consumer"
+	"github.com/onceflow/onceflow/consumer/internal/deadletter"
 	"github.com/onceflow/onceflow/internal/kgoconn"
 	"github.com/onceflow/onceflow/kafkaconn"
 )
@@ -38,7 +39,11 @@ type Config struct {
 	// dead letters (kgo.DisableIdempotentWrite is honoured: a dead letter
 	// may then be written twice). A dead-letter publish is bounded by
 	// kgo.RecordDeliveryTimeout, 30s unless set here: past it the failure
-	// is reported and the publish tried again. Defaults to none.
+	// is reported and the publish tried again. A dead letter's size is
+	// bounded by kgo.ProducerBatchMaxBytes, 64 MiB unless set here (keep
+	// it at or below kgo.BrokerMaxWriteBytes), so that the dead-letter
+	// topic's max.message.bytes is what refuses one too large. Defaults to
+	// none.
 	ClientOpts []kgo.Opt
 	// CommitInterval is how often marked offsets are committed; they are
 	// also committed when partitions are revoked (waiting half the
@@ -87,6 +92,8 @@ type Consumer struct {
 	log *slog.Logger
 	// connOpts are Config.Conn as kgo options.
 	connOpts []kgo.Opt
+	// deadLetterTurns publishes one dead letter at a time per topic.
+	deadLetterTurns deadletter.TopicTurns
 
 	mu      sync.Mutex
 	parts   map[tp]*partition
@@ -184,6 +191,10 @@ func (c *Consumer) Run(ctx context.Context) error {
 	// moved and no alert fired. Bounded, the failure reaches the Processor,
 	// which reports it and tries again. ClientOpts may set another bound.
 	opts = append(opts, kgo.RecordDeliveryTimeout(deadLetterDeliveryTimeout))
+	// A dead letter is refused for its size by its topic, not by
+	// franz-go's default limit (1,000,012 bytes): refused, it would go out
+	// without the original's value though its topic takes it.
+	opts = append(opts, kgo.ProducerBatchMaxBytes(deadletter.MaxBytes))
 	opts = append(opts, c.cfg.ClientOpts...)
 	opts = append(opts,
 		kgo.ConsumerGroup(c.cfg.Group),
@@ -509,7 +520,14 @@ func (t *transport) PublishDeadLetter(ctx context.Context, d consumer.DeadLetter
 	for i, h := range d.Headers {
 		r.Headers[i] = kgo.RecordHeader{Key: h.Key, Value: h.Value}
 	}
-	err := t.cl.ProduceSync(ctx, r).FirstErr()
+	// Alone in its batch, so that the topic judges this dead letter's
+	// size alone.
+	done, err := t.c.deadLetterTurns.Take(ctx, d.Topic)
+	if err != nil {
+		return fmt.Errorf("kgoconsumer: publish dead letter to %s: %w", d.Topic, err)
+	}
+	defer done()
+	err = t.cl.ProduceSync(ctx, r).FirstErr()
 	if errors.Is(err, kerr.UnknownTopicID) {
 		// The dead-letter topic was deleted since the client first
 		// produced to it, and perhaps created again: franz-go keeps

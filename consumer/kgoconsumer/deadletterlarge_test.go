@@ -1,4 +1,4 @@
-package kafkagoconsumer_test
+package kgoconsumer_test
 
 import (
 	"bytes"
@@ -9,26 +9,31 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/segmentio/kafka-go"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/onceflow/onceflow/consumer"
-	"github.com/onceflow/onceflow/consumer/kafkagoconsumer"
+	"github.com/onceflow/onceflow/consumer/kgoconsumer"
 	"github.com/onceflow/onceflow/internal/kafkatest"
 	"github.com/onceflow/onceflow/internal/pgtest"
 )
 
 // TestDeadLetterOfALargeMessageKeepsItsValueWhenItsTopicTakesIt (cold
-// review, helper 96): kgoconsumer's test of that name, for this adapter.
-// The default dead-letter Writer keeps kafka-go's BatchBytes (1 MiB), so
-// the dead letter of a 2 MiB message goes out without its value although
-// its topic takes 8 MiB records.
+// review, helper 96): a topic made for 2 MiB messages, and its dead-letter
+// topic beside it with the same max.message.bytes (8 MiB). The consumer
+// reads the 2 MiB message fine with the defaults, and its dead letter
+// went out without the message's value: the group client's own produce
+// limit (franz-go's ProducerBatchMaxBytes, 1,000,012 bytes by default)
+// refused it as MESSAGE_TOO_LARGE, and the Processor took that for the
+// topic's refusal and dropped the payload. README: a dead letter goes out without
+// the original's value when "its topic refuses" it for its size; this
+// topic would take it. The payload is then only in the consumed topic,
+// until its retention deletes it.
 func TestDeadLetterOfALargeMessageKeepsItsValueWhenItsTopicTakesIt(t *testing.T) {
 	k := kafkatest.New(t)
 	schema := pgtest.Schema(t)
 	pool := pgtest.Pool(t)
 	limit := "8388608"
-	topic := "h96-large-" + strconv.FormatInt(time.Now().UnixNano(), 36)
+	topic := "h101-large-" + strconv.FormatInt(time.Now().UnixNano(), 36)
 	big := map[string]*string{"max.message.bytes": &limit}
 	k.CreateTopic(t, topic, 1, big)
 	k.CreateTopic(t, topic+".dlq", 1, big)
@@ -42,23 +47,31 @@ func TestDeadLetterOfALargeMessageKeepsItsValueWhenItsTopicTakesIt(t *testing.T)
 	).FirstErr(); err != nil {
 		t.Fatal(err)
 	}
-	p, err := consumer.New(pool, "h96-large", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+	seen := make(chan int, 1)
+	p, err := consumer.New(pool, "large", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		select {
+		case seen <- len(m.Value):
+		default:
+		}
 		return consumer.Permanent(errors.New("cannot apply"))
 	}, &consumer.Config{Schema: schema})
 	if err != nil {
 		t.Fatal(err)
 	}
-	c, err := kafkagoconsumer.New(p, &kafkagoconsumer.Config{Reader: kafka.ReaderConfig{
-		Brokers: k.Brokers, GroupID: "g-" + topic, GroupTopics: []string{topic}, MaxWait: 200 * time.Millisecond,
-	}, CommitInterval: 100 * time.Millisecond})
+	c, err := kgoconsumer.New(p, &kgoconsumer.Config{
+		Brokers: k.Brokers, Topics: []string{topic}, Group: "g",
+		CommitInterval: 100 * time.Millisecond,
+		ClientOpts:     []kgo.Opt{kgo.MetadataMinAge(100 * time.Millisecond), kgo.FetchMaxWait(200 * time.Millisecond)},
+	})
 	if err != nil {
 		t.Fatal(err)
 	}
-	rctx, stop := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- c.Run(rctx) }()
-	defer func() { stop(); <-done }()
-	dead := k.ReadAll(t, topic+".dlq", 1, 30*time.Second)
+	done := runInBackground(t, c)
+	if committed := waitCommitted(t, k, done, "g", topic, 1, 30*time.Second); committed < 1 {
+		t.Fatalf("committed offset %d after 30s; want 1 (the message dead-lettered)", committed)
+	}
+	t.Logf("the handler saw a value of %d bytes", <-seen)
+	dead := k.ReadAll(t, topic+".dlq", 1, 10*time.Second)
 	if len(dead) != 1 {
 		t.Fatalf("dead-letter topic holds %d records; want 1", len(dead))
 	}
