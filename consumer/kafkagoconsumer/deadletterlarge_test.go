@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"strconv"
+	"sync"
 	"testing"
 	"time"
 
@@ -71,5 +72,68 @@ func TestDeadLetterOfALargeMessageKeepsItsValueWhenItsTopicTakesIt(t *testing.T)
 	if len(dead[0].Value) != len(value) {
 		t.Errorf("dead letter holds a value of %d bytes (%s=%q), want the message's %d: its topic takes %s bytes",
 			len(dead[0].Value), consumer.HeaderDLQValueOmitted, omitted, len(value), limit)
+	}
+}
+
+// TestDeadLettersToOneTopicAreJudgedAlone: two messages of 600 KB, on two
+// partitions, dead-lettered at the same moment to a topic that takes 1 MiB
+// records (Kafka's default). Sent together they would share a record batch
+// of 1.2 MB, which the topic refuses whole, and both would lose their
+// value; one at a time, each is judged alone and keeps it.
+func TestDeadLettersToOneTopicAreJudgedAlone(t *testing.T) {
+	k := kafkatest.New(t)
+	schema := pgtest.Schema(t)
+	pool := pgtest.Pool(t)
+	topic := "h101-alone-" + strconv.FormatInt(time.Now().UnixNano(), 36)
+	limit := "1048588"
+	k.CreateTopic(t, topic, 2, nil)
+	k.CreateTopic(t, topic+".dlq", 1, map[string]*string{"max.message.bytes": &limit})
+	value := bytes.Repeat([]byte("v"), 600<<10)
+	cl := k.Client(t, kgo.ProducerBatchCompression(kgo.NoCompression()), kgo.RecordPartitioner(kgo.ManualPartitioner()))
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for p := range int32(2) {
+		id := []byte(strconv.Itoa(int(p)))
+		if err := cl.ProduceSync(ctx, &kgo.Record{Topic: topic, Partition: p, Value: value,
+			Headers: []kgo.RecordHeader{{Key: consumer.MessageIDHeader, Value: id}}}).FirstErr(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var arrived sync.WaitGroup
+	arrived.Add(2)
+	both := make(chan struct{})
+	go func() { arrived.Wait(); close(both) }()
+	var once sync.Map
+	p, err := consumer.New(pool, "alone", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		if _, again := once.LoadOrStore(m.Partition, true); !again {
+			arrived.Done()
+		}
+		select { // fail both at once
+		case <-both:
+		case <-time.After(10 * time.Second):
+		}
+		return consumer.Permanent(errors.New("cannot apply"))
+	}, &consumer.Config{Schema: schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := kafkagoconsumer.New(p, &kafkagoconsumer.Config{Reader: kafka.ReaderConfig{
+		Brokers: k.Brokers, GroupID: "g-" + topic, GroupTopics: []string{topic}, MaxWait: 200 * time.Millisecond,
+	}, CommitInterval: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rctx, stop := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(rctx) }()
+	defer func() { stop(); <-done }()
+	dead := k.ReadAll(t, topic+".dlq", 2, 30*time.Second)
+	if len(dead) != 2 {
+		t.Fatalf("dead-letter topic holds %d records; want 2", len(dead))
+	}
+	for _, d := range dead {
+		if len(d.Value) != len(value) {
+			t.Errorf("a dead letter holds a value of %d bytes, want the message's %d: alone it fits its topic's %s", len(d.Value), len(value), limit)
+		}
 	}
 }
