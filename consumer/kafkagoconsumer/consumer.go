@@ -80,8 +80,9 @@ type Config struct {
 	// consumer.HookDeadLetterFailed event per failed publish, until the
 	// topic is created. onceflow never creates topics. Defaults to false.
 	StopOnMissingDeadLetterTopic bool
-	// Logger receives group, fetch and commit errors (Warn). Defaults to
-	// slog.Default().
+	// Logger receives group, fetch and commit errors (Warn); a
+	// partition's fetch failures at most once per 10s, with the count of
+	// those left out. Defaults to slog.Default().
 	Logger *slog.Logger
 }
 
