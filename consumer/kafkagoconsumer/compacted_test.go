@@ -50,7 +50,7 @@ func TestCompactedBatchTailDoesNotStallThePartition(t *testing.T) {
 	k := kafkatest.New(t)
 	b := make([]byte, 4)
 	_, _ = rand.Read(b)
-	topic := "h101-compact-" + hex.EncodeToString(b)
+	topic := "compacted-" + hex.EncodeToString(b)
 	str := func(s string) *string { return &s }
 	k.CreateTopic(t, topic, 1, map[string]*string{
 		"cleanup.policy":            str("compact"),
@@ -140,7 +140,7 @@ func consumeOffsets(t *testing.T, k *kafkatest.Kafka, topic, adapter string, n i
 	if _, err := pool.Exec(context.Background(), `CREATE TABLE `+effects+` (off bigint)`); err != nil {
 		t.Fatal(err)
 	}
-	p, err := consumer.New(pool, "h96", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+	p, err := consumer.New(pool, "compacted", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
 		_, err := tx.Exec(ctx, `INSERT INTO `+effects+` VALUES ($1)`, m.Offset)
 		return err
 	}, &consumer.Config{Schema: schema, MessageID: func(m consumer.Message) (string, error) {
@@ -149,7 +149,7 @@ func consumeOffsets(t *testing.T, k *kafkatest.Kafka, topic, adapter string, n i
 	if err != nil {
 		t.Fatal(err)
 	}
-	group := "h96-" + adapter + "-" + topic
+	group := "compacted-" + adapter + "-" + topic
 	var run interface{ Run(context.Context) error }
 	if adapter == "kgoconsumer" {
 		run, err = kgoconsumer.New(p, &kgoconsumer.Config{Brokers: k.Brokers, Topics: []string{topic}, Group: group})

@@ -29,7 +29,7 @@ func TestDeadLetterOfALargeMessageKeepsItsValueWhenItsTopicTakesIt(t *testing.T)
 	schema := pgtest.Schema(t)
 	pool := pgtest.Pool(t)
 	limit := "8388608"
-	topic := "h101-large-" + strconv.FormatInt(time.Now().UnixNano(), 36)
+	topic := "dlq-large-" + strconv.FormatInt(time.Now().UnixNano(), 36)
 	big := map[string]*string{"max.message.bytes": &limit}
 	k.CreateTopic(t, topic, 1, big)
 	k.CreateTopic(t, topic+".dlq", 1, big)
@@ -84,7 +84,7 @@ func TestDeadLettersToOneTopicAreJudgedAlone(t *testing.T) {
 	k := kafkatest.New(t)
 	schema := pgtest.Schema(t)
 	pool := pgtest.Pool(t)
-	topic := "h101-alone-" + strconv.FormatInt(time.Now().UnixNano(), 36)
+	topic := "dlq-alone-" + strconv.FormatInt(time.Now().UnixNano(), 36)
 	limit := "1048588"
 	k.CreateTopic(t, topic, 2, nil)
 	k.CreateTopic(t, topic+".dlq", 1, map[string]*string{"max.message.bytes": &limit})
