@@ -114,13 +114,12 @@ END $onceflow$;
 		// is told to (-1). The steps need one: migration 7 locks a table.
 		b.WriteString("-- Apply it in one transaction, as `onceflow migrate up` does: psql -1 -v ON_ERROR_STOP=1 -f FILE,\n")
 		b.WriteString("-- or a tool that runs each file in a transaction (goose, Flyway and Atlas do by default).\n")
-		fmt.Fprintf(&b, "CREATE SCHEMA IF NOT EXISTS %s;\n", ident)
 		// The caller's search_path (a tool's own, say) is kept and put
 		// back at the end; public stays on the path for gen_random_uuid
 		// and extensions.
 		b.WriteString("SELECT set_config('onceflow.caller_search_path', current_setting('search_path'), false);\n")
 		fmt.Fprintf(&b, "SET search_path TO %s, public;\n", ident)
-		b.WriteString(versionTableSQL + ";\n")
+		b.WriteString(createMissing(schema))
 	}
 	for _, m := range steps {
 		fmt.Fprintf(&b, "\n-- %04d_%s.%s.sql\n", m.Version, m.Name, direction)
@@ -138,6 +137,33 @@ END $onceflow$;
 		b.WriteString("\nSELECT set_config('search_path', current_setting('onceflow.caller_search_path'), false);\n")
 	}
 	return b.String(), nil
+}
+
+// createMissing is the up script's creation of schema and its version
+// table, each only when missing, as Up does: PostgreSQL checks the
+// privilege to create a schema (CREATE on the database) or a table before
+// IF NOT EXISTS looks, and the owner of a schema an administrator created
+// often lacks the first. search_path names the schema already.
+func createMissing(schema string) string {
+	// The name is in the body twice, as a literal and as an identifier:
+	// the body's quote is one the name does not hold, so the name cannot
+	// end it. An E'' literal reads the same whatever
+	// standard_conforming_strings says.
+	tag := "$onceflow$"
+	for strings.Contains(schema, tag) {
+		tag = tag[:len(tag)-1] + "_$"
+	}
+	literal := "E'" + strings.NewReplacer(`\`, `\\`, `'`, `\'`).Replace(schema) + "'"
+	table := strings.Replace(versionTableSQL, "CREATE TABLE IF NOT EXISTS", "CREATE TABLE", 1)
+	return fmt.Sprintf(`DO %[1]s BEGIN
+    IF NOT EXISTS (SELECT FROM pg_namespace WHERE nspname = %[2]s) THEN
+        CREATE SCHEMA %[3]s;
+    END IF;
+    IF NOT EXISTS (SELECT FROM pg_tables WHERE schemaname = %[2]s AND tablename = 'schema_migrations') THEN
+        %[4]s;
+    END IF;
+END %[1]s;
+`, tag, literal, pgx.Identifier{schema}.Sanitize(), strings.ReplaceAll(table, "\n", "\n    "))
 }
 
 // Querier is satisfied by *pgxpool.Pool, *pgx.Conn and pgx.Tx.

@@ -21,7 +21,7 @@ func TestAnEmptyEnvironmentVariableCountsAsUnset(t *testing.T) {
 		t.Setenv(v, "")
 	}
 	out, err := runCLI(t, "migrate", "print")
-	if err != nil || !strings.Contains(out, `CREATE SCHEMA IF NOT EXISTS "onceflow"`) {
+	if err != nil || !strings.Contains(out, `CREATE SCHEMA "onceflow"`) {
 		t.Fatalf("migrate print with ONCEFLOW_SCHEMA empty: %v\n%.300s", err, out)
 	}
 	schema := pgtest.Schema(t)

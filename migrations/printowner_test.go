@@ -14,10 +14,11 @@ import (
 // database, "or [to own] a schema an administrator created (`CREATE
 // SCHEMA onceflow AUTHORIZATION migrator`)". `onceflow migrate up` works
 // for such a role (it creates the schema only when it is missing), but the
-// script `onceflow migrate print` gives "your own migration tool" starts
+// script `onceflow migrate print` gives "your own migration tool" started
 // with an unconditional `CREATE SCHEMA IF NOT EXISTS`, which PostgreSQL
 // refuses without CREATE on the database even when the schema exists:
-// "permission denied for database", nothing applied. h97.
+// "permission denied for database", nothing applied. The script now, like
+// Up, creates the schema and its version table only when missing. h97.
 func TestPrintedScriptAppliesForARoleThatOwnsThePrecreatedSchema(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
