@@ -114,6 +114,13 @@ END $onceflow$;
 		// is told to (-1). The steps need one: migration 7 locks a table.
 		b.WriteString("-- Apply it in one transaction, as `onceflow migrate up` does: psql -1 -v ON_ERROR_STOP=1 -f FILE,\n")
 		b.WriteString("-- or a tool that runs each file in a transaction (goose, Flyway and Atlas do by default).\n")
+		// goose reads a file only through its annotations, and splits the
+		// rest at every line ending in a semicolon, dollar-quoted bodies
+		// included: the whole file is one statement for it, run in its
+		// transaction. For psql and Flyway these lines are comments. The
+		// file has no Down part, which psql would run too.
+		b.WriteString("-- The goose annotations below make it a goose migration (one statement, no Down part); psql and Flyway ignore them.\n")
+		b.WriteString("-- +goose Up\n-- +goose StatementBegin\n")
 		// The caller's search_path (a tool's own, say) is kept and put
 		// back at the end; public stays on the path for gen_random_uuid
 		// and extensions.
@@ -135,6 +142,7 @@ END $onceflow$;
 		b.WriteString("\nCOMMIT;\n")
 	} else {
 		b.WriteString("\nSELECT set_config('search_path', current_setting('onceflow.caller_search_path'), false);\n")
+		b.WriteString("-- +goose StatementEnd\n")
 	}
 	return b.String(), nil
 }

@@ -147,7 +147,9 @@ const migratePrintSummary = `Print onceflow's migrations as SQL for teams that r
 and records its version in <schema>.schema_migrations, so 'onceflow migrate up'
 later finds nothing to do and the relay's schema check passes. Apply an up script
 in one transaction, as 'onceflow migrate up' does: tools that run each file in a
-transaction do; with psql, psql -1 -v ON_ERROR_STOP=1 -f FILE. Needs no database.
+transaction do; with psql, psql -1 -v ON_ERROR_STOP=1 -f FILE. Up scripts carry
+goose's annotations (comments to psql and Flyway) and no Down part: revert with
+'onceflow migrate down', then 'goose down' only forgets the version. Needs no database.
 
   onceflow migrate print > onceflow.sql                  every migration, one script
   onceflow migrate print --version 2 > 0002.up.sql       one step, for one file per version
