@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"flag"
 	"fmt"
@@ -121,7 +123,13 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 			return fmt.Errorf("%w: --http-addr: port %d is not between 0 and 65535", errUsage, n)
 		}
 	}
-	log, _ := c.logger(stderr)
+	// Every line carries instance=, the first ones (the database wait, the
+	// broker check) included, so the id is settled before anything logs.
+	if *instanceID == "" {
+		*instanceID = defaultInstanceID()
+	}
+	base, _ := c.logger(stderr)
+	log := base.With("instance", *instanceID)
 	for _, msg := range unknownEnv(os.Environ()) {
 		log.Warn(msg)
 	}
@@ -166,7 +174,7 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 		TopicForbiddenGrace: *forbiddenGrace,
 		KafkaHandoff:        *handoff,
 		MaxHeldKeys:         *maxHeldKeys,
-		Logger:              log,
+		Logger:              base, // the relay adds instance= itself
 		Observer:            withTracing(relayprom.NewObserver(reg), tp),
 	})
 	if err != nil {
@@ -194,7 +202,7 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 		defer srv.Close()
 		log.Info("serving /metrics, /livez and /readyz", "addr", ln.Addr().String())
 	}
-	log.Info("relay starting", "instance", r.InstanceID(), "publisher", *publisher, "brokers", strings.Join(brokers, ","), "kafka", conn.String(), "schema", c.schema, "pid", os.Getpid())
+	log.Info("relay starting", "publisher", *publisher, "brokers", strings.Join(brokers, ","), "kafka", conn.String(), "schema", c.schema, "pid", os.Getpid())
 	warnWeakKafkaSecurity(log, conn)
 	if conn.SASL != nil && conn.SASL.AWSCredentials != nil {
 		// Without credentials every broker connection fails; the broker
@@ -218,6 +226,16 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	}
 	pr.relay.Store(r)
 	return r.Run(ctx)
+}
+
+// defaultInstanceID is --instance-id's default, host-pid-random, as
+// relay.Config's: the binary settles it itself so that the lines it logs
+// before the relay runs carry it too.
+func defaultInstanceID() string {
+	host, _ := os.Hostname()
+	b := make([]byte, 3)
+	_, _ = rand.Read(b)
+	return fmt.Sprintf("%s-%d-%s", host, os.Getpid(), hex.EncodeToString(b))
 }
 
 // relayFlagNames renames relay.Config's fields in an error as the flags
