@@ -11,7 +11,7 @@ import (
 )
 
 // Every `--flag` the user documentation names is a flag some command takes:
-// README's "Roles and privileges" says the relay stops "at its next lease
+// README's "Roles and privileges" said the relay stops "at its next lease
 // tick (a third of `--lease`)", and `onceflow relay --lease 6s` answers
 // "flag provided but not defined: -lease" (the flag is --lease-duration).
 // Flags of the examples and of scripts/kafka.sh are listed by hand. h97.
