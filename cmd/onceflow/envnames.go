@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"slices"
 	"strings"
@@ -81,9 +82,27 @@ func unknownEnv(environ []string) []string {
 }
 
 // warnUnknownEnv prints unknownEnv's lines for the process's environment
-// to w, for the commands that do not log.
-func warnUnknownEnv(w io.Writer) {
-	for _, msg := range unknownEnv(os.Environ()) {
+// to w, for the commands that do not log: as "onceflow: warning: ..." lines
+// for a person, or, with format json, as JSON log lines at Warn, as the
+// relay writes them, for a pipeline that parses a Job's stderr. A level
+// above warn (error) leaves them out. A format or level that does not
+// parse (a usage error to come) gives the text lines.
+func warnUnknownEnv(w io.Writer, format, level string) {
+	msgs := unknownEnv(os.Environ())
+	var lvl slog.Level
+	if lvl.UnmarshalText([]byte(level)) == nil && lvl > slog.LevelWarn {
+		return
+	}
+	if format == "json" {
+		c := common{logFormat: format, logLevel: level}
+		if log, err := c.logger(w); err == nil {
+			for _, msg := range msgs {
+				log.Warn(msg)
+			}
+			return
+		}
+	}
+	for _, msg := range msgs {
 		fmt.Fprintln(w, "onceflow: warning:", msg)
 	}
 }

@@ -77,11 +77,6 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	cmd, rest := args[0], args[1:]
 	switch cmd {
-	case "migrate", "status", "dead":
-		// The relay logs these at start instead; the demo reads no variables.
-		warnUnknownEnv(stderr)
-	}
-	switch cmd {
 	case "migrate":
 		return runMigrate(ctx, rest, stdout, stderr)
 	case "relay":
@@ -279,6 +274,19 @@ func (c *common) parse(fs *flag.FlagSet, args []string, needBrokers bool) error 
 		return fmt.Errorf("%w: %v", errUsage, err)
 	}
 	return nil
+}
+
+// parseAdmin is parse for the commands that do not log (status, dead,
+// migrate): it also warns of ONCEFLOW_ variables the binary does not read
+// (the relay logs them at start instead; the demo reads no variables),
+// after the flags are read, so in --log-format and --log-level, and before
+// a usage error, which a mistyped ONCEFLOW_DATABASE_URL causes.
+func (c *common) parseAdmin(fs *flag.FlagSet, args []string, stderr io.Writer) error {
+	err := c.parse(fs, args, false)
+	if !errors.Is(err, flag.ErrHelp) {
+		warnUnknownEnv(stderr, c.logFormat, c.logLevel)
+	}
+	return err
 }
 
 func (c *common) brokerList() []string {
