@@ -394,7 +394,14 @@ func (r *Relay) start(ctx context.Context) error {
 				r.log.Error("relay: refusing to start: the database role lacks a privilege the relay needs", "error", err)
 				return fmt.Errorf("%w: %w", ErrInsufficientPrivilege, err)
 			}
-			r.log.Warn("relay: first lease round failed; retrying", "error", err)
+			if isReadOnly(err) {
+				// A standby before its promotion, or a role or database
+				// that defaults to read-only: waiting mends the first,
+				// the operator the second.
+				r.log.Warn("relay: first lease round failed: the database is read-only (a hot standby, or default_transaction_read_only on); retrying until it accepts writes", "error", err)
+			} else {
+				r.log.Warn("relay: first lease round failed; retrying", "error", err)
+			}
 		}
 		sleep(ctx, min(bo.NextBackOff(), r.leases.interval()))
 	}

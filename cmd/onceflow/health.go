@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
@@ -195,13 +196,22 @@ func (p *probes) livez(w http.ResponseWriter, _ *http.Request) {
 	http.Error(w, fmt.Sprintf("publish loop stalled for %s", time.Since(last).Round(time.Second)), http.StatusServiceUnavailable)
 }
 
-// readyz: the database and a Kafka broker answer.
+// readyz: the database answers and accepts writes, and a Kafka broker
+// answers. A read-only database (a hot standby, a reader endpoint,
+// default_transaction_read_only) answers, but the relay can take no shard
+// there: it waits, as after a failover, and is not ready meanwhile.
 func (p *probes) readyz(w http.ResponseWriter, req *http.Request) {
 	var bad []string
 	pingCtx, cancel := context.WithTimeout(req.Context(), 2*time.Second)
 	defer cancel()
-	if err := p.pool.Ping(pingCtx); err != nil {
+	// One round trip, as a ping; the simple protocol prepares nothing.
+	var readOnly string
+	err := p.pool.QueryRow(pingCtx, `SELECT current_setting('transaction_read_only')`, pgx.QueryExecModeSimpleProtocol).Scan(&readOnly)
+	switch {
+	case err != nil:
 		bad = append(bad, "database unreachable")
+	case readOnly == "on":
+		bad = append(bad, "database read-only")
 	}
 	if !p.watch.reachable() {
 		bad = append(bad, "kafka unreachable")
