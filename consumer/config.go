@@ -86,6 +86,19 @@ type Config struct {
 	// of processing; adapters block fetching when it is full. Defaults to
 	// 1024.
 	QueueSize int
+	// QueueBytes bounds the bytes (keys, values and headers) of the
+	// messages each partition buffers ahead of processing; adapters block
+	// fetching the partition when QueueSize or QueueBytes is reached,
+	// whichever comes first. A message larger than QueueBytes is taken
+	// alone once nothing else waits, so it is processed, never stuck.
+	// Memory: a worker buffers up to assigned partitions × QueueBytes
+	// (4 MiB × 64 partitions is 256 MiB), on top of the messages in
+	// process (one per partition, up to Concurrency in key-parallel mode,
+	// a batch of about QueueBytes at most in batch mode) and of what the
+	// client library fetched and holds (franz-go's FetchMaxBytes,
+	// kafka-go's Reader.MaxBytes per partition). Messages of up to 4 KiB
+	// are bounded by QueueSize first. Defaults to 4 MiB.
+	QueueBytes int64
 
 	// PlainBegin makes each per-message transaction start with BEGIN and
 	// then INSERT … ON CONFLICT DO NOTHING, two round trips, and end with
@@ -149,6 +162,9 @@ func (c *Config) withDefaults() (Config, error) {
 	if out.QueueSize == 0 {
 		out.QueueSize = 1024
 	}
+	if out.QueueBytes == 0 {
+		out.QueueBytes = 4 << 20
+	}
 	if out.Logger == nil {
 		out.Logger = slog.Default()
 	}
@@ -173,6 +189,8 @@ func (c *Config) withDefaults() (Config, error) {
 		return out, errors.New("consumer: Config.BatchSize must be at least 1")
 	case out.QueueSize < 1:
 		return out, errors.New("consumer: Config.QueueSize must be at least 1")
+	case out.QueueBytes < 1:
+		return out, errors.New("consumer: Config.QueueBytes must be at least 1")
 	}
 	return out, nil
 }

@@ -42,6 +42,11 @@ type Partition struct {
 	// of is the topic and partition of the first message queued, for
 	// Stop's log; nil until then.
 	of atomic.Pointer[topicPartition]
+	// queued is the bytes of the messages queued and not yet taken by a
+	// handler (Config.QueueBytes bounds it); room is signaled when it
+	// drops.
+	queued atomic.Int64
+	room   chan struct{}
 }
 
 type topicPartition struct {
@@ -65,6 +70,7 @@ func (p *Processor) StartPartition(ctx context.Context, t Transport) *Partition 
 		p:      p,
 		t:      &guard{t: t},
 		in:     make(chan Message, p.cfg.QueueSize),
+		room:   make(chan struct{}, 1),
 		stop:   make(chan struct{}),
 		cancel: cancel,
 		done:   make(chan struct{}),
@@ -94,8 +100,9 @@ func (p *Processor) StartPartition(ctx context.Context, t Transport) *Partition 
 	return w
 }
 
-// Add queues messages, blocking while the partition's queue is full. It
-// returns ErrStopped once the partition stopped, or ctx's error.
+// Add queues messages, blocking while the partition's queue is full
+// (Config.QueueSize messages, or Config.QueueBytes). It returns ErrStopped
+// once the partition stopped, or ctx's error.
 func (w *Partition) Add(ctx context.Context, msgs ...Message) error {
 	for _, m := range msgs {
 		select {
@@ -104,15 +111,28 @@ func (w *Partition) Add(ctx context.Context, msgs ...Message) error {
 		default:
 		}
 		w.note(&m)
+		n := size(&m)
+		for !w.reserve(n) {
+			select {
+			case <-w.room:
+			case <-w.stop:
+				return ErrStopped
+			case <-w.done:
+				return ErrStopped
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
 		select {
 		case w.in <- m:
+			continue
 		case <-w.stop:
-			return ErrStopped
 		case <-w.done:
-			return ErrStopped
 		case <-ctx.Done():
+			w.taken(n) // the partition runs on: give the room back
 			return ctx.Err()
 		}
+		return ErrStopped
 	}
 	return nil
 }
@@ -139,13 +159,56 @@ func (w *Partition) TryAdd(msgs []Message) int {
 		default:
 		}
 		w.note(&m)
+		n := size(&m)
+		if !w.reserve(n) {
+			return i
+		}
 		select {
 		case w.in <- m:
 		default:
+			w.taken(n)
 			return i
 		}
 	}
 	return len(msgs)
+}
+
+// size is what m counts against Config.QueueBytes: its key, value and
+// headers.
+func size(m *Message) int64 {
+	n := len(m.Key) + len(m.Value)
+	for _, h := range m.Headers {
+		n += len(h.Key) + len(h.Value)
+	}
+	return int64(n)
+}
+
+// reserve counts n more bytes as queued if they fit under
+// Config.QueueBytes, or if nothing is queued (a message larger than the
+// bound goes alone), and reports whether it did.
+func (w *Partition) reserve(n int64) bool {
+	for {
+		q := w.queued.Load()
+		if q > 0 && q+n > w.p.cfg.QueueBytes {
+			return false
+		}
+		if w.queued.CompareAndSwap(q, q+n) {
+			return true
+		}
+	}
+}
+
+// taken uncounts n queued bytes, a message a handler took (or one TryAdd
+// could not queue), and wakes an Add waiting for room.
+func (w *Partition) taken(n int64) {
+	if n == 0 {
+		return
+	}
+	w.queued.Add(-n)
+	select {
+	case w.room <- struct{}{}:
+	default:
+	}
 }
 
 // abandonAfter is how long Stop waits for work whose context it canceled
@@ -287,6 +350,7 @@ func (w *Partition) runInOrder(ctx context.Context) {
 				return
 			}
 		}
+		w.taken(size(&m))
 		if err := w.p.runOne(ctx, w.stop, m, w.t, false, la); err != nil {
 			return
 		}
@@ -302,15 +366,18 @@ func (w *Partition) runBatches(ctx context.Context) {
 			return
 		}
 		batch = append(batch[:0], m)
+		n := size(&m)
 	fill:
 		for len(batch) < w.p.cfg.BatchSize {
 			select {
 			case m := <-w.in:
 				batch = append(batch, m)
+				n += size(&m)
 			default:
 				break fill
 			}
 		}
+		w.taken(n)
 		if err := w.p.runBatch(ctx, w.stop, batch, w.t); err != nil {
 			return
 		}
@@ -475,6 +542,9 @@ func (w *Partition) startLanes(ctx context.Context, wg *sync.WaitGroup) {
 				if stopped() {
 					return
 				}
+				// Until now s waited ahead of its handler, in the
+				// queue, behind its key or for a lane.
+				w.taken(size(&s.msg))
 				if err := w.p.runOne(ctx, w.stop, s.msg, w.t, false, la); err != nil {
 					return
 				}

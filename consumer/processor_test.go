@@ -428,6 +428,7 @@ func TestConfigValidation(t *testing.T) {
 		{"attempts", consumer.Config{MaxAttempts: -1}, "MaxAttempts"},
 		{"backoff", consumer.Config{MinBackoff: time.Second, MaxBackoff: time.Millisecond}, "MaxBackoff"},
 		{"concurrency", consumer.Config{Concurrency: -2}, "Concurrency"},
+		{"queue bytes", consumer.Config{QueueBytes: -1}, "QueueBytes"},
 		{"schema", consumer.Config{Schema: string(make([]byte, 70))}, "Schema"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
