@@ -5,6 +5,7 @@ import (
 	"context"
 	"runtime"
 	"strconv"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -33,8 +34,10 @@ func heapMB() float64 {
 // for a 200-message backlog of one partition, that is the whole backlog;
 // 1 GiB per partition at the default, 32 GiB for a member catching up on
 // 32 such partitions. Neither QueueSize's doc nor README says what it
-// costs in memory for large messages. kafkagoconsumer queues the same way
-// (its fetcher blocks only once QueueSize messages wait; not run here).
+// costs in memory for large messages. kafkagoconsumer queued the same way.
+// Now consumer.Config.QueueBytes (4 MiB by default) bounds what a
+// partition holds ahead of its handler; the adapter pauses the partition
+// when it is reached.
 func TestBufferedAheadIsBoundedInBytes(t *testing.T) {
 	k := kafkatest.New(t)
 	schema := pgtest.Schema(t)
@@ -70,8 +73,44 @@ func TestBufferedAheadIsBoundedInBytes(t *testing.T) {
 	time.Sleep(8 * time.Second)
 	after := heapMB()
 	close(release)
+	t.Logf("heap grew by %.0f MiB (%.0f to %.0f)", after-before, before, after)
 	if after-before > 64 {
 		t.Errorf("heap grew by %.0f MiB (%.0f to %.0f) in 8 s while the handler held its first message of 200 x 1 MiB: the whole backlog was fetched ahead",
 			after-before, before, after)
+	}
+}
+
+// TestMessageLargerThanQueueBytesIsProcessed: messages each larger than
+// consumer.Config.QueueBytes are taken one at a time, never held back for
+// good.
+func TestMessageLargerThanQueueBytesIsProcessed(t *testing.T) {
+	k := kafkatest.New(t)
+	topic := k.Topic(t, 1)
+	cl := k.Client(t)
+	const n = 5
+	for i := 0; i < n; i++ {
+		if err := cl.ProduceSync(context.Background(), &kgo.Record{Topic: topic, Value: bytes.Repeat([]byte{'x'}, 64<<10),
+			Headers: []kgo.RecordHeader{{Key: consumer.MessageIDHeader, Value: []byte(strconv.Itoa(i))}}}).FirstErr(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var seen atomic.Int64
+	p, err := consumer.New(pgtest.Pool(t), "qb-large", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		seen.Add(1)
+		return nil
+	}, &consumer.Config{Schema: pgtest.Schema(t), QueueBytes: 1 << 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := kgoconsumer.New(p, &kgoconsumer.Config{Brokers: k.Brokers, Topics: []string{topic}, Group: "g", CommitInterval: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := runInBackground(t, c)
+	if got := waitCommitted(t, k, done, "g", topic, n, 30*time.Second); got != n {
+		t.Fatalf("committed offset %d after 30 s, want %d (%d messages handled)", got, n, seen.Load())
+	}
+	if seen.Load() != n {
+		t.Fatalf("%d messages handled, want %d", seen.Load(), n)
 	}
 }

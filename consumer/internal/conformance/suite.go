@@ -33,6 +33,12 @@ func Run(t *testing.T, a Adapter) {
 	t.Run("KeyParallel", func(t *testing.T) { testMode(t, a, "key-parallel") })
 	t.Run("Batch", func(t *testing.T) { testMode(t, a, "batch") })
 	t.Run("SmallQueue", func(t *testing.T) { testMode(t, a, "small-queue") })
+	t.Run("QueueBytes", func(t *testing.T) {
+		t.Run("InOrder", func(t *testing.T) { testMode(t, a, "queue-bytes") })
+		t.Run("Batch", func(t *testing.T) { testMode(t, a, "queue-bytes-batch") })
+		t.Run("EveryMessageLarger/InOrder", func(t *testing.T) { testMode(t, a, "over-queue-bytes") })
+		t.Run("EveryMessageLarger/KeyParallel", func(t *testing.T) { testMode(t, a, "over-queue-bytes-key-parallel") })
+	})
 	t.Run("RebalanceWhileFlowing", func(t *testing.T) { testRebalance(t, a) })
 	t.Run("RecreatedTopicIsConsumedFromItsStart", func(t *testing.T) { testRecreatedTopic(t, a) })
 	t.Run("DeletedTopicStaysDeleted", func(t *testing.T) { testDeletedTopicStaysDeleted(t, a) })
@@ -181,11 +187,27 @@ func testMode(t *testing.T, a Adapter, mode string) {
 		// back (pause, or block) without losing or reordering any.
 		cfg.QueueSize = 2
 		p, err = consumer.New(e.pool, "ledger", e.handler("ledger"), cfg)
+	case "queue-bytes":
+		// The same, held back by bytes: a message here is 20 to 30
+		// bytes (key, value and message-id header).
+		cfg.QueueBytes = 100
+		p, err = consumer.New(e.pool, "ledger", e.handler("ledger"), cfg)
+	case "over-queue-bytes-key-parallel":
+		cfg.Concurrency = 4
+		fallthrough
+	case "over-queue-bytes":
+		// Every message larger than the bound: each is taken alone,
+		// never stuck.
+		cfg.QueueBytes = 1
+		p, err = consumer.New(e.pool, "ledger", e.handler("ledger"), cfg)
 	case "key-parallel":
 		cfg.Concurrency = 4
 		fallthrough
 	case "in-order":
 		p, err = consumer.New(e.pool, "ledger", e.handler("ledger"), cfg)
+	case "queue-bytes-batch":
+		cfg.QueueBytes = 200
+		fallthrough
 	case "batch":
 		cfg.BatchSize = 50
 		p, err = consumer.NewBatch(e.pool, "ledger", func(ctx context.Context, tx pgx.Tx, ms []consumer.Message) error {
