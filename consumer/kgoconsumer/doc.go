@@ -10,7 +10,8 @@
 //
 // Each assigned partition gets its own worker, so partitions proceed in
 // parallel and a slow partition never stalls the others: when a
-// partition's queue is full its fetching is paused, not the poll loop.
+// partition's queue is full (consumer.Config.QueueSize messages or
+// QueueBytes bytes) its fetching is paused, not the poll loop.
 //
 // Offsets are marked (kgo.AutoCommitMarks) only after a message's
 // transaction committed, and committed every CommitInterval, on revocation
