@@ -23,6 +23,17 @@ type Transport interface {
 	PublishDeadLetter(ctx context.Context, rec DeadLetter) error
 }
 
+// QueueWaker is an optional interface of a Transport whose adapter feeds
+// the partition with TryAdd and pauses its fetching when the queue is
+// full: QueueRoom is called when a handler took messages from the queue
+// and its bytes fell below half of Config.QueueBytes, or to none, so that
+// the adapter can feed it before its handlers run dry rather than at its
+// next poll. It is called from the partition's goroutines and must not
+// block.
+type QueueWaker interface {
+	QueueRoom()
+}
+
 // ErrStopped is returned by Partition.Add once the partition is stopped.
 var ErrStopped = errors.New("consumer: partition stopped")
 
@@ -47,6 +58,8 @@ type Partition struct {
 	// drops.
 	queued atomic.Int64
 	room   chan struct{}
+	// waker is the Transport as a QueueWaker, or nil.
+	waker QueueWaker
 }
 
 type topicPartition struct {
@@ -75,6 +88,7 @@ func (p *Processor) StartPartition(ctx context.Context, t Transport) *Partition 
 		cancel: cancel,
 		done:   make(chan struct{}),
 	}
+	w.waker, _ = t.(QueueWaker)
 	p.runningMu.Lock()
 	p.running[w.stop] = map[*pgconn.PgConn]struct{}{}
 	p.runningMu.Unlock()
@@ -199,15 +213,19 @@ func (w *Partition) reserve(n int64) bool {
 }
 
 // taken uncounts n queued bytes, a message a handler took (or one TryAdd
-// could not queue), and wakes an Add waiting for room.
+// could not queue), and wakes an Add waiting for room, and the adapter
+// (QueueWaker) when the queue fell below half its bytes or emptied.
 func (w *Partition) taken(n int64) {
 	if n == 0 {
 		return
 	}
-	w.queued.Add(-n)
+	q := w.queued.Add(-n)
 	select {
 	case w.room <- struct{}{}:
 	default:
+	}
+	if half := w.p.cfg.QueueBytes / 2; w.waker != nil && q < half && (q+n >= half || q == 0) {
+		w.waker.QueueRoom()
 	}
 }
 
@@ -382,6 +400,7 @@ func (w *Partition) runBatches(ctx context.Context) {
 			return
 		}
 		w.t.MarkDone(batch[len(batch)-1])
+		clear(batch) // drop the messages' bytes before waiting for more
 	}
 }
 

@@ -103,6 +103,10 @@ type Consumer struct {
 	// closing bounds the commits of Run's shutdown, the one the client
 	// makes as it leaves the group (revoked) included; nil until then.
 	closing context.Context
+	// room is signaled when a partition's queue drained enough to take
+	// more (consumer.QueueWaker): it ends a poll early while partitions
+	// are paused with records pending.
+	room chan struct{}
 }
 
 type tp struct {
@@ -165,7 +169,8 @@ func New(p *consumer.Processor, cfg *Config) (*Consumer, error) {
 	if err != nil {
 		return nil, fmt.Errorf("kgoconsumer: Config.Conn.%w", err)
 	}
-	return &Consumer{p: p, cfg: c, connOpts: connOpts, log: c.Logger.With("consumer", p.Name(), "group", c.Group), parts: map[tp]*partition{}}, nil
+	return &Consumer{p: p, cfg: c, connOpts: connOpts, log: c.Logger.With("consumer", p.Name(), "group", c.Group), parts: map[tp]*partition{},
+		room: make(chan struct{}, 1)}, nil
 }
 
 // Run joins the group and processes messages until ctx is canceled, then
@@ -223,8 +228,17 @@ func (c *Consumer) Run(ctx context.Context) error {
 		pollCtx, cancelPoll := ctx, context.CancelFunc(func() {})
 		if c.hasPending() {
 			// Paused partitions need their pending records fed as
-			// their queues drain, so don't wait long for new fetches.
+			// their queues drain, so don't wait long for new fetches,
+			// and not at all once a queue has room (a few large
+			// messages drain in less than this wait).
 			pollCtx, cancelPoll = context.WithTimeout(ctx, 20*time.Millisecond)
+			go func() {
+				select {
+				case <-c.room:
+					cancelPoll()
+				case <-pollCtx.Done():
+				}
+			}()
 		}
 		fetches := cl.PollRecords(pollCtx, c.cfg.MaxPollRecords)
 		cancelPoll()
@@ -512,6 +526,14 @@ type transport struct {
 func (t *transport) MarkDone(msg consumer.Message) {
 	if r, ok := msg.Raw.(*kgo.Record); ok {
 		t.cl.MarkCommitRecords(r)
+	}
+}
+
+// QueueRoom implements consumer.QueueWaker.
+func (t *transport) QueueRoom() {
+	select {
+	case t.c.room <- struct{}{}:
+	default:
 	}
 }
 
