@@ -83,8 +83,8 @@ type Config struct {
 	BatchSize int
 
 	// QueueSize is how many fetched messages each partition buffers ahead
-	// of processing; adapters block fetching when it is full. Defaults to
-	// 1024.
+	// of processing; adapters block fetching when it is full (see
+	// QueueBytes for what it costs in memory). Defaults to 1024.
 	QueueSize int
 	// QueueBytes bounds the bytes (keys, values and headers) of the
 	// messages each partition buffers ahead of processing; adapters block
@@ -96,8 +96,9 @@ type Config struct {
 	// process (one per partition, up to Concurrency in key-parallel mode,
 	// a batch of about QueueBytes at most in batch mode) and of what the
 	// client library fetched and holds (franz-go's FetchMaxBytes,
-	// kafka-go's Reader.MaxBytes per partition). Messages of up to 4 KiB
-	// are bounded by QueueSize first. Defaults to 4 MiB.
+	// kafka-go's Reader.MaxBytes per partition). At the defaults,
+	// messages of up to 4 KiB are bounded by QueueSize first. Defaults to
+	// 4 MiB.
 	QueueBytes int64
 
 	// PlainBegin makes each per-message transaction start with BEGIN and
