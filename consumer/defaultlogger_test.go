@@ -1,13 +1,11 @@
 package consumer_test
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -15,6 +13,7 @@ import (
 
 	"github.com/onceflow/onceflow/consumer"
 	"github.com/onceflow/onceflow/internal/pgtest"
+	"github.com/onceflow/onceflow/internal/proctest"
 )
 
 // missingDLQ is a transport whose dead-letter topic does not exist.
@@ -22,23 +21,6 @@ type missingDLQ struct{ memTransport }
 
 func (m *missingDLQ) PublishDeadLetter(context.Context, consumer.DeadLetter) error {
 	return fmt.Errorf("publish dead letter to orders.dlq: %w", consumer.ErrDeadLetterTopicMissing)
-}
-
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }
 
 // README, "Idempotent consumer": "Create the dead-letter topic beside each
@@ -52,7 +34,7 @@ func (l *lockedBuffer) String() string {
 func TestAMissingDeadLetterTopicIsLoudWithTheQuickStartsConfig(t *testing.T) {
 	schema := pgtest.Schema(t)
 	pool := pgtest.Pool(t)
-	logs := &lockedBuffer{}
+	logs := &proctest.Buffer{}
 	old := slog.Default()
 	slog.SetDefault(slog.New(slog.NewTextHandler(logs, nil)))
 	t.Cleanup(func() { slog.SetDefault(old) })

@@ -1,41 +1,23 @@
 package idempotency_test
 
 import (
-	"bytes"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
-	"sync"
 	"testing"
 
 	"github.com/onceflow/onceflow/idempotency"
 	"github.com/onceflow/onceflow/internal/pgtest"
+	"github.com/onceflow/onceflow/internal/proctest"
 )
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
 
 // With a nil Logger, the middleware's failures (here a
 // role without the grants README lists: every request answered 500) go to
 // slog.Default(), as the janitor's and the purger's do: they were
 // discarded, and an operator saw 500s with no cause anywhere.
 func TestFailuresAreLoggedToTheDefaultLoggerWithoutALogger(t *testing.T) {
-	logs := &syncBuffer{}
+	logs := &proctest.Buffer{}
 	old := slog.Default()
 	slog.SetDefault(slog.New(slog.NewTextHandler(logs, nil)))
 	t.Cleanup(func() { slog.SetDefault(old) })

@@ -2,34 +2,16 @@ package idempotency_test
 
 import (
 	"bufio"
-	"bytes"
 	"log/slog"
 	"net"
 	"net/http"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/onceflow/onceflow/idempotency"
+	"github.com/onceflow/onceflow/internal/proctest"
 )
-
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
 
 // helper 98: a request whose body the client does not finish (it announced
 // 100 bytes and sent 10, or sent a malformed chunk) cannot be fingerprinted.
@@ -40,7 +22,7 @@ func (l *lockedBuffer) String() string {
 func TestTruncatedRequestBodyIsNotAServerError(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	logs := &lockedBuffer{}
+	logs := &proctest.Buffer{}
 	srv := newServer(t, b, idempotency.Config{Logger: slog.New(slog.NewTextHandler(logs, nil))},
 		func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusCreated) })
 	for _, tc := range []struct{ name, raw string }{
