@@ -1,0 +1,63 @@
+package consumer_test
+
+import (
+	"bytes"
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/consumer"
+)
+
+// TestH104KeyParallelLargeMessageDoesNotWaitForABusyKey (cold review,
+// helper 104): key-parallel mode (Concurrency 4), key A's handler is slow
+// (an outside call; here blocked), and A's next message waits behind it.
+// Then comes a message of key B larger than QueueBytes, then one of key
+// C. A message larger than the bound is taken only when nothing is
+// counted as queued, and A's waiting message counts until A's handler
+// finishes: B's message waits for A's slow handler, and every key behind
+// it (C) with it, though three lanes are idle. Before QueueBytes, B and C
+// ran at once; with it, one slow key and one large message stall the
+// partition for as long as the slow handler runs.
+func TestH104KeyParallelLargeMessageDoesNotWaitForABusyKey(t *testing.T) {
+	b := setup(t)
+	release := make(chan struct{})
+	var mu sync.Mutex
+	handled := map[string]bool{}
+	p, err := consumer.New(b.pool, "h104-kp", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+		mu.Lock()
+		handled[string(m.Key)+"/"+m.ID] = true
+		mu.Unlock()
+		if string(m.Key) == "A" {
+			select {
+			case <-release:
+			case <-ctx.Done():
+			}
+		}
+		return nil
+	}, &consumer.Config{Schema: b.schema, Concurrency: 4, QueueBytes: 1000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := &memTransport{}
+	w := p.StartPartition(context.Background(), tr)
+	defer w.Stop(context.Background())
+	defer close(release)
+	big := msg(2, "b1", "B")
+	big.Value = bytes.Repeat([]byte{'x'}, 2000)
+	msgs := []consumer.Message{msg(0, "a1", "A"), msg(1, "a2", "A"), big, msg(3, "c1", "C")}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() { _ = w.Add(ctx, msgs...) }()
+	seen := func(k string) bool { mu.Lock(); defer mu.Unlock(); return handled[k] }
+	deadline := time.Now().Add(5 * time.Second)
+	for time.Now().Before(deadline) && !(seen("B/b1") && seen("C/c1")) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	if !seen("B/b1") || !seen("C/c1") {
+		t.Errorf("after 5 s with key A's handler busy: key B's large message handled %v, key C's %v; want both (three lanes idle): they wait for A's handler, whose next message counts as queued", seen("B/b1"), seen("C/c1"))
+	}
+}
