@@ -143,7 +143,7 @@ func (w *Partition) Add(ctx context.Context, msgs ...Message) error {
 		case <-w.stop:
 		case <-w.done:
 		case <-ctx.Done():
-			w.taken(n) // the partition runs on: give the room back
+			w.unreserve(n) // the partition runs on: give the room back
 			return ctx.Err()
 		}
 		return ErrStopped
@@ -180,7 +180,7 @@ func (w *Partition) TryAdd(msgs []Message) int {
 		select {
 		case w.in <- m:
 		default:
-			w.taken(n)
+			w.unreserve(n) // full by count: nothing left the queue, so no wake-up
 			return i
 		}
 	}
@@ -212,9 +212,15 @@ func (w *Partition) reserve(n int64) bool {
 	}
 }
 
-// taken uncounts n queued bytes, a message a handler took (or one TryAdd
-// could not queue), and wakes an Add waiting for room, and the adapter
-// (QueueWaker) when the queue fell below half its bytes or emptied.
+// unreserve gives back n bytes reserved for a message that was not
+// queued after all. It wakes nobody: no message left the queue, and a
+// wake-up would send the adapter straight back to a queue still full
+// (kgoconsumer's poll loop spun on it).
+func (w *Partition) unreserve(n int64) { w.queued.Add(-n) }
+
+// taken uncounts n queued bytes, a message a handler took, and wakes an
+// Add waiting for room, and the adapter (QueueWaker) when the queue fell
+// below half its bytes or emptied.
 func (w *Partition) taken(n int64) {
 	if n == 0 {
 		return

@@ -26,7 +26,7 @@ func cpuTime() time.Duration {
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
-// TestH104PausedPartitionFullByCountDoesNotSpin (cold review, helper 104):
+// TestAPausedPartitionFullByCountDoesNotSpin (cold review, helper 104):
 // a partition whose queue is full by count (QueueSize messages) with its
 // bytes just under half of QueueBytes, its handler busy. Each dispatch's
 // TryAdd reserves the next message's bytes, finds the channel full and
@@ -36,7 +36,7 @@ func cpuTime() time.Duration {
 // the handler is busy. At the defaults (QueueSize 1024, QueueBytes 4 MiB)
 // it takes messages of about 2 KiB; here QueueSize 4 and QueueBytes 1000
 // with 110-byte messages (4 x 110 < 500 <= 5 x 110).
-func TestH104PausedPartitionFullByCountDoesNotSpin(t *testing.T) {
+func TestAPausedPartitionFullByCountDoesNotSpin(t *testing.T) {
 	k := kafkatest.New(t)
 	topic := k.Topic(t, 1)
 	cl := k.Client(t)
@@ -50,7 +50,7 @@ func TestH104PausedPartitionFullByCountDoesNotSpin(t *testing.T) {
 	}
 	release := make(chan struct{})
 	var started atomic.Bool
-	p, err := consumer.New(pgtest.Pool(t), "h104-spin", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+	p, err := consumer.New(pgtest.Pool(t), "queue-spin", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
 		started.Store(true)
 		select {
 		case <-release:

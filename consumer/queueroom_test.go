@@ -21,7 +21,7 @@ type wakeCounter struct {
 
 func (w *wakeCounter) QueueRoom() { w.wakes.Add(1) }
 
-// TestH104FailedTryAddDoesNotWakeTheAdapter (cold review, helper 104):
+// TestAFailedTryAddDoesNotWakeTheAdapter (cold review, helper 104):
 // QueueRoom says the queue has room again. A TryAdd that finds the
 // channel full (QueueSize reached) gives back the bytes it reserved
 // through taken(), which calls QueueRoom when the give-back takes the
@@ -30,11 +30,11 @@ func (w *wakeCounter) QueueRoom() { w.wakes.Add(1) }
 // calls TryAdd again, failing the same way, for as long as the handler is
 // busy: a busy loop. Here QueueSize 2, QueueBytes 100, 20-byte messages:
 // with two queued (40 bytes) each TryAdd of a third fails and wakes.
-func TestH104FailedTryAddDoesNotWakeTheAdapter(t *testing.T) {
+func TestAFailedTryAddDoesNotWakeTheAdapter(t *testing.T) {
 	b := setup(t)
 	release := make(chan struct{})
 	started := make(chan struct{}, 1)
-	p, err := consumer.New(b.pool, "h104-wake", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+	p, err := consumer.New(b.pool, "queue-room", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
 		select {
 		case started <- struct{}{}:
 		default:
