@@ -57,6 +57,10 @@ type Partition struct {
 	// handler (Config.QueueBytes bounds it); room is signaled when it
 	// drops.
 	queued atomic.Int64
+	// parked is the part of queued that waits behind a busy key
+	// (key-parallel mode): it leaves only when that key's handler
+	// finishes, however long that takes.
+	parked atomic.Int64
 	room   chan struct{}
 	// waker is the Transport as a QueueWaker, or nil.
 	waker QueueWaker
@@ -198,17 +202,40 @@ func size(m *Message) int64 {
 }
 
 // reserve counts n more bytes as queued if they fit under
-// Config.QueueBytes, or if nothing is queued (a message larger than the
-// bound goes alone), and reports whether it did.
+// Config.QueueBytes, or if nothing is queued but messages parked behind
+// busy keys holding less than the bound (a message larger than what is
+// left goes alone: a slow key's parked message must not hold up the other
+// keys), and reports whether it did.
 func (w *Partition) reserve(n int64) bool {
+	limit := w.p.cfg.QueueBytes
 	for {
 		q := w.queued.Load()
-		if q > 0 && q+n > w.p.cfg.QueueBytes {
-			return false
+		if q > 0 && q+n > limit {
+			if p := w.parked.Load(); q != p || p >= limit {
+				return false
+			}
 		}
 		if w.queued.CompareAndSwap(q, q+n) {
 			return true
 		}
+	}
+}
+
+// park counts n queued bytes as parked behind a busy key. When then
+// nothing but parked messages is queued, a message larger than the room
+// left may be taken (reserve): wake an Add waiting for room, and the
+// adapter.
+func (w *Partition) park(n int64) {
+	p := w.parked.Add(n)
+	if w.queued.Load() != p || p >= w.p.cfg.QueueBytes {
+		return
+	}
+	select {
+	case w.room <- struct{}{}:
+	default:
+	}
+	if w.waker != nil {
+		w.waker.QueueRoom()
 	}
 }
 
@@ -576,6 +603,7 @@ func (w *Partition) startLanes(ctx context.Context, wg *sync.WaitGroup) {
 				tr.finish(s, w.t.MarkDone)
 				<-credits
 				if next := ks.release(s); next != nil {
+					w.parked.Add(-size(&next.msg))
 					if taken {
 						// This lane will run the message it took
 						// for pipelining first; the key's next
@@ -606,6 +634,7 @@ func (w *Partition) startLanes(ctx context.Context, wg *sync.WaitGroup) {
 			}
 			s := tr.add(m)
 			if !ks.claim(s) {
+				w.park(size(&m))
 				continue
 			}
 			select {
