@@ -89,8 +89,10 @@ type Config struct {
 	// QueueBytes bounds the bytes (keys, values and headers) of the
 	// messages each partition buffers ahead of processing; adapters block
 	// fetching the partition when QueueSize or QueueBytes is reached,
-	// whichever comes first. A message larger than QueueBytes is taken
-	// alone once nothing else waits, so it is processed, never stuck.
+	// whichever comes first. A message larger than the room left is taken
+	// alone once nothing else waits (in key-parallel mode, nothing but
+	// messages parked behind busy keys, holding under QueueBytes), so it
+	// is processed, never stuck.
 	// Memory: a worker buffers up to assigned partitions × QueueBytes
 	// (4 MiB × 64 partitions is 256 MiB), on top of the messages in
 	// process (one per partition, up to Concurrency in key-parallel mode,
