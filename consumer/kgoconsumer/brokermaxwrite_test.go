@@ -15,15 +15,15 @@ import (
 	"github.com/onceflow/onceflow/internal/pgtest"
 )
 
-// TestH104ClientOptsBrokerMaxWriteBytesBelow64MiB (cold review, helper
-// 104): franz-go's docs say to keep kgo.BrokerMaxWriteBytes in sync with
-// the brokers' socket.request.max.bytes; a cluster that lowered it to 32
-// MiB passes kgo.BrokerMaxWriteBytes(32 << 20) in ClientOpts. The adapter
-// now sets kgo.ProducerBatchMaxBytes(64 MiB) itself, and franz-go refuses a
-// client whose batch limit is above its write limit: Run fails at start
-// ("max broker write bytes 33554432 is erroneously less than max record
-// batch bytes 67108864") for a configuration that worked before.
-func TestH104ClientOptsBrokerMaxWriteBytesBelow64MiB(t *testing.T) {
+// TestDeadLetterLimitYieldsToBrokerMaxWriteBytes: franz-go's docs say to
+// keep kgo.BrokerMaxWriteBytes in sync with the brokers'
+// socket.request.max.bytes; a cluster that lowered it to 32 MiB passes
+// kgo.BrokerMaxWriteBytes(32 << 20) in ClientOpts. franz-go refuses a
+// client whose batch limit (the adapter's 64 MiB for dead letters) is above
+// its write limit ("max broker write bytes 33554432 is erroneously less
+// than max record batch bytes 67108864"): the adapter's limit must yield to
+// the user's, and Run start and consume.
+func TestDeadLetterLimitYieldsToBrokerMaxWriteBytes(t *testing.T) {
 	k := kafkatest.New(t)
 	topic := k.Topic(t, 1)
 	cl := k.Client(t)
@@ -31,7 +31,7 @@ func TestH104ClientOptsBrokerMaxWriteBytesBelow64MiB(t *testing.T) {
 		Headers: []kgo.RecordHeader{{Key: consumer.MessageIDHeader, Value: []byte(strconv.Itoa(1))}}}).FirstErr(); err != nil {
 		t.Fatal(err)
 	}
-	p, err := consumer.New(pgtest.Pool(t), "h104-bmwb", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+	p, err := consumer.New(pgtest.Pool(t), "bmwb", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
 		return nil
 	}, &consumer.Config{Schema: pgtest.Schema(t)})
 	if err != nil {

@@ -19,24 +19,22 @@ import (
 	"github.com/onceflow/onceflow/internal/pgtest"
 )
 
-// TestH104SickDeadLetterPartitionDoesNotStallHealthyOnes (cold review,
-// helper 104): the dead-letter topic has two partitions; partition 0's
+// TestSickDeadLetterPartitionDoesNotStallHealthyOnes: the dead-letter topic has two partitions; partition 0's
 // produces fail with NOT_ENOUGH_REPLICAS (its ISR shrank below
 // min.insync.replicas), partition 1 is healthy. A message of source
 // partition 0 (key routed to dead-letter partition 0) is dead-lettered
 // first, then one of source partition 1 (key routed to dead-letter
-// partition 1). One dead letter at a time per topic (TopicTurns) has the
-// healthy one wait behind the sick one's publish, which franz-go retries
-// for kgo.RecordDeliveryTimeout (30 s), and again behind each retry of it:
-// a single unavailable dead-letter partition stalls every partition that
-// dead-letters to the topic. Before the turns the healthy dead letter went
-// out at once.
-func TestH104SickDeadLetterPartitionDoesNotStallHealthyOnes(t *testing.T) {
+// partition 1). The healthy one must go out at once, not wait behind the
+// sick one's publish, which franz-go retries for kgo.RecordDeliveryTimeout
+// (30 s), and again behind each retry of it: one dead letter at a time per
+// topic had a single unavailable dead-letter partition stall every
+// partition that dead-letters to the topic.
+func TestSickDeadLetterPartitionDoesNotStallHealthyOnes(t *testing.T) {
 	k := kafkatest.New(t)
 	fake := k.RequireFake(t)
 	schema := pgtest.Schema(t)
 	pool := pgtest.Pool(t)
-	topic := "h104-sick-" + strconv.FormatInt(time.Now().UnixNano(), 36)
+	topic := "sick-" + strconv.FormatInt(time.Now().UnixNano(), 36)
 	dlq := topic + ".dlq"
 	k.CreateTopic(t, topic, 2, nil)
 	k.CreateTopic(t, dlq, 2, nil)
@@ -98,7 +96,7 @@ func TestH104SickDeadLetterPartitionDoesNotStallHealthyOnes(t *testing.T) {
 		}
 	}
 	var firstFailed atomic.Bool
-	proc, err := consumer.New(pool, "h104-sick", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+	proc, err := consumer.New(pool, "sick", func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
 		if m.Partition == 1 {
 			// Fail after partition 0's dead letter is under way.
 			for !firstFailed.Load() {
