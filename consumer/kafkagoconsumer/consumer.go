@@ -98,8 +98,8 @@ type Consumer struct {
 	fetchTransport *kafka.Transport
 	fetchErrs      fetchErrorLog
 	writer         *kafka.Writer
-	// deadLetterTurns publishes one dead letter at a time per topic.
-	deadLetterTurns deadletter.TopicTurns
+	// deadLetters has each dead letter judged alone for its size.
+	deadLetters deadletter.Topics
 	// prober asks for a dead-letter topic the Writer reports unknown by
 	// name (hiddenByACL); nil when the Writer's Transport is not a
 	// *kafka.Transport.
@@ -621,14 +621,11 @@ func (t *transport) PublishDeadLetter(ctx context.Context, d consumer.DeadLetter
 	for i, h := range d.Headers {
 		m.Headers[i] = kafka.Header{Key: h.Key, Value: h.Value}
 	}
-	// Alone in its batch, so that the topic judges this dead letter's
-	// size alone.
-	done, err := t.c.deadLetterTurns.Take(ctx, d.Topic)
-	if err != nil {
-		return fmt.Errorf("kafkagoconsumer: publish dead letter to %s: %w", d.Topic, err)
-	}
-	defer done()
-	err = t.c.writer.WriteMessages(ctx, m)
+	// Refused as too large, it is tried again alone in its batch before
+	// it loses its value (deadletter.Topics).
+	err := t.c.deadLetters.Publish(ctx, d.Topic, func(ctx context.Context) error {
+		return t.c.writer.WriteMessages(ctx, m)
+	}, tooLarge)
 	switch {
 	case err == nil:
 		return nil

@@ -40,10 +40,10 @@ type Config struct {
 	// may then be written twice). A dead-letter publish is bounded by
 	// kgo.RecordDeliveryTimeout, 30s unless set here: past it the failure
 	// is reported and the publish tried again. A dead letter's size is
-	// bounded by kgo.ProducerBatchMaxBytes, 64 MiB unless set here (keep
-	// it at or below kgo.BrokerMaxWriteBytes), so that the dead-letter
-	// topic's max.message.bytes is what refuses one too large. Defaults to
-	// none.
+	// bounded by kgo.ProducerBatchMaxBytes, 64 MiB (or
+	// kgo.BrokerMaxWriteBytes if lower) unless set here, so that the
+	// dead-letter topic's max.message.bytes is what refuses one too
+	// large. Defaults to none.
 	ClientOpts []kgo.Opt
 	// CommitInterval is how often marked offsets are committed; they are
 	// also committed when partitions are revoked (waiting half the
@@ -92,8 +92,8 @@ type Consumer struct {
 	log *slog.Logger
 	// connOpts are Config.Conn as kgo options.
 	connOpts []kgo.Opt
-	// deadLetterTurns publishes one dead letter at a time per topic.
-	deadLetterTurns deadletter.TopicTurns
+	// deadLetters has each dead letter judged alone for its size.
+	deadLetters deadletter.Topics
 
 	mu      sync.Mutex
 	parts   map[tp]*partition
@@ -199,7 +199,9 @@ func (c *Consumer) Run(ctx context.Context) error {
 	// A dead letter is refused for its size by its topic, not by
 	// franz-go's default limit (1,000,012 bytes): refused, it would go out
 	// without the original's value though its topic takes it.
-	opts = append(opts, kgo.ProducerBatchMaxBytes(deadletter.MaxBytes))
+	// ClientOpts' own ProducerBatchMaxBytes, after it, wins.
+	batchAt := len(opts)
+	opts = append(opts, nil)
 	opts = append(opts, c.cfg.ClientOpts...)
 	opts = append(opts,
 		kgo.ConsumerGroup(c.cfg.Group),
@@ -217,6 +219,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		// follower copied it.
 		kgo.RequiredAcks(kgo.AllISRAcks()),
 	)
+	opts[batchAt] = kgo.ProducerBatchMaxBytes(deadLetterBatchMax(opts, batchAt))
 	cl, err := kgo.NewClient(opts...)
 	if err != nil {
 		return fmt.Errorf("kgoconsumer: client: %w", err)
@@ -316,6 +319,36 @@ func (c *Consumer) consumeAnew(cl *kgo.Client, topic string, last map[string]tim
 	c.stop(cl, map[string][]int32{topic: held}, c.cfg.RevokeGrace)
 	cl.PurgeTopicsFromConsuming(topic)
 	cl.AddConsumeTopics(topic)
+}
+
+// deadLetterBatchMax returns the batch limit to set at opts[at]:
+// deadletter.MaxBytes, or, when the options after it hold a
+// kgo.BrokerMaxWriteBytes below that, the largest limit franz-go takes
+// with them (their kgo.BrokerMaxWriteBytes): franz-go refuses a client
+// whose batch limit is above its write limit. The options are only
+// validated (kgo.ValidateOpts), never made into a client, which would run
+// the hooks of ClientOpts (kgo.WithHooks) for a client thrown away. With
+// options that fail for another reason, it returns deadletter.MaxBytes and
+// kgo.NewClient reports them.
+func deadLetterBatchMax(opts []kgo.Opt, at int) int32 {
+	fits := func(n int32) bool {
+		opts[at] = kgo.ProducerBatchMaxBytes(n)
+		return kgo.ValidateOpts(opts...) == nil
+	}
+	const least = 1 << 10 // franz-go's least kgo.BrokerMaxWriteBytes
+	if fits(deadletter.MaxBytes) || !fits(least) {
+		return deadletter.MaxBytes
+	}
+	lo, hi := int32(least), int32(deadletter.MaxBytes) // fits(lo), !fits(hi)
+	for hi-lo > 1 {
+		mid := lo + (hi-lo)/2
+		if fits(mid) {
+			lo = mid
+		} else {
+			hi = mid
+		}
+	}
+	return lo
 }
 
 // deadLetterDeliveryTimeout bounds one dead-letter publish.
@@ -542,23 +575,22 @@ func (t *transport) PublishDeadLetter(ctx context.Context, d consumer.DeadLetter
 	for i, h := range d.Headers {
 		r.Headers[i] = kgo.RecordHeader{Key: h.Key, Value: h.Value}
 	}
-	// Alone in its batch, so that the topic judges this dead letter's
-	// size alone.
-	done, err := t.c.deadLetterTurns.Take(ctx, d.Topic)
-	if err != nil {
-		return fmt.Errorf("kgoconsumer: publish dead letter to %s: %w", d.Topic, err)
-	}
-	defer done()
-	err = t.cl.ProduceSync(ctx, r).FirstErr()
-	if errors.Is(err, kerr.UnknownTopicID) {
-		// The dead-letter topic was deleted since the client first
-		// produced to it, and perhaps created again: franz-go keeps
-		// producing by the old topic id until the topic is purged from
-		// producing. Try once more by name: a recreated topic takes the
-		// dead letter, a deleted one fails as missing.
-		t.cl.PurgeTopicsFromProducing(d.Topic)
-		err = t.cl.ProduceSync(ctx, r).FirstErr()
-	}
+	// Refused as too large, it is tried again alone in its batch before
+	// it loses its value (deadletter.Topics).
+	err := t.c.deadLetters.Publish(ctx, d.Topic, func(ctx context.Context) error {
+		err := t.cl.ProduceSync(ctx, r).FirstErr()
+		if errors.Is(err, kerr.UnknownTopicID) {
+			// The dead-letter topic was deleted since the client
+			// first produced to it, and perhaps created again:
+			// franz-go keeps producing by the old topic id until the
+			// topic is purged from producing. Try once more by name:
+			// a recreated topic takes the dead letter, a deleted one
+			// fails as missing.
+			t.cl.PurgeTopicsFromProducing(d.Topic)
+			err = t.cl.ProduceSync(ctx, r).FirstErr()
+		}
+		return err
+	}, tooLarge)
 	switch {
 	case err == nil:
 		return nil
@@ -568,7 +600,7 @@ func (t *transport) PublishDeadLetter(ctx context.Context, d consumer.DeadLetter
 			t.c.fail(err)
 		}
 		return err
-	case errors.Is(err, kerr.MessageTooLarge), errors.Is(err, kerr.RecordListTooLarge):
+	case tooLarge(err):
 		return fmt.Errorf("kgoconsumer: publish dead letter to %s: %w: %w", d.Topic, consumer.ErrDeadLetterTooLarge, err)
 	case errors.Is(err, kerr.ClusterAuthorizationFailed):
 		// franz-go keeps a refused producer id for the client's life: the
@@ -578,6 +610,12 @@ func (t *transport) PublishDeadLetter(ctx context.Context, d consumer.DeadLetter
 	default:
 		return fmt.Errorf("kgoconsumer: publish dead letter to %s: %w", d.Topic, err)
 	}
+}
+
+// tooLarge reports whether err refuses a record for its size: the client's
+// limit (kgo.ProducerBatchMaxBytes) or the broker's.
+func tooLarge(err error) bool {
+	return errors.Is(err, kerr.MessageTooLarge) || errors.Is(err, kerr.RecordListTooLarge)
 }
 
 // Message converts a franz-go record; Raw holds r.

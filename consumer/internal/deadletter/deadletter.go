@@ -5,6 +5,8 @@ package deadletter
 import (
 	"context"
 	"sync"
+
+	"golang.org/x/sync/semaphore"
 )
 
 // MaxBytes is the largest dead letter the adapters' default producers
@@ -16,33 +18,57 @@ import (
 // rather than answer MESSAGE_TOO_LARGE.
 const MaxBytes = 64 << 20
 
-// TopicTurns lets one dead letter at a time be published to each topic.
+// Topics publishes dead letters so that each is judged alone for its size.
 // Published together, dead letters to a topic's partition share a record
 // batch, and the broker judges the batch against max.message.bytes: two
 // that each fit would both be refused as too large, and both lose their
-// value. Dead letters are rare, so taking turns costs little. The zero
-// value is ready; safe for concurrent use.
-type TopicTurns struct {
-	mu    sync.Mutex
-	turns map[string]chan struct{}
+// value. So dead letters to a topic go out together, and one refused as
+// too large is sent again alone, with no other publish to its topic in
+// flight, before its refusal stands. A dead letter to a partition that
+// does not answer holds up no other, but the retry alone waits for it.
+// The zero value is ready; safe for concurrent use.
+type Topics struct {
+	mu     sync.Mutex
+	topics map[string]*semaphore.Weighted
 }
 
-// Take waits for topic's turn, or ctx; the returned func ends the turn.
-func (t *TopicTurns) Take(ctx context.Context, topic string) (done func(), err error) {
+// alone is the weight of a publish alone: all of its topic's semaphore.
+const alone = 1 << 30
+
+// Publish calls publish(ctx) for a dead letter to topic, along with other
+// publishes to topic; when tooLarge(its error), it waits until no other
+// publish to topic is in flight, stops new ones, and calls publish(ctx)
+// again alone, whose error stands. It returns ctx's error if ctx ends
+// while it waits.
+func (t *Topics) Publish(ctx context.Context, topic string, publish func(context.Context) error, tooLarge func(error) bool) error {
+	sem := t.semaphore(topic)
+	// Weighted is first come, first served: a publish waiting to go
+	// alone keeps later ones out, so it is not starved by a steady flow.
+	if err := sem.Acquire(ctx, 1); err != nil {
+		return err
+	}
+	err := publish(ctx)
+	sem.Release(1)
+	if err == nil || !tooLarge(err) {
+		return err
+	}
+	if err := sem.Acquire(ctx, alone); err != nil {
+		return err
+	}
+	defer sem.Release(alone)
+	return publish(ctx)
+}
+
+func (t *Topics) semaphore(topic string) *semaphore.Weighted {
 	t.mu.Lock()
-	if t.turns == nil {
-		t.turns = map[string]chan struct{}{}
+	defer t.mu.Unlock()
+	if t.topics == nil {
+		t.topics = map[string]*semaphore.Weighted{}
 	}
-	turn := t.turns[topic]
-	if turn == nil {
-		turn = make(chan struct{}, 1)
-		t.turns[topic] = turn
+	sem := t.topics[topic]
+	if sem == nil {
+		sem = semaphore.NewWeighted(alone)
+		t.topics[topic] = sem
 	}
-	t.mu.Unlock()
-	select {
-	case turn <- struct{}{}:
-		return func() { <-turn }, nil
-	case <-ctx.Done():
-		return nil, ctx.Err()
-	}
+	return sem
 }
