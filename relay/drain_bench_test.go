@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -501,7 +502,8 @@ func TestDrainRelayProcess(t *testing.T) {
 	if _, err := in.ReadString('\n'); err != nil {
 		return // the benchmark gave up
 	}
-	r, err := relay.New(pool, pub, &relay.Config{Schema: c.Schema, InstanceID: c.InstanceID, Observer: &lineObserver{out: out}})
+	r, err := relay.New(pool, pub, &relay.Config{Schema: c.Schema, InstanceID: c.InstanceID, Observer: &lineObserver{out: out},
+		Logger: slog.New(slog.DiscardHandler)}) // the figures alone on the terminal
 	if err != nil {
 		t.Fatal(err)
 	}
