@@ -71,8 +71,13 @@ type leases struct {
 	// lease is still this process's when its instance row is gone.
 	until      [NumShards]time.Time
 	validUntil time.Time // local clock: when the leases may have lapsed
-	excess     int       // shards to hand back at the next chance
-	releasing  []int16   // shards being handed back now
+	// losses counts the times a shard left this relay's hands: a renewal
+	// that did not renew it (its lease lapsed, whether or not it was taken
+	// back since) or a hand-back. Events read while it had one value may
+	// be published only while it still has it (stillHeld).
+	losses    uint64
+	excess    int     // shards to hand back at the next chance
+	releasing []int16 // shards being handed back now
 	// releases counts the hand-backs sent (releaseExcess), and releasedBy
 	// is, per shard, the count of the last one that gave it back: a tick
 	// keeps out of its result every shard handed back since it began
@@ -129,12 +134,34 @@ func (l *leases) recheckSoon() {
 
 // snapshot returns the shards this relay may publish now.
 func (l *leases) snapshot() []int16 {
+	shards, _ := l.held()
+	return shards
+}
+
+// held is snapshot, with the count of losses it was taken under, for
+// stillHeld.
+func (l *leases) held() ([]int16, uint64) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if time.Now().After(l.validUntil) {
-		return nil
+		return nil, l.losses
 	}
-	return slices.Clone(l.owned)
+	return slices.Clone(l.owned), l.losses
+}
+
+// stillHeld reports whether the shards of a snapshot taken under losses are
+// all still held, without a break, and their leases valid: checked just
+// before events read from them are published. A relay whose statements
+// stalled past its lease between a read and its publish (a database
+// failing over, a stalled process) may meanwhile have lost the shards to a
+// relay that settled those events: dead-lettered a key's first event and
+// published the next, say, which the stale publish would then follow (G3).
+// A publish that starts while this holds ends its lease at least a sixth of
+// it later, by the database clock.
+func (l *leases) stillHeld(losses uint64) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.losses == losses && time.Now().Before(l.validUntil)
 }
 
 func (l *leases) interval() time.Duration { return l.duration / 3 }
@@ -249,6 +276,10 @@ func (l *leases) tick(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("renew shards: %w", err)
 	}
+	var kept [NumShards]bool // renewed without a break
+	for _, s := range renewed {
+		kept[s] = true
+	}
 	var taken []int16
 	if len(renewed) < fair && charged {
 		// takeSQL also re-takes this relay's own lapsed leases first.
@@ -272,6 +303,12 @@ func (l *leases) tick(ctx context.Context) error {
 		return slices.Contains(l.releasing, s) || l.releasedBy[s] > releases
 	})
 	before := len(l.owned)
+	for _, s := range l.owned {
+		if !kept[s] {
+			l.losses++
+			break
+		}
+	}
 	l.owned = renewed
 	for _, s := range renewed {
 		l.until[s] = until[s]
@@ -362,6 +399,7 @@ func (l *leases) releaseExcess(ctx context.Context) error {
 	}
 	give := slices.Clone(l.owned[len(l.owned)-n:])
 	l.owned = l.owned[:len(l.owned)-n]
+	l.losses++
 	l.excess = 0
 	l.releasing = give
 	owned := len(l.owned)
@@ -402,6 +440,7 @@ func (l *leases) releaseAll(ctx context.Context) error {
 		until[i] = l.until[s]
 	}
 	l.owned = nil
+	l.losses++
 	l.mu.Unlock()
 	l.obs.ObserveShards(0)
 	return pgx.BeginFunc(ctx, l.st.pool, func(tx pgx.Tx) error {

@@ -601,8 +601,8 @@ func (r *Relay) publishLoop(ctx context.Context) {
 				r.log.Warn("relay: hand back shards", "error", err)
 			}
 		}
-		shards := r.leases.snapshot()
-		if ahead != nil && !slices.Equal(ahead.shards, shards) {
+		shards, losses := r.leases.held()
+		if ahead != nil && (ahead.losses != losses || !slices.Equal(ahead.shards, shards)) {
 			r.forgetRound(ctx, ahead.round)
 			ahead = nil // ownership changed since it was read
 		}
@@ -610,7 +610,7 @@ func (r *Relay) publishLoop(ctx context.Context) {
 			r.idle(ctx)
 			continue
 		}
-		res, next, err := r.round(ctx, shards, ahead)
+		res, next, err := r.round(ctx, shards, losses, ahead)
 		ahead = next
 		switch {
 		case err != nil && ctx.Err() == nil:
@@ -766,6 +766,7 @@ type roundResult struct {
 // prefetch is the next round, read while the current one was with Kafka.
 type prefetch struct {
 	shards []int16
+	losses uint64 // the leases' (held), when read
 	events []pendingEvent
 	round  roundKey // its relay_rounds row
 	whole  bool     // the read was a whole round (store.lastFull)
@@ -781,7 +782,10 @@ type prefetch struct {
 // published only after this round's outcome is known, and its events of
 // keys that just failed are left out, so a key's events still go out in
 // order and stop at the first failure.
-func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (roundResult, *prefetch, error) {
+//
+// losses is the leases' count when shards was taken (leases.held): the
+// round is published only while they still hold (leases.stillHeld).
+func (r *Relay) round(ctx context.Context, shards []int16, losses uint64, ahead *prefetch) (roundResult, *prefetch, error) {
 	start := time.Now()
 	if r.liftCeiling() && ahead != nil {
 		// The read ahead left out the events the ceilings stopped and
@@ -871,6 +875,13 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 	if len(events) == 0 {
 		return roundResult{}, nil, nil
 	}
+	if !r.leases.stillHeld(losses) {
+		// The leases may have lapsed since the read (its statements
+		// stalled): the shards' owner now publishes these events.
+		r.forgetRound(ctx, round)
+		r.leases.recheckSoon()
+		return roundResult{}, nil, nil
+	}
 	claimed := len(events)
 	events = oneTopicPerKey(events)
 	records := make([]Record, len(events))
@@ -917,7 +928,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 			r.forgetLostRetries(start, nextEvents, inFlight)
 		}
 		if err == nil && len(nextEvents) > 0 {
-			next = &prefetch{shards: shards, events: nextEvents, round: keyOf(nextEvents), whole: r.st.lastFull}
+			next = &prefetch{shards: shards, losses: losses, events: nextEvents, round: keyOf(nextEvents), whole: r.st.lastFull}
 		}
 	}
 	sent := <-published
@@ -931,7 +942,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, ahead *prefetch) (rou
 		errs[i] = sent[j]
 	}
 
-	o := r.judge(ctx, pubCtx, events, records, errs)
+	o := r.judge(ctx, pubCtx, losses, events, records, errs)
 	if r.events != nil {
 		r.observeAcked(events, o.acked, start, time.Now())
 	}
@@ -1082,8 +1093,9 @@ type outcome struct {
 // acknowledged, refused for good (dead-lettered), or failed and retried
 // later; it holds back the keys of failed events. pubCtx is the context the
 // attempt was published with: if its deadline passed, a passing error is a
-// timeout, and the key is retried on the side (beside the rounds).
-func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, records []Record, errs []error) outcome {
+// timeout, and the key is retried on the side (beside the rounds). losses
+// is the leases' count when the events were read (leases.held).
+func (r *Relay) judge(ctx, pubCtx context.Context, losses uint64, events []pendingEvent, records []Record, errs []error) outcome {
 	o := outcome{failedKeys: map[string]bool{}}
 	deadline := pubCtx.Err() != nil && ctx.Err() == nil
 	for i := range events {
@@ -1113,11 +1125,7 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 			// record, which went out. Either way it stays pending,
 			// untouched and unblocked, for a later round (one after
 			// the dead letter is recorded: the round waits for it).
-			o.failedKeys[bk] = true
-			if o.heldKeys == nil {
-				o.heldKeys = map[string]bool{}
-			}
-			o.heldKeys[bk] = true
+			o.leavePending(bk)
 			continue
 		}
 		if err == nil {
@@ -1136,6 +1144,13 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 			// An earlier event of this key failed: nothing of the key
 			// may go out, or be dead-lettered, past it.
 			err, kind = errHeldBack, retriable
+		}
+		if (kind == tooLarge || kind == invalid) && len(events) > 1 && !r.leases.stillHeld(losses) {
+			// Its shard may be another relay's now (see round): neither
+			// published alone nor dead-lettered on the batch's answer,
+			// it stays pending, untouched, for the shard's owner.
+			o.leavePending(bk)
+			continue
 		}
 		if (kind == tooLarge || kind == invalid) && len(events) > 1 {
 			// The broker may have refused a whole batch for one record:
@@ -1220,6 +1235,16 @@ func (r *Relay) judge(ctx, pubCtx context.Context, events []pendingEvent, record
 	}
 	o.sickPartitions = r.sickCount
 	return o
+}
+
+// leavePending leaves an event pending, untouched and its key not held
+// back, for a later round: nothing of its key goes out in this one.
+func (o *outcome) leavePending(bk string) {
+	o.failedKeys[bk] = true
+	if o.heldKeys == nil {
+		o.heldKeys = map[string]bool{}
+	}
+	o.heldKeys[bk] = true
 }
 
 func (o *outcome) noteDead(bk string) {

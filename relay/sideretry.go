@@ -27,6 +27,7 @@ import (
 type sideResult struct {
 	start  time.Time
 	shards []int16
+	losses uint64 // the leases' count when read (leases.held)
 	round  roundKey
 	events []pendingEvent
 	errs   []error
@@ -85,7 +86,7 @@ func (r *Relay) startSideRetry(ctx context.Context) {
 			break
 		}
 	}
-	shards := r.leases.snapshot()
+	shards, losses := r.leases.held()
 	ids := make([]int64, len(due))
 	for i, bk := range due {
 		ids[i] = r.blocked[bk].firstID
@@ -120,6 +121,12 @@ func (r *Relay) startSideRetry(ctx context.Context) {
 		}
 		return
 	}
+	if !r.leases.stillHeld(losses) {
+		// As in a round: the shards' owner now publishes these events.
+		r.forgetRound(ctx, round)
+		r.leases.recheckSoon()
+		return
+	}
 	for i := range events {
 		r.blocked[blockKey(&events[i])].onSide = true
 	}
@@ -129,7 +136,7 @@ func (r *Relay) startSideRetry(ctx context.Context) {
 	}
 	done := make(chan sideResult, 1)
 	r.sideDone = done
-	res := sideResult{start: time.Now(), shards: shards, round: round, events: events}
+	res := sideResult{start: time.Now(), shards: shards, losses: losses, round: round, events: events}
 	go func() {
 		pubCtx, release := r.publishContext(ctx) // a stop's grace, as for a round
 		res.errs = r.pub.Publish(pubCtx, records)
@@ -170,7 +177,7 @@ func (r *Relay) finishSideRetry(ctx context.Context, wait bool) {
 	for i := range res.events {
 		records[i] = toRecord(&res.events[i])
 	}
-	o := r.judge(ctx, res.ctx, res.events, records, res.errs)
+	o := r.judge(ctx, res.ctx, res.losses, res.events, records, res.errs)
 	if r.events != nil {
 		r.observeAcked(res.events, o.acked, res.start, res.acked)
 	}
