@@ -48,13 +48,20 @@ func (e *InstanceInUseError) Error() string {
 //     renewed or took in the database, less those handed back since, and
 //     is empty once those leases may have lapsed (validUntil, on the local
 //     clock, a sixth of the lease early).
+//   - Events read under a snapshot are published only while every shard of
+//     it has stayed held (stillHeld: no loss since, the leases valid), and
+//     their publish is cut short once that ends (boundByLeases).
 //
 // What does not: a relay that stops renewing in time (a database outage, a
 // stalled process, its instance id taken over) can lose a shard to another
 // relay while a round of its events is with Kafka. Then the round's delete
 // re-checks ownership and leaves those events to the new owner, which
 // publishes them again, in order: duplicates, never a loss or a first
-// publication out of order (G2, G3).
+// publication out of order (G2, G3). The round's publish is cut short a
+// sixth of the lease before the leases lapse, so what still lands after
+// the new owner took over is what the client had sent by then: were the
+// new owner to dead-letter such an event (refused for good) and publish
+// its key's next, one that landed late anyway would follow it.
 type leases struct {
 	st       *store
 	id       string
@@ -76,8 +83,9 @@ type leases struct {
 	// back since) or a hand-back. Events read while it had one value may
 	// be published only while it still has it (stillHeld).
 	losses    uint64
-	excess    int     // shards to hand back at the next chance
-	releasing []int16 // shards being handed back now
+	lostC     chan struct{} // closed (and replaced) at each loss
+	excess    int           // shards to hand back at the next chance
+	releasing []int16       // shards being handed back now
 	// releases counts the hand-backs sent (releaseExcess), and releasedBy
 	// is, per shard, the count of the last one that gave it back: a tick
 	// keeps out of its result every shard handed back since it began
@@ -121,7 +129,7 @@ func newLeases(st *store, id string, duration time.Duration, obs Observer, log *
 	b := make([]byte, 16)
 	_, _ = rand.Read(b)
 	return &leases{st: st, id: id, token: hex.EncodeToString(b), host: host, duration: duration, obs: obs, log: log,
-		changed: make(chan struct{}, 1), recheck: make(chan struct{}, 1)}
+		changed: make(chan struct{}, 1), recheck: make(chan struct{}, 1), lostC: make(chan struct{})}
 }
 
 // recheckSoon asks for a tick before the next interval's; it never waits.
@@ -162,6 +170,37 @@ func (l *leases) stillHeld(losses uint64) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.losses == losses && time.Now().Before(l.validUntil)
+}
+
+// untilLost calls lost once the shards of a snapshot taken under losses
+// are no longer held (stillHeld), unless done is closed first.
+func (l *leases) untilLost(losses uint64, done <-chan struct{}, lost func()) {
+	for {
+		l.mu.Lock()
+		held := l.losses == losses && time.Now().Before(l.validUntil)
+		lostC, until := l.lostC, l.validUntil
+		l.mu.Unlock()
+		if !held {
+			lost()
+			return
+		}
+		t := time.NewTimer(time.Until(until)) // a renewal since moves it on
+		select {
+		case <-lostC:
+		case <-t.C:
+		case <-done:
+			t.Stop()
+			return
+		}
+		t.Stop()
+	}
+}
+
+// lose notes that a shard left this relay's hands. l.mu is held.
+func (l *leases) lose() {
+	l.losses++
+	close(l.lostC)
+	l.lostC = make(chan struct{})
 }
 
 func (l *leases) interval() time.Duration { return l.duration / 3 }
@@ -305,7 +344,7 @@ func (l *leases) tick(ctx context.Context) error {
 	before := len(l.owned)
 	for _, s := range l.owned {
 		if !kept[s] {
-			l.losses++
+			l.lose()
 			break
 		}
 	}
@@ -399,7 +438,7 @@ func (l *leases) releaseExcess(ctx context.Context) error {
 	}
 	give := slices.Clone(l.owned[len(l.owned)-n:])
 	l.owned = l.owned[:len(l.owned)-n]
-	l.losses++
+	l.lose()
 	l.excess = 0
 	l.releasing = give
 	owned := len(l.owned)
@@ -440,7 +479,7 @@ func (l *leases) releaseAll(ctx context.Context) error {
 		until[i] = l.until[s]
 	}
 	l.owned = nil
-	l.losses++
+	l.lose()
 	l.mu.Unlock()
 	l.obs.ObserveShards(0)
 	return pgx.BeginFunc(ctx, l.st.pool, func(tx pgx.Tx) error {

@@ -901,7 +901,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, losses uint64, ahead 
 		}
 	}
 	published := make(chan []error, 1)
-	pubCtx, donePub := r.publishContext(ctx)
+	pubCtx, donePub := r.publishContext(ctx, losses)
 	defer donePub()
 	if len(toSend) == 0 {
 		published <- nil
@@ -1098,6 +1098,9 @@ type outcome struct {
 func (r *Relay) judge(ctx, pubCtx context.Context, losses uint64, events []pendingEvent, records []Record, errs []error) outcome {
 	o := outcome{failedKeys: map[string]bool{}}
 	deadline := pubCtx.Err() != nil && ctx.Err() == nil
+	// Cut short because its shards may be another relay's now: what failed
+	// stays pending, untouched, for their owner (see boundByLeases).
+	leaseLost := errors.Is(context.Cause(pubCtx), errLeaseLost)
 	for i := range events {
 		e := &events[i]
 		err := errs[i]
@@ -1112,6 +1115,10 @@ func (r *Relay) judge(ctx, pubCtx context.Context, losses uint64, events []pendi
 			continue
 		}
 		bk := blockKey(e)
+		if err != nil && leaseLost {
+			o.leavePending(bk)
+			continue
+		}
 		if err != nil && (o.deadKeys[bk] && !r.refusedForGood(e, err) || errors.Is(err, ErrNotSent) && (!o.failedKeys[bk] || o.heldKeys[bk])) {
 			// An earlier event of this key is dead-lettered in this
 			// call. This one must not go out (alone, below) before
@@ -1155,9 +1162,16 @@ func (r *Relay) judge(ctx, pubCtx context.Context, losses uint64, events []pendi
 		if (kind == tooLarge || kind == invalid) && len(events) > 1 {
 			// The broker may have refused a whole batch for one record:
 			// publish this one alone to know whether it is the offender.
-			alone, cancel := context.WithTimeout(ctx, r.cfg.PublishTimeout)
+			timed, cancelTimed := context.WithTimeout(ctx, r.cfg.PublishTimeout)
+			alone, cancel := r.boundByLeases(timed, losses)
 			err = r.pub.Publish(alone, records[i:i+1])[0]
+			lost := errors.Is(context.Cause(alone), errLeaseLost)
 			cancel()
+			cancelTimed()
+			if err != nil && lost {
+				o.leavePending(bk)
+				continue
+			}
 			kind = classify(err)
 		}
 		switch {
@@ -1610,9 +1624,13 @@ const stopGrace = 5 * time.Second
 // is done (a stop) up to stopGrace more, so that what Kafka acknowledges
 // meanwhile is recorded and a rolling restart publishes nothing twice; past
 // that the publish is abandoned and its events stay pending for the next
-// owner. A relay whose instance id another process took stops at once.
-func (r *Relay) publishContext(ctx context.Context) (context.Context, func()) {
-	pubCtx, cancelPub := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.PublishTimeout)
+// owner. A relay whose instance id another process took stops at once, and
+// so does one whose leases of the events' shards stop holding (losses, see
+// boundByLeases).
+func (r *Relay) publishContext(ctx context.Context, losses uint64) (context.Context, func()) {
+	timed, cancelTimed := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.PublishTimeout)
+	pubCtx, cancelBound := r.boundByLeases(timed, losses)
+	cancelPub := func() { cancelBound(); cancelTimed() }
 	stopWatch := context.AfterFunc(ctx, func() {
 		var inUse *InstanceInUseError
 		if errors.As(context.Cause(ctx), &inUse) {
@@ -1628,6 +1646,22 @@ func (r *Relay) publishContext(ctx context.Context) (context.Context, func()) {
 		}
 	})
 	return pubCtx, func() { stopWatch(); cancelPub() }
+}
+
+// errLeaseLost ends a publish whose events' shards may be another relay's.
+var errLeaseLost = errors.New("relay: the shard leases lapsed while the events were with Kafka")
+
+// boundByLeases returns parent, ended (with cause errLeaseLost) once the
+// shards of a snapshot taken under losses are no longer held. A publish
+// must not outlive the leases it was read under: the shards' new owner may
+// settle its events meanwhile, dead-letter a key's first event and publish
+// the next, say, and the first, accepted by a still-retrying client (the
+// topic's limit raised), would then go out after it (G3). What a client
+// has sent already may still land: the window shrinks to a round trip.
+func (r *Relay) boundByLeases(parent context.Context, losses uint64) (context.Context, func()) {
+	ctx, cancel := context.WithCancelCause(parent)
+	go r.leases.untilLost(losses, ctx.Done(), func() { cancel(errLeaseLost) })
+	return ctx, func() { cancel(nil) }
 }
 
 // errHeldBack fails an event not published because an earlier event of its

@@ -138,7 +138,7 @@ func (r *Relay) startSideRetry(ctx context.Context) {
 	r.sideDone = done
 	res := sideResult{start: time.Now(), shards: shards, losses: losses, round: round, events: events}
 	go func() {
-		pubCtx, release := r.publishContext(ctx) // a stop's grace, as for a round
+		pubCtx, release := r.publishContext(ctx, losses) // a stop's grace, as for a round
 		res.errs = r.pub.Publish(pubCtx, records)
 		res.ctx, res.release, res.acked = pubCtx, release, time.Now()
 		done <- res

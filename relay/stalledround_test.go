@@ -35,6 +35,15 @@ func newStallAtMark() *stallAtMark {
 	return &stallAtMark{stalled: make(chan struct{}), release: make(chan struct{}), marked: make(chan struct{})}
 }
 
+// now stalls every statement from now on (until released).
+func (s *stallAtMark) now() {
+	s.once.Do(func() {
+		s.on.Store(true)
+		close(s.stalled)
+		close(s.marked)
+	})
+}
+
 func (s *stallAtMark) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
 	if s.armed.Load() && strings.HasPrefix(d.SQL, "INSERT INTO") && strings.Contains(d.SQL, "relay_rounds") {
 		s.once.Do(func() {
@@ -110,6 +119,38 @@ func (p *settlingPublisher) writtenValues() []string {
 
 func (*settlingPublisher) Close() error { return nil }
 
+// stallingPublisher is one relay's way to a settlingPublisher whose first
+// call stalls that relay's statements and then hangs, with Kafka, until
+// released or its context ends: a publish in flight while the relay's
+// database stalls past its lease.
+type stallingPublisher struct {
+	*settlingPublisher
+	stall    *stallAtMark
+	release  chan struct{}
+	returned chan struct{} // closed when the first call returned
+	calls    atomic.Int32
+}
+
+func (p *stallingPublisher) Publish(ctx context.Context, records []relay.Record) []error {
+	if p.calls.Add(1) != 1 {
+		return p.settlingPublisher.Publish(ctx, records)
+	}
+	defer close(p.returned)
+	p.stall.now()
+	select {
+	case <-p.release:
+	case <-ctx.Done():
+	}
+	if ctx.Err() != nil {
+		errs := make([]error, len(records))
+		for i := range errs {
+			errs[i] = ctx.Err()
+		}
+		return errs
+	}
+	return p.settlingPublisher.Publish(ctx, records)
+}
+
 // A relay that read a round and stalled before publishing it, past its
 // lease, must not publish it once it resumes: meanwhile another relay took
 // the shard and settled the round's events. Here the new owner
@@ -118,18 +159,19 @@ func (*settlingPublisher) Close() error { return nil }
 // the stalled relay, the first event would go out after the second (G3),
 // and be both dead-lettered and published. Both ways a round reaches
 // Kafka: a round read by the rounds, and a retry beside them of an event
-// that was not acknowledged in time.
+// that was not acknowledged in time; and a round already with Kafka when
+// the statements stall, its publish cut short once the lease is lost.
 func TestAStalledRelayDoesNotPublishWhatItsSuccessorSettled(t *testing.T) {
 	t.Parallel()
-	for _, path := range []string{"round", "side retry"} {
+	for _, path := range []string{"round", "side retry", "in flight"} {
 		t.Run(path, func(t *testing.T) {
 			t.Parallel()
-			stalledRelayDoesNotPublish(t, path == "side retry")
+			stalledRelayDoesNotPublish(t, path)
 		})
 	}
 }
 
-func stalledRelayDoesNotPublish(t *testing.T, sideRetry bool) {
+func stalledRelayDoesNotPublish(t *testing.T, path string) {
 	b := setup(t)
 	ctx := context.Background()
 	b.write(t,
@@ -138,7 +180,16 @@ func stalledRelayDoesNotPublish(t *testing.T, sideRetry bool) {
 	)
 	pub := &settlingPublisher{refuse: map[string]bool{"first": true}, hang: map[string]bool{}, hung: make(chan struct{})}
 	stall := newStallAtMark()
-	if sideRetry {
+	var stalledPub relay.Publisher = pub
+	var inFlight *stallingPublisher
+	cfg := relay.Config{InstanceID: "stalled", LeaseDuration: 600 * time.Millisecond, PublishTimeout: 200 * time.Millisecond,
+		MaxRetryBackoff: 50 * time.Millisecond}
+	switch path {
+	case "in flight":
+		inFlight = &stallingPublisher{settlingPublisher: pub, stall: stall, release: make(chan struct{}), returned: make(chan struct{})}
+		stalledPub = inFlight
+		cfg.PublishTimeout = 30 * time.Second // not what ends it
+	case "side retry":
 		// The stalled relay's first try of the round times out; the
 		// stall comes at its retry beside the rounds.
 		pub.hang["first"] = true
@@ -146,12 +197,10 @@ func stalledRelayDoesNotPublish(t *testing.T, sideRetry bool) {
 			<-pub.hung
 			stall.armed.Store(true)
 		}()
-	} else {
+	default:
 		stall.armed.Store(true)
 	}
-	cfg := relay.Config{InstanceID: "stalled", LeaseDuration: 600 * time.Millisecond, PublishTimeout: 200 * time.Millisecond,
-		MaxRetryBackoff: 50 * time.Millisecond}
-	_, stopStalled := b.startRelayWith(t, pgtest.TracedPool(t, stall, 4), pub, cfg)
+	_, stopStalled := b.startRelayWith(t, pgtest.TracedPool(t, stall, 4), stalledPub, cfg)
 	waitFor(t, "the stall", 30*time.Second, func() bool {
 		select {
 		case <-stall.stalled:
@@ -161,7 +210,7 @@ func stalledRelayDoesNotPublish(t *testing.T, sideRetry bool) {
 		}
 	})
 
-	cfg.InstanceID = "successor"
+	cfg.InstanceID, cfg.PublishTimeout = "successor", 200*time.Millisecond
 	_, stopSuccessor := b.startRelayWith(t, b.pool, pub, cfg)
 	waitFor(t, "the successor to settle both events", 30*time.Second, func() bool {
 		return b.count(t, "outbox") == 0 && b.count(t, "outbox_dead") == 1
@@ -169,6 +218,10 @@ func stalledRelayDoesNotPublish(t *testing.T, sideRetry bool) {
 	stopSuccessor()
 
 	pub.setRefused("first", false) // the topic's limit raised
+	if inFlight != nil {
+		close(inFlight.release)
+		<-inFlight.returned
+	}
 	close(stall.release)
 	rounds := pgx.Identifier{b.schema, "relay_rounds"}.Sanitize()
 	waitFor(t, "the stalled relay to let its round go", 30*time.Second, func() bool {
