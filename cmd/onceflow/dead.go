@@ -46,7 +46,7 @@ func runDead(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		c.register(fs, false)
 		limit := fs.Int("limit", 100, "how many to show; a list cut short says how many there are")
 		asJSON := fs.Bool("json", false, "print a JSON array (key and value base64-encoded)")
-		if err := c.parseAdmin(fs, rest, stderr); err != nil {
+		if err := c.parseAdmin(ctx, fs, rest, stderr); err != nil {
 			return err
 		}
 		if *limit < 1 {
@@ -104,7 +104,7 @@ func runDead(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		ids := idsFlag(fs, "comma-separated outbox_dead ids (see 'onceflow dead list'; may be given more than once)")
 		all := fs.Bool("all", false, "replay every dead event")
 		outOfOrder := fs.Bool("out-of-order", false, "replay the ids even if earlier dead events of their keys stay dead (published after them, if ever)")
-		if err := c.parseAdmin(fs, rest, stderr); err != nil {
+		if err := c.parseAdmin(ctx, fs, rest, stderr); err != nil {
 			return err
 		}
 		idList, err := parseIDs(fs, *ids, *all)
@@ -154,7 +154,7 @@ func runDead(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		c.register(fs, false)
 		ids := idsFlag(fs, "comma-separated outbox_dead ids (required; see 'onceflow dead list'; may be given more than once)")
 		asJSON := fs.Bool("json", false, "print the discarded events as a JSON array (key and value base64-encoded)")
-		if err := c.parseAdmin(fs, rest, stderr); err != nil {
+		if err := c.parseAdmin(ctx, fs, rest, stderr); err != nil {
 			return err
 		}
 		idList, err := parseIDs(fs, *ids, false)

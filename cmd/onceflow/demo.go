@@ -435,7 +435,7 @@ func runDemoConsumer(ctx context.Context, args []string, _, stderr io.Writer) er
 	fs := newFlagSet("demo-consumer", demoConsumerSummary, stderr)
 	c.register(fs, true)
 	topic := fs.String("topic", "", "topic to consume")
-	if err := c.parse(fs, args, true); err != nil {
+	if err := c.parse(ctx, fs, args, true); err != nil {
 		return err
 	}
 	pool, err := c.connect(ctx)

@@ -58,19 +58,60 @@ func main() {
 		<-ctx.Done()
 		stop() // a second signal kills at once, should shutdown hang
 	}()
-	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
-	switch {
-	case err == nil || errors.Is(err, flag.ErrHelp):
-	case errors.Is(err, errUsage):
-		fmt.Fprintln(os.Stderr, "onceflow:", strings.TrimPrefix(err.Error(), "usage: "))
-		os.Exit(2)
-	default:
-		fmt.Fprintln(os.Stderr, "onceflow:", oneLine(err))
-		os.Exit(1)
+	if code := exitCode(run(ctx, os.Args[1:], os.Stdout, os.Stderr), os.Stderr); code != 0 {
+		os.Exit(code)
+	}
+}
+
+// exitCode writes the error a command ended with, as its last line on
+// stderr, and returns the process's exit code: 2 for a bad invocation.
+// Under --log-format json the line is a JSON log line, as the command's
+// own were: a pipeline parsing stderr as JSON would drop the one line that
+// says why the process ended.
+func exitCode(err error, stderr io.Writer) int {
+	if err == nil || errors.Is(err, flag.ErrHelp) {
+		return 0
+	}
+	code, msg := 1, oneLine(err)
+	if errors.Is(err, errUsage) {
+		code, msg = 2, strings.TrimPrefix(err.Error(), "usage: ")
+	}
+	if errors.As(err, new(jsonExit)) {
+		log := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{ReplaceAttr: replaceAttr}))
+		log.Error("onceflow: exiting", "error", msg, "exit_code", code)
+		return code
+	}
+	fmt.Fprintln(stderr, "onceflow:", msg)
+	return code
+}
+
+// jsonExit marks the error of a command run under --log-format json.
+type jsonExit struct{ err error }
+
+func (e jsonExit) Error() string { return e.err.Error() }
+func (e jsonExit) Unwrap() error { return e.err }
+
+// logFormatKey is the context key under which run keeps a *string that a
+// command's flag parsing sets to its --log-format.
+type logFormatKey struct{}
+
+// noteLogFormat tells run the log format a command's flags chose.
+func noteLogFormat(ctx context.Context, format string) {
+	if p, ok := ctx.Value(logFormatKey{}).(*string); ok {
+		*p = format
 	}
 }
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	var format string
+	err := runCommand(context.WithValue(ctx, logFormatKey{}, &format), args, stdout, stderr)
+	if err != nil && format == "json" {
+		return jsonExit{err}
+	}
+	return err
+}
+
+func runCommand(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if len(args) == 0 {
 		fmt.Fprint(stderr, usage)
 		return fmt.Errorf("%w: no command given", errUsage)
@@ -234,8 +275,10 @@ func (c *common) register(fs *flag.FlagSet, withBrokers bool) {
 }
 
 // parse parses args and checks the common flags.
-func (c *common) parse(fs *flag.FlagSet, args []string, needBrokers bool) error {
-	if err := fs.Parse(args); err != nil {
+func (c *common) parse(ctx context.Context, fs *flag.FlagSet, args []string, needBrokers bool) error {
+	err := fs.Parse(args)
+	noteLogFormat(ctx, c.logFormat) // as far as the flags were read
+	if err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return err
 		}
@@ -281,8 +324,8 @@ func (c *common) parse(fs *flag.FlagSet, args []string, needBrokers bool) error 
 // (the relay logs them at start instead; the demo reads no variables),
 // after the flags are read, so in --log-format and --log-level, and before
 // a usage error, which a mistyped ONCEFLOW_DATABASE_URL causes.
-func (c *common) parseAdmin(fs *flag.FlagSet, args []string, stderr io.Writer) error {
-	err := c.parse(fs, args, false)
+func (c *common) parseAdmin(ctx context.Context, fs *flag.FlagSet, args []string, stderr io.Writer) error {
+	err := c.parse(ctx, fs, args, false)
 	if !errors.Is(err, flag.ErrHelp) {
 		warnUnknownEnv(stderr, c.logFormat, c.logLevel)
 	}

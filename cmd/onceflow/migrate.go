@@ -46,7 +46,7 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 			"the sessions holding the tables; run it again when they are gone.", stderr)
 		c.register(fs, false)
 		lockTimeout = lockTimeoutFlag(fs, "apply nothing")
-		if err := c.parseAdmin(fs, rest, stderr); err != nil {
+		if err := c.parseAdmin(ctx, fs, rest, stderr); err != nil {
 			return err
 		}
 		if err := checkLockTimeout(*lockTimeout); err != nil {
@@ -59,7 +59,7 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		steps = fs.Int("steps", 1, "how many migrations to revert")
 		force = fs.Bool("force", false, "drop tables even when they hold pending events, dead letters, dedup records, idempotency keys, dead events' write order or live janitor windows")
 		lockTimeout = lockTimeoutFlag(fs, "revert nothing")
-		if err := c.parseAdmin(fs, rest, stderr); err != nil {
+		if err := c.parseAdmin(ctx, fs, rest, stderr); err != nil {
 			return err
 		}
 		if *steps < 1 {
@@ -71,7 +71,7 @@ func runMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	case "status":
 		fs := newFlagSet("migrate status", "List migrations and when each was applied.", stderr)
 		c.register(fs, false)
-		if err := c.parseAdmin(fs, rest, stderr); err != nil {
+		if err := c.parseAdmin(ctx, fs, rest, stderr); err != nil {
 			return err
 		}
 	}

@@ -57,7 +57,7 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	kf.register(fs)
 	publishTimeout := fs.Duration("publish-timeout", envDuration("ONCEFLOW_PUBLISH_TIMEOUT", 30*time.Second), "wait this long for Kafka's acknowledgements; a record not acknowledged by then is retried beside the other keys, never dead-lettered (env ONCEFLOW_PUBLISH_TIMEOUT)")
 	maxHeldKeys := fs.Int("max-held-keys", envInt("ONCEFLOW_MAX_HELD_KEYS", 1024), "most keys held back at once after failed attempts; past it the relay stops reading the failed key's partition from its failed event on until half are out (env ONCEFLOW_MAX_HELD_KEYS)")
-	if err := c.parse(fs, args, true); err != nil {
+	if err := c.parse(ctx, fs, args, true); err != nil {
 		return err
 	}
 	if *maxHeldKeys < 1 {

@@ -17,7 +17,7 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	fs := newFlagSet("status", "Show the backlog, the oldest pending event, dead letters, and the live relays with their shards.", stderr)
 	c.register(fs, false)
 	asJSON := fs.Bool("json", false, "print one JSON object (for scripts)")
-	if err := c.parseAdmin(fs, args, stderr); err != nil {
+	if err := c.parseAdmin(ctx, fs, args, stderr); err != nil {
 		return err
 	}
 	pool, err := c.connectMigrated(ctx)
