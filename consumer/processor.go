@@ -230,7 +230,12 @@ func (p *Processor) run(ctx context.Context, stop <-chan struct{}, msg Message, 
 			// is waited out too (README, "Roles and privileges"), but
 			// said as what it is: no outage will end it.
 			level, what := slog.LevelWarn, "consumer: database unavailable; retrying"
-			if isInsufficientPrivilege(err) {
+			switch {
+			case isConflict(err):
+				// At the dedup insert (BEGIN's statement): another
+				// delivery of the message inserting it at once, say.
+				what = "consumer: the dedup record's insert was rolled back for a serialization failure or deadlock; retrying"
+			case isInsufficientPrivilege(err):
 				level, what = slog.LevelError, `consumer: the database role lacks a privilege the consumer needs (README, "Roles and privileges"); retrying`
 			}
 			retries++
