@@ -125,10 +125,7 @@ func (c *Config) withDefaults() (Config, error) {
 		return out, fmt.Errorf("relay: Config.Schema: %w", err)
 	}
 	if out.InstanceID == "" {
-		host, _ := os.Hostname()
-		b := make([]byte, 3)
-		_, _ = rand.Read(b)
-		out.InstanceID = fmt.Sprintf("%s-%d-%s", host, os.Getpid(), hex.EncodeToString(b))
+		out.InstanceID = DefaultInstanceID()
 	}
 	if out.BatchSize == 0 {
 		out.BatchSize = 1000
@@ -205,4 +202,13 @@ func (c *Config) withDefaults() (Config, error) {
 		out.Observer = nopObserver{}
 	}
 	return out, nil
+}
+
+// DefaultInstanceID returns a new instance id of the form Config.InstanceID
+// defaults to: host-pid-random (six hex digits), unique among live relays.
+func DefaultInstanceID() string {
+	host, _ := os.Hostname()
+	b := make([]byte, 3)
+	_, _ = rand.Read(b)
+	return fmt.Sprintf("%s-%d-%s", host, os.Getpid(), hex.EncodeToString(b))
 }

@@ -2,8 +2,6 @@ package main
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"flag"
 	"fmt"
@@ -126,7 +124,7 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	// Every line carries instance=, the first ones (the database wait, the
 	// broker check) included, so the id is settled before anything logs.
 	if *instanceID == "" {
-		*instanceID = defaultInstanceID()
+		*instanceID = relay.DefaultInstanceID()
 	}
 	base, _ := c.logger(stderr)
 	log := base.With("instance", *instanceID)
@@ -226,16 +224,6 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	}
 	pr.relay.Store(r)
 	return r.Run(ctx)
-}
-
-// defaultInstanceID is --instance-id's default, host-pid-random, as
-// relay.Config's: the binary settles it itself so that the lines it logs
-// before the relay runs carry it too.
-func defaultInstanceID() string {
-	host, _ := os.Hostname()
-	b := make([]byte, 3)
-	_, _ = rand.Read(b)
-	return fmt.Sprintf("%s-%d-%s", host, os.Getpid(), hex.EncodeToString(b))
 }
 
 // relayFlagNames renames relay.Config's fields in an error as the flags
