@@ -187,7 +187,7 @@ func TestAStalledRelayDoesNotPublishAfterATakeWhoseAnswerWasLost(t *testing.T) {
 	waitFor(t, "the successor to settle both events", 30*time.Second, func() bool {
 		return b.count(t, "outbox") == 0 && b.count(t, "outbox_dead") == 1
 	})
-	stopSuccessor() // hands the shards back
+	stopSuccessor()                // hands the shards back
 	pub.setRefused("first", false) // the topic's limit raised
 
 	// A's lease ticks come back; the answer to its take is lost.
