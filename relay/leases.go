@@ -50,7 +50,10 @@ func (e *InstanceInUseError) Error() string {
 //     clock, a sixth of the lease early).
 //   - Events read under a snapshot are published only while every shard of
 //     it has stayed held (stillHeld: no loss since, the leases valid), and
-//     their publish is cut short once that ends (boundByLeases).
+//     their publish is cut short once that ends (boundByLeases). A loss is
+//     a shard a tick did not renew, a hand-back, or leases whose validity
+//     passed before a tick installed a renewal: a renewal after that does
+//     not prove the shards were held throughout.
 //
 // What does not: a relay that stops renewing in time (a database outage, a
 // stalled process, its instance id taken over) can lose a shard to another
@@ -78,10 +81,11 @@ type leases struct {
 	// lease is still this process's when its instance row is gone.
 	until      [NumShards]time.Time
 	validUntil time.Time // local clock: when the leases may have lapsed
-	// losses counts the times a shard left this relay's hands: a renewal
-	// that did not renew it (its lease lapsed, whether or not it was taken
-	// back since) or a hand-back. Events read while it had one value may
-	// be published only while it still has it (stillHeld).
+	// losses counts the times a shard may have left this relay's hands: a
+	// renewal that did not renew it (its lease lapsed, whether or not it
+	// was taken back since), a renewal installed after validUntil, or a
+	// hand-back. Events read while it had one value may be published only
+	// while it still has it (stillHeld).
 	losses    uint64
 	lostC     chan struct{} // closed (and replaced) at each loss
 	excess    int           // shards to hand back at the next chance
@@ -342,10 +346,20 @@ func (l *leases) tick(ctx context.Context) error {
 		return slices.Contains(l.releasing, s) || l.releasedBy[s] > releases
 	})
 	before := len(l.owned)
-	for _, s := range l.owned {
-		if !kept[s] {
-			l.lose()
-			break
+	if time.Now().After(l.validUntil) {
+		// The leases may have lapsed since the last renewal installed:
+		// a renewal now does not prove them held throughout. Another
+		// process may have held them meanwhile and handed them back, or
+		// taken this relay's instance id and returned it; or a take of
+		// this relay's committed with its answer lost, so no tick
+		// installed it.
+		l.lose()
+	} else {
+		for _, s := range l.owned {
+			if !kept[s] {
+				l.lose()
+				break
+			}
 		}
 	}
 	l.owned = renewed
