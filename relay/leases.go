@@ -458,7 +458,7 @@ func (l *leases) releaseExcess(ctx context.Context) error {
 	owned := len(l.owned)
 	l.mu.Unlock()
 	l.at("release")
-	_, err := l.st.pool.Exec(ctx, l.st.releaseSQL, l.id, give)
+	_, err := l.st.pool.Exec(ctx, l.st.releaseSQL, l.id, give, l.token)
 	l.mu.Lock()
 	// Even if it failed: it may have committed.
 	l.releases++

@@ -146,6 +146,8 @@ func New(pool *pgxpool.Pool, pub Publisher, cfg *Config) (*Relay, error) {
 	sickObs, _ := c.Observer.(SickPartitionObserver)
 	parts, _ := pub.(PartitionReporter)
 	st.maxBytes = int64(c.BatchBytes)
+	lz := newLeases(st, c.InstanceID, c.LeaseDuration, c.Observer, c.Logger.With("instance", c.InstanceID))
+	st.token = lz.token
 	return &Relay{
 		events:       events,
 		sickObs:      sickObs,
@@ -158,7 +160,7 @@ func New(pool *pgxpool.Pool, pub Publisher, cfg *Config) (*Relay, error) {
 		skippedKeys:  map[string]bool{},
 		keylessWaits: map[string]*keylessWait{},
 		st:           st,
-		leases:       newLeases(st, c.InstanceID, c.LeaseDuration, c.Observer, c.Logger.With("instance", c.InstanceID)),
+		leases:       lz,
 		log:          c.Logger.With("instance", c.InstanceID),
 		blocked:      map[string]*keyState{},
 		roundBackoff: newBackoff(c.MaxRetryBackoff),

@@ -86,10 +86,15 @@ type store struct {
 	freeK          map[int16]int    // see freeKs
 	// sweep is, per shard holding blocked keys, the key hash its next read
 	// starts from (nil: the shard's start); see claimBlockedQuery.
-	sweep            map[int16][]byte
-	sweepLast        map[int16][]byte // scratch for advanceSweeps
-	lastFull         bool             // the last claim returned a whole round
-	sweptFull        bool             // the last claim's key-hash read, beside a floor read, stopped at its limit (mergeBlocked)
+	sweep     map[int16][]byte
+	sweepLast map[int16][]byte // scratch for advanceSweeps
+	lastFull  bool             // the last claim returned a whole round
+	sweptFull bool             // the last claim's key-hash read, beside a floor read, stopped at its limit (mergeBlocked)
+	// token is this process's, in its instance row (leases.token): the
+	// statements that act for the instance id on another relay's behalf
+	// check it, since a stalled earlier process under the same id (a
+	// restart under a fixed id) must not act for its successor.
+	token            string
 	markSQL          string
 	deleteSQL        string
 	deleteRunSQL     string
@@ -179,9 +184,16 @@ SELECT (SELECT count(*) FROM deleted),
 		// (or, for a replayed event, the one it was first written with,
 		// in dead_replays), so a key's replayed events keep their order
 		// (G3).
+		//
+		// Only while the instance row carries this process's token ($4):
+		// an earlier process under the same id, its record stalled past
+		// its lease, would move an event its successor has published
+		// meanwhile (dead-lettered and published, a replay after its
+		// key's later events).
 		deadSQL: `WITH moved AS (
     DELETE FROM ` + outbox + ` o USING unnest($1::bigint[], $2::text[]) AS x(id, error)
     WHERE o.id = x.id AND ` + owned("$3") + `
+        AND EXISTS (SELECT 1 FROM ` + instances + ` i WHERE i.id = $3 AND i.token = $4)
     RETURNING o.id, o.event_id, o.topic, o.key, o.value, o.headers, o.created_at, o.attempts, x.error)
 INSERT INTO ` + dead + ` (outbox_id, event_id, topic, key, value, headers, created_at, attempts, error)
 SELECT id, event_id, topic, key, value, headers, created_at, attempts + 1, error FROM moved ORDER BY id`,
@@ -228,7 +240,12 @@ WHERE shard IN (
     LIMIT $3
     FOR UPDATE SKIP LOCKED)
 RETURNING shard, lease_until`,
-		releaseSQL: `UPDATE ` + shards + ` SET owner = NULL, lease_until = NULL WHERE owner = $1 AND shard = ANY($2::smallint[])`,
+		// A hand-back, only while the instance row carries this process's
+		// token ($3): a stalled earlier process's would free the shards
+		// its successor under the same id holds, and another relay would
+		// publish their events beside it.
+		releaseSQL: `UPDATE ` + shards + ` SET owner = NULL, lease_until = NULL WHERE owner = $1 AND shard = ANY($2::smallint[])
+    AND EXISTS (SELECT 1 FROM ` + instances + ` WHERE id = $1 AND token = $3)`,
 		// The goodbye (releaseAll): one transaction, and only while the
 		// instance row still carries this process's token ($2). A
 		// successor that took the id after this relay's lease lapsed owns
@@ -1217,7 +1234,7 @@ func (s *store) finish(ctx context.Context, owner string, shards []int16, acked 
 		for i, d := range dead {
 			ids[i], errs[i] = d.id, d.err
 		}
-		b.Queue(s.deadSQL, ids, errs, owner).Exec(func(tag pgconn.CommandTag) error {
+		b.Queue(s.deadSQL, ids, errs, owner, s.token).Exec(func(tag pgconn.CommandTag) error {
 			f.deadMoved = tag.RowsAffected()
 			return nil
 		})
