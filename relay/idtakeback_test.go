@@ -97,14 +97,7 @@ func TestAStalledRelayDoesNotPublishAfterItsInstanceIDWasTakenOverAndBack(t *tes
 			installs.Add(1)
 		}
 	})
-	waitFor(t, "the stall", 30*time.Second, func() bool {
-		select {
-		case <-stall.stalled:
-			return true
-		default:
-			return false
-		}
-	})
+	waitFor(t, "the stall", 30*time.Second, closed(stall.stalled))
 
 	// B: the same instance id, another process.
 	gap := &gapTracer{delay: time.Second, froze: make(chan struct{}), thaw: make(chan struct{})}
@@ -130,14 +123,7 @@ func TestAStalledRelayDoesNotPublishAfterItsInstanceIDWasTakenOverAndBack(t *tes
 		return b.count(t, "outbox") == 0 && b.count(t, "outbox_dead") == 1
 	})
 	gap.gap.Store(true)
-	waitFor(t, "the successor's slow tick and freeze", 30*time.Second, func() bool {
-		select {
-		case <-gap.froze:
-			return true
-		default:
-			return false
-		}
-	})
+	waitFor(t, "the successor's slow tick and freeze", 30*time.Second, closed(gap.froze))
 	instances := pgx.Identifier{b.schema, "relay_instances"}.Sanitize()
 	waitFor(t, "the instance row to lapse", 30*time.Second, func() bool {
 		var lapsed bool
@@ -155,22 +141,8 @@ func TestAStalledRelayDoesNotPublishAfterItsInstanceIDWasTakenOverAndBack(t *tes
 	})
 
 	close(stall.releaseMark)
-	rounds := pgx.Identifier{b.schema, "relay_rounds"}.Sanitize()
-	waitFor(t, "the stalled relay to let its round go", 30*time.Second, func() bool {
-		select {
-		case <-stall.marked:
-		default:
-			return false
-		}
-		var n int
-		if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM `+rounds+` WHERE instance = 'stalled'`).Scan(&n); err != nil {
-			t.Fatal(err)
-		}
-		return n == 0
-	})
+	b.waitRoundLetGo(t, "the stalled relay to let its round go", stall.marked, "stalled")
 	stopStalled()
 
-	if got := firstPublications(pub.writtenValues()); len(got) != 1 || got[0] != "second" {
-		t.Fatalf("written %v after the same instance id's other process dead-lettered the first event and published the second: want [second] only (G3, G7)", got)
-	}
+	wantOnlySecondWritten(t, pub, "the same instance id's other process dead-lettered the first event and published the second")
 }

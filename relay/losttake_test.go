@@ -173,14 +173,7 @@ func TestAStalledRelayDoesNotPublishAfterATakeWhoseAnswerWasLost(t *testing.T) {
 			installs.Add(1)
 		}
 	})
-	waitFor(t, "the stall", 30*time.Second, func() bool {
-		select {
-		case <-stall.stalled:
-			return true
-		default:
-			return false
-		}
-	})
+	waitFor(t, "the stall", 30*time.Second, closed(stall.stalled))
 
 	cfg.InstanceID = "successor"
 	_, stopSuccessor := b.startRelayWith(t, b.pool, pub, cfg)
@@ -193,14 +186,7 @@ func TestAStalledRelayDoesNotPublishAfterATakeWhoseAnswerWasLost(t *testing.T) {
 	// A's lease ticks come back; the answer to its take is lost.
 	stall.loseTake.Store(true)
 	close(stall.releaseOthers)
-	waitFor(t, "the stalled relay's take, its answer lost", 30*time.Second, func() bool {
-		select {
-		case <-stall.tookLost:
-			return true
-		default:
-			return false
-		}
-	})
+	waitFor(t, "the stalled relay's take, its answer lost", 30*time.Second, closed(stall.tookLost))
 	shards := pgx.Identifier{b.schema, "relay_shards"}.Sanitize()
 	var took int
 	if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM `+shards+` WHERE owner = 'stalled' AND lease_until > now()`).Scan(&took); err != nil {
@@ -215,22 +201,8 @@ func TestAStalledRelayDoesNotPublishAfterATakeWhoseAnswerWasLost(t *testing.T) {
 	})
 
 	close(stall.releaseMark)
-	rounds := pgx.Identifier{b.schema, "relay_rounds"}.Sanitize()
-	waitFor(t, "the stalled relay to let its round go", 30*time.Second, func() bool {
-		select {
-		case <-stall.marked:
-		default:
-			return false
-		}
-		var n int
-		if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM `+rounds+` WHERE instance = 'stalled'`).Scan(&n); err != nil {
-			t.Fatal(err)
-		}
-		return n == 0
-	})
+	b.waitRoundLetGo(t, "the stalled relay to let its round go", stall.marked, "stalled")
 	stopStalled()
 
-	if got := firstPublications(pub.writtenValues()); len(got) != 1 || got[0] != "second" {
-		t.Fatalf("written %v after the successor dead-lettered the first event and published the second: want [second] only (G3, G7)", got)
-	}
+	wantOnlySecondWritten(t, pub, "the successor dead-lettered the first event and published the second")
 }

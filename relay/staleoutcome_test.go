@@ -142,14 +142,7 @@ func TestAStalledOutcomeDoesNotDeadLetterWhatTheSameIDSuccessorPublished(t *test
 		}
 		<-done1
 	})
-	waitFor(t, "r0 to stall recording the dead letter", 30*time.Second, func() bool {
-		select {
-		case <-stale.stalled:
-			return true
-		default:
-			return false
-		}
-	})
+	waitFor(t, "r0 to stall recording the dead letter", 30*time.Second, closed(stale.stalled))
 
 	// Its instance lease lapses; the topic's limit is raised.
 	instances := pgx.Identifier{b.schema, "relay_instances"}.Sanitize()
@@ -256,14 +249,7 @@ func TestAStalledHandBackDoesNotFreeTheSameIDSuccessorsShards(t *testing.T) {
 	other := cfg
 	other.InstanceID = "b"
 	rb, _ := b.startRelayWith(t, b.pool, pub, other)
-	waitFor(t, "r0 to stall handing back its excess", 30*time.Second, func() bool {
-		select {
-		case <-stale.stalled:
-			return true
-		default:
-			return false
-		}
-	})
+	waitFor(t, "r0 to stall handing back its excess", 30*time.Second, closed(stale.stalled))
 	waitFor(t, "the other relay to take every shard as r0's leases lapse", 30*time.Second, func() bool {
 		return len(rb.OwnedShards()) == relay.NumShards
 	})

@@ -144,14 +144,7 @@ func TestAStaleHandBackUnderTheSameInstanceIDDoesNotLetTheSuccessorPublishOutOfO
 	hcfg := cfg
 	hcfg.InstanceID = "helper"
 	_, stopHelper := b.startRelayWith(t, b.pool, &settlingPublisher{refuse: map[string]bool{}, hang: map[string]bool{}}, hcfg)
-	waitFor(t, "P0 to start a hand-back", 30*time.Second, func() bool {
-		select {
-		case <-atRelease:
-			return true
-		default:
-			return false
-		}
-	})
+	waitFor(t, "P0 to start a hand-back", 30*time.Second, closed(atRelease))
 	freeze.frozen.Store(true) // P0 stalls, right before its hand-back goes out
 	stopHelper()
 
@@ -185,24 +178,10 @@ func TestAStaleHandBackUnderTheSameInstanceIDDoesNotLetTheSuccessorPublishOutOfO
 		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("first")},
 		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("second")},
 	)
-	waitFor(t, "P1 to read the round", 30*time.Second, func() bool {
-		select {
-		case <-mark.stalled:
-			return true
-		default:
-			return false
-		}
-	})
+	waitFor(t, "P1 to read the round", 30*time.Second, closed(mark.stalled))
 
 	close(goOn) // P0 resumes: its hand-back goes out
-	waitFor(t, "P0's hand-back", 30*time.Second, func() bool {
-		select {
-		case <-released:
-			return true
-		default:
-			return false
-		}
-	})
+	waitFor(t, "P0's hand-back", 30*time.Second, closed(released))
 	var freed int
 	if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM `+shardsT+` WHERE owner IS NULL`).Scan(&freed); err != nil {
 		t.Fatal(err)
@@ -222,20 +201,6 @@ func TestAStaleHandBackUnderTheSameInstanceIDDoesNotLetTheSuccessorPublishOutOfO
 	pub.setRefused("first", false) // the topic's limit raised
 
 	close(mark.release) // P1's round goes on
-	rounds := pgx.Identifier{b.schema, "relay_rounds"}.Sanitize()
-	waitFor(t, "P1 to let its round go", 30*time.Second, func() bool {
-		select {
-		case <-mark.marked:
-		default:
-			return false
-		}
-		var n int
-		if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM `+rounds+` WHERE instance = 'X'`).Scan(&n); err != nil {
-			t.Fatal(err)
-		}
-		return n == 0
-	})
-	if got := firstPublications(pub.writtenValues()); len(got) != 1 || got[0] != "second" {
-		t.Fatalf("written %v after relay B, on shards P0's stale hand-back freed under P1 (same instance id), dead-lettered the first event and published the second: want [second] only (G3, G7)", got)
-	}
+	b.waitRoundLetGo(t, "P1 to let its round go", mark.marked, "X")
+	wantOnlySecondWritten(t, pub, "relay B, on shards P0's stale hand-back freed under P1 (same instance id), dead-lettered the first event and published the second")
 }

@@ -173,7 +173,6 @@ func TestAStalledRelayDoesNotPublishWhatItsSuccessorSettled(t *testing.T) {
 
 func stalledRelayDoesNotPublish(t *testing.T, path string) {
 	b := setup(t)
-	ctx := context.Background()
 	b.write(t,
 		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("first")},
 		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("second")},
@@ -201,14 +200,7 @@ func stalledRelayDoesNotPublish(t *testing.T, path string) {
 		stall.armed.Store(true)
 	}
 	_, stopStalled := b.startRelayWith(t, pgtest.TracedPool(t, stall, 4), stalledPub, cfg)
-	waitFor(t, "the stall", 30*time.Second, func() bool {
-		select {
-		case <-stall.stalled:
-			return true
-		default:
-			return false
-		}
-	})
+	waitFor(t, "the stall", 30*time.Second, closed(stall.stalled))
 
 	cfg.InstanceID, cfg.PublishTimeout = "successor", 200*time.Millisecond
 	_, stopSuccessor := b.startRelayWith(t, b.pool, pub, cfg)
@@ -223,22 +215,48 @@ func stalledRelayDoesNotPublish(t *testing.T, path string) {
 		<-inFlight.returned
 	}
 	close(stall.release)
-	rounds := pgx.Identifier{b.schema, "relay_rounds"}.Sanitize()
-	waitFor(t, "the stalled relay to let its round go", 30*time.Second, func() bool {
+	b.waitRoundLetGo(t, "the stalled relay to let its round go", stall.marked, "stalled")
+	stopStalled()
+
+	wantOnlySecondWritten(t, pub, "the successor dead-lettered the first event and published the second")
+}
+
+// closed reports, as a waitFor condition, whether c is closed.
+func closed(c <-chan struct{}) func() bool {
+	return func() bool {
 		select {
-		case <-stall.marked:
+		case <-c:
+			return true
 		default:
 			return false
 		}
+	}
+}
+
+// waitRoundLetGo waits, once marked is closed (the relay's stalled
+// statement has run), until the relay under instance has no round in
+// flight left: it published it, or let it go.
+func (b *bundle) waitRoundLetGo(t *testing.T, what string, marked <-chan struct{}, instance string) {
+	t.Helper()
+	rounds := pgx.Identifier{b.schema, "relay_rounds"}.Sanitize()
+	waitFor(t, what, 30*time.Second, func() bool {
+		if !closed(marked)() {
+			return false
+		}
 		var n int
-		if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM `+rounds+` WHERE instance = 'stalled'`).Scan(&n); err != nil {
+		if err := b.pool.QueryRow(context.Background(), `SELECT count(*) FROM `+rounds+` WHERE instance = $1`, instance).Scan(&n); err != nil {
 			t.Fatal(err)
 		}
 		return n == 0
 	})
-	stopStalled()
+}
 
+// wantOnlySecondWritten fails the test unless "second" is the only value
+// pub first published: "first" was dead-lettered (by a successor, after
+// what) before "second" went out, so publishing it now breaks G3 and G7.
+func wantOnlySecondWritten(t *testing.T, pub *settlingPublisher, after string) {
+	t.Helper()
 	if got := firstPublications(pub.writtenValues()); len(got) != 1 || got[0] != "second" {
-		t.Fatalf("written %v after the successor dead-lettered the first event and published the second: want [second] only (G3, G7)", got)
+		t.Fatalf("written %v after %s: want [second] only (G3, G7)", got, after)
 	}
 }
