@@ -1,0 +1,117 @@
+package relay_test
+
+import (
+	"context"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/internal/pgtest"
+	"github.com/onceflow/onceflow/outbox"
+	"github.com/onceflow/onceflow/relay"
+)
+
+// A relay's record of a dead letter stalls on its connection (a failover,
+// a frozen write) while its lease ticks stall too, past the lease. Another
+// relay takes the shards; the topic's limit was raised meanwhile, and it
+// publishes the key's first and second events, but stalls before deleting
+// them, past its own lease. The first relay's ticks come back and take the
+// shards again: same instance id, same token, a live lease. Then its
+// stalled record runs. Checked against the owner's id, its lease and its
+// instance token, it moved the first event to outbox_dead though the other
+// relay had published it: both dead-lettered and published (G7), and a
+// replay would put it after the second (G3). A record must act only under
+// the take it read its round under.
+func TestAStalledOutcomeDoesNotDeadLetterAcrossALostAndRetakenShard(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	b.write(t,
+		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("first")},
+		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("second")},
+	)
+	pub := &settlingPublisher{refuse: map[string]bool{"first": true}, hang: map[string]bool{}, hung: make(chan struct{})}
+	cfg := relay.Config{Schema: b.schema, InstanceID: "r0", LeaseDuration: 600 * time.Millisecond, PublishTimeout: 200 * time.Millisecond,
+		MaxRetryBackoff: 50 * time.Millisecond, PollInterval: 20 * time.Millisecond}
+
+	// r0: its dead letter's record stalls on its connection.
+	var g sqlGates
+	dead := g.add(`"outbox_dead" (outbox_id, event_id`)
+	ticks := g.add(`AS i (id, hostname, pid, lease_until, token`)
+	dead.shutNow()
+	r0, err := relay.New(pgtest.TracedPool(t, &g, 4), pub, &cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx0, cancel0 := context.WithCancel(ctx)
+	done0 := make(chan error, 1)
+	go func() { done0 <- r0.Run(ctx0) }()
+	t.Cleanup(func() {
+		dead.openUp()
+		ticks.openUp()
+		cancel0()
+		<-done0
+	})
+	waitFor(t, "r0 to stall recording the dead letter", 30*time.Second, closed(dead.held))
+
+	// Its lease ticks stall too, until its leases lapse.
+	ticks.shutNow()
+	waitFor(t, "r0's leases to lapse", 30*time.Second, func() bool { return len(r0.OwnedShards()) == 0 && b.lapsed(t, "r0") })
+	pub.setRefused("first", false)
+
+	// b takes the shards and publishes both events; its statements stall
+	// as it records that, past its lease.
+	bStall := newStallAtBatch("lo = $2 AND hi = $3")
+	bStall.armed.Store(true)
+	other := cfg
+	other.InstanceID = "b"
+	_, stopB := b.startRelayWith(t, pgtest.TracedPool(t, bStall, 4), pub, other)
+	waitFor(t, "b to publish both events and stall", 30*time.Second, func() bool {
+		return closed(bStall.stalled)() && slices.Contains(pub.writtenValues(), "second")
+	})
+	waitFor(t, "b's leases to lapse", 30*time.Second, func() bool { return b.lapsed(t, "b") })
+
+	// r0's ticks come back: it takes the shards again.
+	ticks.openUp()
+	waitFor(t, "r0 to own the shards again", 30*time.Second, func() bool { return len(r0.OwnedShards()) == relay.NumShards })
+
+	// Its stalled record runs now.
+	dead.openUp()
+	waitFor(t, "r0's stalled record to run", 30*time.Second, closed(dead.ended))
+	close(bStall.release)
+	waitFor(t, "the outbox to drain", 30*time.Second, func() bool { return b.count(t, "outbox") == 0 })
+	stopB()
+
+	written := firstPublications(pub.writtenValues())
+	if !slices.Equal(written, []string{"first", "second"}) {
+		t.Errorf("first publications %v, want [first second] (G3)", written)
+	}
+	rows, err := b.pool.Query(ctx, `SELECT convert_from(value, 'UTF8') FROM `+pgx.Identifier{b.schema, "outbox_dead"}.Sanitize())
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadValues, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, v := range deadValues {
+		if slices.Contains(written, v) {
+			t.Errorf("%q was published (written %v) and dead-lettered too (dead %v): r0's record, stalled across the loss and retake of its shards, moved it after b published it (G7)",
+				v, written, deadValues)
+		}
+	}
+}
+
+// lapsed reports whether the instance's lease in relay_instances has
+// lapsed.
+func (b *bundle) lapsed(t *testing.T, instance string) bool {
+	t.Helper()
+	var lapsed bool
+	err := b.pool.QueryRow(context.Background(), `SELECT lease_until <= now() FROM `+pgx.Identifier{b.schema, "relay_instances"}.Sanitize()+` WHERE id = $1`, instance).Scan(&lapsed)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return lapsed
+}
