@@ -62,7 +62,7 @@ func TestFinishDeletesEveryAckedEventOfAHeldShardWhileAShardIsTaken(t *testing.T
 	}
 	done := make(chan result, 1)
 	go func() {
-		f, err := st.finish(ctx, "me", held, acked, nil, nil, roundKey{ids[5], ids[150]})
+		f, err := st.finish(ctx, "me", held, nil, acked, nil, nil, roundKey{ids[5], ids[150]})
 		done <- result{f.deleted, err}
 	}()
 	deadline := time.Now().Add(10 * time.Second)
@@ -140,7 +140,7 @@ func TestFinishCountsARowDeletedMeanwhileAsGoneNotLeftToOthers(t *testing.T) {
 	}
 	done := make(chan result, 1)
 	go func() {
-		f, err := st.finish(ctx, "me", roundShards, ids, nil, nil, roundKey{ids[0], ids[9]})
+		f, err := st.finish(ctx, "me", roundShards, nil, ids, nil, nil, roundKey{ids[0], ids[9]})
 		done <- result{f, err}
 	}()
 	deadline := time.Now().Add(10 * time.Second)

@@ -79,7 +79,12 @@ type leases struct {
 	// until is, per owned shard, the lease_until its last renewal (or
 	// take) by this process wrote: the proof at a stop that a shard's
 	// lease is still this process's when its instance row is gone.
-	until      [NumShards]time.Time
+	until [NumShards]time.Time
+	// epoch is, per owned shard, its count of takes (relay_shards.epoch)
+	// as this relay last saw it: the take the shard is held under. It
+	// changes only with a loss (see losses), so the events read under a
+	// snapshot were read under these epochs while losses is unchanged.
+	epoch      [NumShards]int64
 	validUntil time.Time // local clock: when the leases may have lapsed
 	// losses counts the times a shard may have left this relay's hands: a
 	// renewal that did not renew it (its lease lapsed, whether or not it
@@ -174,6 +179,25 @@ func (l *leases) stillHeld(losses uint64) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.losses == losses && time.Now().Before(l.validUntil)
+}
+
+// epochsOf returns, for the shards of a snapshot taken under losses, the
+// takes they were held under then (their epochs), or nil if a shard may
+// have left this relay's hands since. A statement that acts for the
+// shards' owner checks them in the database, where a take since (another
+// relay's, or this relay's own after its lease lapsed) has changed them:
+// the statement may run long after this check (a stalled connection).
+func (l *leases) epochsOf(losses uint64, shards []int16) []int64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.losses != losses {
+		return nil
+	}
+	epochs := make([]int64, len(shards))
+	for i, s := range shards {
+		epochs[i] = l.epoch[s]
+	}
+	return epochs
 }
 
 // untilLost calls lost once the shards of a snapshot taken under losses
@@ -315,7 +339,8 @@ func (l *leases) tick(ctx context.Context) error {
 	releases := l.releases
 	l.mu.Unlock()
 	var until [NumShards]time.Time
-	renewed, err := l.queryShards(ctx, &until, l.st.renewSQL, l.id, dur)
+	var epochs [NumShards]int64
+	renewed, err := l.queryShards(ctx, &until, &epochs, l.st.renewSQL, l.id, dur)
 	if err != nil {
 		return fmt.Errorf("renew shards: %w", err)
 	}
@@ -326,7 +351,7 @@ func (l *leases) tick(ctx context.Context) error {
 	var taken []int16
 	if len(renewed) < fair && charged {
 		// takeSQL also re-takes this relay's own lapsed leases first.
-		taken, err = l.queryShards(ctx, &until, l.st.takeSQL, l.id, dur, fair-len(renewed))
+		taken, err = l.queryShards(ctx, &until, &epochs, l.st.takeSQL, l.id, dur, fair-len(renewed))
 		if err != nil {
 			return fmt.Errorf("take shards: %w", err)
 		}
@@ -364,7 +389,7 @@ func (l *leases) tick(ctx context.Context) error {
 	}
 	l.owned = renewed
 	for _, s := range renewed {
-		l.until[s] = until[s]
+		l.until[s], l.epoch[s] = until[s], epochs[s]
 	}
 	l.validUntil = start.Add(l.duration - l.duration/6)
 	l.excess = max(len(renewed)-fair, 0)
@@ -536,9 +561,9 @@ func (l *leases) releaseAll(ctx context.Context) error {
 	})
 }
 
-// queryShards runs a statement returning shards and their lease_until,
-// noting each shard's lease end in until.
-func (l *leases) queryShards(ctx context.Context, until *[NumShards]time.Time, sql string, args ...any) ([]int16, error) {
+// queryShards runs a statement returning shards, their lease_until and
+// epoch, noting each shard's lease end in until and its epoch in epochs.
+func (l *leases) queryShards(ctx context.Context, until *[NumShards]time.Time, epochs *[NumShards]int64, sql string, args ...any) ([]int16, error) {
 	rows, err := l.st.pool.Query(ctx, sql, args...)
 	if err != nil {
 		return nil, err
@@ -548,13 +573,14 @@ func (l *leases) queryShards(ctx context.Context, until *[NumShards]time.Time, s
 	for rows.Next() {
 		var s int16
 		var t time.Time
-		if err := rows.Scan(&s, &t); err != nil {
+		var epoch int64
+		if err := rows.Scan(&s, &t, &epoch); err != nil {
 			return nil, err
 		}
 		if s < 0 || int(s) >= NumShards {
 			return nil, fmt.Errorf("shard %d out of range", s)
 		}
-		until[s] = t
+		until[s], epochs[s] = t, epoch
 		out = append(out, s)
 	}
 	return out, rows.Err()

@@ -994,7 +994,7 @@ func (r *Relay) round(ctx context.Context, shards []int16, losses uint64, ahead 
 	r.finishing, r.finishingIDs, r.finishingFailed = done, gone, failedKeys
 	go func() {
 		defer close(done)
-		r.record(ctx, start, o, shards, round)
+		r.record(ctx, start, o, shards, losses, round)
 	}()
 	if len(dead) > 0 {
 		// A dead-lettered event's key goes on only once the dead letter
@@ -1013,8 +1013,15 @@ func (r *Relay) round(ctx context.Context, shards []int16, losses uint64, ahead 
 // (a migration, VACUUM FULL) held the stop for the whole 30 s, past an
 // orchestrator's grace. A failure leaves the events pending: they are
 // published again (duplicates, not loss).
-func (r *Relay) record(ctx context.Context, start time.Time, o outcome, shards []int16, round roundKey) {
+func (r *Relay) record(ctx context.Context, start time.Time, o outcome, shards []int16, losses uint64, round roundKey) {
 	acked, failed := o.acked, o.failed
+	var epochs []int64
+	if len(o.dead) > 0 {
+		// Refused events are moved only on shards held, in the database,
+		// under the takes they were read under: nil if they may have
+		// been lost since, and the events stay for the shards' owner.
+		epochs = r.leases.epochsOf(losses, shards)
+	}
 	finishCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	defer cancel()
 	stopWatch := context.AfterFunc(ctx, func() {
@@ -1027,7 +1034,7 @@ func (r *Relay) record(ctx context.Context, start time.Time, o outcome, shards [
 		}
 	})
 	defer stopWatch()
-	f, err := r.st.finish(finishCtx, r.cfg.InstanceID, shards, acked, o.dead, failed, round)
+	f, err := r.st.finish(finishCtx, r.cfg.InstanceID, shards, epochs, acked, o.dead, failed, round)
 	stats := BatchStats{
 		Published:              int(f.deleted),
 		Failed:                 len(failed),

@@ -183,7 +183,7 @@ func (r *Relay) finishSideRetry(ctx context.Context, wait bool) {
 	}
 	// The outcome is recorded before the keys go back to the rounds, so
 	// that no round reads an acknowledged event again.
-	r.record(ctx, res.start, o, res.shards, res.round)
+	r.record(ctx, res.start, o, res.shards, res.losses, res.round)
 	for i := range res.events {
 		if bk := blockKey(&res.events[i]); !o.failedKeys[bk] {
 			delete(r.blocked, bk)

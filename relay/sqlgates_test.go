@@ -20,11 +20,11 @@ type sqlGate struct {
 	ended chan struct{} // closed once the first held statement has run
 	once  sync.Once     // closes held
 
-	heldMu sync.Mutex // guards open and shut
-	shut   bool
+	mu   sync.Mutex // guards open and shut
+	shut bool
 }
 
-// sqlGates is a pgx tracer holding back statements at its sqlGates.
+// sqlGates is a pgx tracer holding back statements at its gates.
 type sqlGates struct {
 	mu   sync.Mutex
 	list []*sqlGate
@@ -32,7 +32,7 @@ type sqlGates struct {
 
 type heldByGateKey struct{}
 
-// add returns a new gate, open until shut.
+// add returns a new gate, open until shutNow.
 func (g *sqlGates) add(match string) *sqlGate {
 	gt := &sqlGate{match: match, open: make(chan struct{}), held: make(chan struct{}), ended: make(chan struct{})}
 	close(gt.open)
@@ -44,8 +44,8 @@ func (g *sqlGates) add(match string) *sqlGate {
 
 // shutNow makes statements matching the gate wait until openUp.
 func (gt *sqlGate) shutNow() {
-	gt.heldMu.Lock()
-	defer gt.heldMu.Unlock()
+	gt.mu.Lock()
+	defer gt.mu.Unlock()
 	if !gt.shut {
 		gt.shut, gt.open = true, make(chan struct{})
 	}
@@ -53,8 +53,8 @@ func (gt *sqlGate) shutNow() {
 
 // openUp lets the held statements (and later ones) pass.
 func (gt *sqlGate) openUp() {
-	gt.heldMu.Lock()
-	defer gt.heldMu.Unlock()
+	gt.mu.Lock()
+	defer gt.mu.Unlock()
 	if gt.shut {
 		gt.shut = false
 		close(gt.open)
@@ -71,9 +71,9 @@ func (g *sqlGates) wait(ctx context.Context, sqls ...string) context.Context {
 		if !slices.ContainsFunc(sqls, func(sql string) bool { return strings.Contains(sql, gt.match) }) {
 			continue
 		}
-		gt.heldMu.Lock()
+		gt.mu.Lock()
 		open, shut := gt.open, gt.shut
-		gt.heldMu.Unlock()
+		gt.mu.Unlock()
 		if !shut {
 			continue
 		}
@@ -97,7 +97,9 @@ func (g *sqlGates) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.Trace
 	return g.wait(ctx, d.SQL)
 }
 
-func (g *sqlGates) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryEndData) { g.ran(ctx) }
+func (g *sqlGates) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryEndData) {
+	g.ran(ctx)
+}
 
 func (g *sqlGates) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
 	if d.Batch == nil {
@@ -112,4 +114,6 @@ func (g *sqlGates) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.Trace
 
 func (g *sqlGates) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
 
-func (g *sqlGates) TraceBatchEnd(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchEndData) { g.ran(ctx) }
+func (g *sqlGates) TraceBatchEnd(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchEndData) {
+	g.ran(ctx)
+}

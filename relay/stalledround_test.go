@@ -74,6 +74,7 @@ type settlingPublisher struct {
 	hang    map[string]bool
 	hung    chan struct{} // closed when a value was left unanswered
 	written []string
+	refused int // records refused as too large
 }
 
 func (p *settlingPublisher) Publish(ctx context.Context, records []relay.Record) []error {
@@ -99,6 +100,7 @@ func (p *settlingPublisher) Publish(ctx context.Context, records []relay.Record)
 	defer p.mu.Unlock()
 	return publishLikeAPartition(records, func(r relay.Record) (error, bool) {
 		if p.refuse[string(r.Value)] {
+			p.refused++
 			return relay.ErrRecordTooLarge, false
 		}
 		return nil, true
@@ -109,6 +111,12 @@ func (p *settlingPublisher) setRefused(v string, refused bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.refuse[v] = refused
+}
+
+func (p *settlingPublisher) refusedCount() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.refused
 }
 
 func (p *settlingPublisher) writtenValues() []string {

@@ -127,11 +127,6 @@ func newStore(pool *pgxpool.Pool, schema string) *store {
 	shards := pgx.Identifier{schema, "relay_shards"}.Sanitize()
 	instances := pgx.Identifier{schema, "relay_instances"}.Sanitize()
 	rounds := pgx.Identifier{schema, "relay_rounds"}.Sanitize()
-	// owned restricts a statement on outbox row o to shards this relay
-	// ($owner) still holds a live lease on: the re-check before delete.
-	owned := func(owner string) string {
-		return `EXISTS (SELECT 1 FROM ` + shards + ` s WHERE s.shard = o.shard AND s.owner = ` + owner + ` AND s.lease_until > now())`
-	}
 	return &store{
 		pool:      pool,
 		outbox:    outbox,
@@ -185,14 +180,18 @@ SELECT (SELECT count(*) FROM deleted),
 		// in dead_replays), so a key's replayed events keep their order
 		// (G3).
 		//
-		// Only while the instance row carries this process's token ($4):
-		// an earlier process under the same id, its record stalled past
-		// its lease, would move an event its successor has published
-		// meanwhile (dead-lettered and published, a replay after its
-		// key's later events).
+		// Only while the instance row carries this process's token ($4),
+		// and only on shards still under the take the round was read
+		// under (their epochs, $5 and $6): a record stalled past the
+		// lease would otherwise move an event that another relay, or a
+		// successor under the same id, published meanwhile
+		// (dead-lettered and published, a replay after its key's later
+		// events), even if this relay took the shard back since.
 		deadSQL: `WITH moved AS (
     DELETE FROM ` + outbox + ` o USING unnest($1::bigint[], $2::text[]) AS x(id, error)
-    WHERE o.id = x.id AND ` + owned("$3") + `
+    WHERE o.id = x.id
+        AND EXISTS (SELECT 1 FROM ` + shards + ` s JOIN unnest($5::smallint[], $6::bigint[]) AS e(shard, epoch) ON e.shard = s.shard
+            WHERE s.shard = o.shard AND s.owner = $3 AND s.lease_until > now() AND s.epoch = e.epoch)
         AND EXISTS (SELECT 1 FROM ` + instances + ` i WHERE i.id = $3 AND i.token = $4)
     RETURNING o.id, o.event_id, o.topic, o.key, o.value, o.headers, o.created_at, o.attempts, x.error)
 INSERT INTO ` + dead + ` (outbox_id, event_id, topic, key, value, headers, created_at, attempts, error)
@@ -231,15 +230,17 @@ FROM ` + instances + ` WHERE lease_until > now()`,
 		restoreShardsSQL: `INSERT INTO ` + shards + ` (shard) SELECT g::smallint FROM generate_series(0, ` + strconv.Itoa(NumShards-1) + `) g
 ON CONFLICT (shard) DO NOTHING`,
 		renewSQL: `UPDATE ` + shards + ` SET lease_until = now() + $2::interval
-WHERE owner = $1 AND lease_until > now() RETURNING shard, lease_until`,
-		takeSQL: `UPDATE ` + shards + ` SET owner = $1, lease_until = now() + $2::interval
+WHERE owner = $1 AND lease_until > now() RETURNING shard, lease_until, epoch`,
+		// Every take counts one in epoch, even a take back of this
+		// relay's own lapsed lease: see deadSQL.
+		takeSQL: `UPDATE ` + shards + ` SET owner = $1, lease_until = now() + $2::interval, epoch = epoch + 1
 WHERE shard IN (
     SELECT shard FROM ` + shards + `
     WHERE owner IS NULL OR lease_until <= now()
     ORDER BY (owner = $1) DESC NULLS LAST, shard
     LIMIT $3
     FOR UPDATE SKIP LOCKED)
-RETURNING shard, lease_until`,
+RETURNING shard, lease_until, epoch`,
 		// A hand-back, only while the instance row carries this process's
 		// token ($3): a stalled earlier process's would free the shards
 		// its successor under the same id holds, and another relay would
@@ -1201,9 +1202,10 @@ type finished struct {
 // finish records one round's outcome in one round trip: deletes the
 // acknowledged events and moves the refused ones to outbox_dead (both only
 // on shards this relay still owns), and notes the errors of the ones to
-// retry. shards are the shards the round was read from, sorted; round is
-// its relay_rounds row.
-func (s *store) finish(ctx context.Context, owner string, shards []int16, acked []int64, dead []deadEvent, failed []failedEvent, round roundKey) (f finished, err error) {
+// retry. shards are the shards the round was read from, sorted, and
+// epochs their takes' counts when it was read (leases.epochsOf): nil, and
+// no refused event is moved. round is its relay_rounds row.
+func (s *store) finish(ctx context.Context, owner string, shards []int16, epochs []int64, acked []int64, dead []deadEvent, failed []failedEvent, round roundKey) (f finished, err error) {
 	b := &pgx.Batch{}
 	// Generic plans, as for the claims (local to the batch's implicit
 	// transaction): beside a large backlog PostgreSQL kept a custom plan
@@ -1228,13 +1230,13 @@ func (s *store) finish(ctx context.Context, owner string, shards []int16, acked 
 			b.Queue(s.deleteSQL, rest, owner, shards).Exec(count)
 		}
 	}
-	if len(dead) > 0 {
+	if len(dead) > 0 && epochs != nil {
 		ids := make([]int64, len(dead))
 		errs := make([]string, len(dead))
 		for i, d := range dead {
 			ids[i], errs[i] = d.id, d.err
 		}
-		b.Queue(s.deadSQL, ids, errs, owner, s.token).Exec(func(tag pgconn.CommandTag) error {
+		b.Queue(s.deadSQL, ids, errs, owner, s.token, shards, epochs).Exec(func(tag pgconn.CommandTag) error {
 			f.deadMoved = tag.RowsAffected()
 			return nil
 		})

@@ -216,7 +216,7 @@ func TestFinishDeletesOnlyOnShardsStillHeld(t *testing.T) {
 	for _, key := range []string{"a", "b", "c"} {
 		round = append(round, insert(st.pool, key))
 	}
-	f, err := st.finish(ctx, "me", everyShard(), round, nil, nil, roundKey{round[0], round[len(round)-1]})
+	f, err := st.finish(ctx, "me", everyShard(), nil, round, nil, nil, roundKey{round[0], round[len(round)-1]})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -239,7 +239,7 @@ func TestFinishDeletesOnlyOnShardsStillHeld(t *testing.T) {
 			want = append(want, id)
 		}
 	}
-	f, err = st.finish(ctx, "me", everyShard(), round, nil, nil, roundKey{round[0], round[len(round)-1]})
+	f, err = st.finish(ctx, "me", everyShard(), nil, round, nil, nil, roundKey{round[0], round[len(round)-1]})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -273,13 +273,13 @@ func TestRoundRecordsSharingALowestIDAreForgottenByTheirOwnRound(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if _, err := st.finish(ctx, "me", everyShard(), nil, nil, nil, earlier); err != nil {
+	if _, err := st.finish(ctx, "me", everyShard(), nil, nil, nil, nil, earlier); err != nil {
 		t.Fatal(err)
 	}
 	if got := left(); !slices.Equal(got, []roundKey{later}) {
 		t.Fatalf("after the earlier round landed, relay_rounds holds %v, want %v", got, []roundKey{later})
 	}
-	if _, err := st.finish(ctx, "me", everyShard(), nil, nil, nil, later); err != nil {
+	if _, err := st.finish(ctx, "me", everyShard(), nil, nil, nil, nil, later); err != nil {
 		t.Fatal(err)
 	}
 	if got := left(); len(got) != 0 {
@@ -484,7 +484,7 @@ func TestFinishDeletesExactlyTheAcknowledgedIDs(t *testing.T) {
 		{"one", []int64{ids[11]}, []int64{ids[5]}},
 	} {
 		round := roundKey{slices.Min(c.acked), slices.Max(c.acked)}
-		f, err := st.finish(ctx, "me", everyShard(), c.acked, nil, nil, round)
+		f, err := st.finish(ctx, "me", everyShard(), nil, c.acked, nil, nil, round)
 		deleted := f.deleted
 		if err != nil {
 			t.Fatal(err)
@@ -555,7 +555,7 @@ SELECT 'bench', ('key-' || (g % 1000))::bytea, repeat('x', 256)::bytea FROM gene
 	for name, stmt := range map[string]statement{
 		"delete by id":  {sql: st.deleteSQL, args: []any{ids, "me", everyShard()}},
 		"failure":       {sql: st.failSQL, args: []any{ids, errs, runs, charges}},
-		"dead letters":  {sql: st.deadSQL, args: []any{ids, errs, "me", "token"}},
+		"dead letters":  {sql: st.deadSQL, args: []any{ids, errs, "me", "token", everyShard(), make([]int64, NumShards)}},
 		"delete by row": {sql: st.deleteOwnedSQL, args: []any{ids, "me"}},
 	} {
 		plan := explainGeneric(t, stmt)
@@ -604,7 +604,7 @@ func TestFinishDeletesTheLongestRunByARangeAndTheRestByID(t *testing.T) {
 	if lo, hi, rest := longestRun(acked); hi-lo+1 < minDeleteRun || len(rest) != 2 {
 		t.Fatalf("the round is not one long run and two more: %d..%d, %v", lo, hi, rest)
 	}
-	f, err := st.finish(ctx, "me", everyShard(), acked, nil, nil, roundKey{ids[5], ids[150]})
+	f, err := st.finish(ctx, "me", everyShard(), nil, acked, nil, nil, roundKey{ids[5], ids[150]})
 	deleted := f.deleted
 	if err != nil {
 		t.Fatal(err)

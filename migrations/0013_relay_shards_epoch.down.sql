@@ -1,0 +1,1 @@
+ALTER TABLE relay_shards DROP COLUMN epoch;

@@ -1,0 +1,13 @@
+-- onceflow schema, version 13: a shard's lease carries the count of its takes.
+--
+-- A relay's record of a round's outcome checked that it still owned the
+-- round's shards by its instance id, its live lease and its process's
+-- token. A relay whose record stalled on one connection (a failover, a
+-- frozen write) while its leases lapsed, another relay took the shards
+-- and published the round's events, and its own ticks took the shards
+-- back, passed all three: its stale record moved to outbox_dead an event
+-- the other relay had published. Every take now counts one more in
+-- epoch; a relay's record acts only on shards still at the epoch it read
+-- its round under. Relays of earlier releases do not count takes, and
+-- check as before.
+ALTER TABLE relay_shards ADD COLUMN epoch bigint NOT NULL DEFAULT 0;
