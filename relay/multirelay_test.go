@@ -29,6 +29,9 @@ type mrGate struct {
 	open chan struct{} // closed: statements pass
 	dead atomic.Bool
 	slow atomic.Int64 // max random delay per statement, ns
+	// stallNext, if > 0, holds the next statement for that long (ns) while
+	// the others pass: one connection stalls.
+	stallNext atomic.Int64
 }
 
 func newGate() *mrGate {
@@ -69,6 +72,14 @@ func (g *mrGate) pass(ctx context.Context) context.Context {
 	}
 	if s := g.slow.Load(); s > 0 {
 		time.Sleep(time.Duration(rand.Int64N(s)))
+	}
+	if d := g.stallNext.Swap(0); d > 0 {
+		t := time.NewTimer(time.Duration(d))
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+		}
+		t.Stop()
 	}
 	g.mu.Lock()
 	c := g.open
@@ -214,6 +225,8 @@ type mrIncarnation struct {
 // Several relays with short leases against one outbox, while relays are
 // paused (database and/or broker, past their lease), crash (a frozen
 // process: nothing it sends arrives any more) and restart under their id,
+// freeze while a successor takes their id and then resume, have one
+// connection's statement stall while the others go on,
 // stop gracefully and come back, and publishers time out (side retries,
 // sick partitions) or fail at random (some after writing the record).
 // Each key's first publications come in write order (G3) and every
@@ -377,7 +390,7 @@ END $$`,
 			mu.Lock()
 			inc := live[id]
 			mu.Unlock()
-			switch a := crng.IntN(10); {
+			switch a := crng.IntN(12); {
 			case a < 2: // database pause past the lease
 				actions["dbpause"]++
 				d := time.Duration(float64(lease) * (0.5 + 1.5*crng.Float64()))
@@ -429,6 +442,31 @@ END $$`,
 				back := time.Duration(crng.IntN(2000)) * time.Millisecond
 				bg.Add(1)
 				time.AfterFunc(back, func() { defer bg.Done(); start(id) })
+			case a < 10: // the process freezes; a successor takes its id; the frozen one resumes
+				actions["zombie"]++
+				mu.Lock()
+				delete(live, id)
+				mu.Unlock()
+				inc.dbGate.pause()
+				inc.pubGt.pause()
+				successor := lease + time.Duration(crng.IntN(int(lease/time.Millisecond)))*time.Millisecond
+				wake := time.Duration(200+crng.IntN(1500)) * time.Millisecond
+				bg.Add(1)
+				go func() {
+					defer bg.Done()
+					time.Sleep(successor)
+					start(id)
+					time.Sleep(wake)
+					// Its statements in flight run, stale; its next
+					// heartbeat finds the id in use, and it stops.
+					inc.dbGate.resume()
+					inc.pubGt.resume()
+					time.Sleep(lease)
+					inc.cancel()
+				}()
+			case a < 11: // one connection stalls, the others go on
+				actions["connstall"]++
+				inc.dbGate.stallNext.Store(int64(float64(lease) * (0.5 + 2*crng.Float64())))
 			default:
 				actions["none"]++
 			}
