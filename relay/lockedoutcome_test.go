@@ -1,0 +1,151 @@
+package relay_test
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/internal/pgtest"
+	"github.com/onceflow/onceflow/outbox"
+	"github.com/onceflow/onceflow/relay"
+)
+
+// The dead letter's checks (owner, live lease, epoch, token) are read from
+// the statement's snapshot, with now() the start of the record's
+// transaction, and lock nothing in relay_shards: they hold only at that
+// instant. Once deadSQL has run, the record's transaction can stay open
+// (here: failSQL, the next statement of the same batch, waits on the row
+// of a failed event that another session holds locked, an operator's open
+// transaction, say) while its relay is cut off and its leases lapse. The
+// moved event is still pending to every other session until the commit:
+// another relay takes the shards (takeSQL skips no row of relay_shards:
+// none is locked), reads the event and publishes it (its topic's limit was
+// raised). Then the lock goes, the record commits, and the event is both
+// published and in outbox_dead (G7).
+func TestADeadLetterDoesNotCommitAfterItsShardWasTakenAndTheEventPublished(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	b.write(t,
+		outbox.Message{Topic: "t", Key: []byte("F"), Value: []byte("f")},
+		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("first")},
+		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("second")},
+	)
+	outboxTable := pgx.Identifier{b.schema, "outbox"}.Sanitize()
+
+	// Another session holds the failed event's row locked.
+	lockTx, err := b.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lockTx.Rollback(ctx)
+	if _, err := lockTx.Exec(ctx, `SELECT 1 FROM `+outboxTable+` WHERE value = 'f' FOR UPDATE`); err != nil {
+		t.Fatal(err)
+	}
+
+	pub := &refuseFailPublisher{refuse: map[string]bool{"first": true}, fail: map[string]bool{"f": true}}
+	cfg := relay.Config{Schema: b.schema, InstanceID: "r0", LeaseDuration: 600 * time.Millisecond, PublishTimeout: 200 * time.Millisecond,
+		MaxRetryBackoff: 50 * time.Millisecond, PollInterval: 20 * time.Millisecond}
+	var g sqlGates
+	ticks := g.add(`AS i (id, hostname, pid, lease_until, token`)
+	r0, err := relay.New(pgtest.TracedPool(t, &g, 4), pub, &cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx0, cancel0 := context.WithCancel(ctx)
+	done0 := make(chan error, 1)
+	go func() { done0 <- r0.Run(ctx0) }()
+	t.Cleanup(func() {
+		ticks.openUp()
+		cancel0()
+		<-done0
+	})
+
+	// r0's record has moved "first" (uncommitted) and waits on the lock.
+	waitFor(t, "r0's record to wait on the locked row after its dead letter", 30*time.Second, func() bool {
+		var n int
+		if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'
+			AND query LIKE '%first_refused_at%' AND strpos(query, $1) > 0`, outboxTable).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n > 0
+	})
+
+	// r0 is cut off: its ticks stall, its leases lapse.
+	ticks.shutNow()
+	waitFor(t, "r0's leases to lapse", 30*time.Second, func() bool { return len(r0.OwnedShards()) == 0 && b.lapsed(t, "r0") })
+	pub.set("first", false)
+	pub.set("f", false)
+
+	other := cfg
+	other.InstanceID = "b"
+	_, stopB := b.startRelayWith(t, b.pool, pub, other)
+	waitFor(t, "b to publish the key's events", 30*time.Second, func() bool { return slices.Contains(pub.writtenValues(), "second") })
+
+	// The lock goes: r0's record commits.
+	if err := lockTx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the outbox to drain", 30*time.Second, func() bool { return b.count(t, "outbox") == 0 })
+	stopB()
+
+	written := firstPublications(pub.writtenValues())
+	rows, err := b.pool.Query(ctx, `SELECT convert_from(value, 'UTF8') FROM `+pgx.Identifier{b.schema, "outbox_dead"}.Sanitize())
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, v := range dead {
+		if slices.Contains(written, v) {
+			t.Errorf("%q was published (written %v) and dead-lettered too (dead %v): r0's dead letter, checked before its leases lapsed, committed after b took the shards and published it (G7)",
+				v, written, dead)
+		}
+	}
+}
+
+// refuseFailPublisher refuses the values in refuse as too large and fails
+// those in fail with a passing error, as one partition would (a key's
+// later records are not sent).
+type refuseFailPublisher struct {
+	mu      sync.Mutex
+	refuse  map[string]bool
+	fail    map[string]bool
+	written []string
+}
+
+func (p *refuseFailPublisher) Publish(_ context.Context, records []relay.Record) []error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return publishLikeAPartition(records, func(r relay.Record) (error, bool) {
+		switch {
+		case p.refuse[string(r.Value)]:
+			return relay.ErrRecordTooLarge, false
+		case p.fail[string(r.Value)]:
+			return errors.New("broker busy"), false
+		}
+		return nil, true
+	}, func(v string) { p.written = append(p.written, v) })
+}
+
+func (p *refuseFailPublisher) set(v string, on bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.refuse[v] = on && p.refuse[v]
+	p.fail[v] = on && p.fail[v]
+}
+
+func (p *refuseFailPublisher) writtenValues() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([]string(nil), p.written...)
+}
+
+func (*refuseFailPublisher) Close() error { return nil }
