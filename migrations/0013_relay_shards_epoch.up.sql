@@ -1,4 +1,4 @@
--- onceflow schema, version 13: a shard's lease carries the count of its takes.
+-- onceflow schema, version 13: a shard's lease carries the epoch of its take.
 --
 -- A relay's record of a round's outcome checked that it still owned the
 -- round's shards by its instance id, its live lease and its process's
@@ -6,8 +6,9 @@
 -- frozen write) while its leases lapsed, another relay took the shards
 -- and published the round's events, and its own ticks took the shards
 -- back, passed all three: its stale record moved to outbox_dead an event
--- the other relay had published. Every take now counts one more in
--- epoch; a relay's record acts only on shards still at the epoch it read
--- its round under. Relays of earlier releases do not count takes, and
--- check as before.
+-- the other relay had published. Every take now gives the shard an epoch
+-- greater than any it had (the database clock's microseconds, or one more
+-- than the last); a relay's record moves dead letters only on shards still
+-- at the epoch it read its round under. Relays of earlier releases leave
+-- the epoch as it is, and check as before.
 ALTER TABLE relay_shards ADD COLUMN epoch bigint NOT NULL DEFAULT 0;

@@ -15,18 +15,20 @@ import (
 	"github.com/onceflow/onceflow/relay"
 )
 
-// The dead letter's checks (owner, live lease, epoch, token) are read from
-// the statement's snapshot, with now() the start of the record's
-// transaction, and lock nothing in relay_shards: they hold only at that
-// instant. Once deadSQL has run, the record's transaction can stay open
-// (here: failSQL, the next statement of the same batch, waits on the row
-// of a failed event that another session holds locked, an operator's open
-// transaction, say) while its relay is cut off and its leases lapse. The
-// moved event is still pending to every other session until the commit:
-// another relay takes the shards (takeSQL skips no row of relay_shards:
-// none is locked), reads the event and publishes it (its topic's limit was
-// raised). Then the lock goes, the record commits, and the event is both
-// published and in outbox_dead (G7).
+// (Helper 109.) The dead letter's checks (owner, live lease, epoch, token)
+// are read from the statement's snapshot, with now() the start of the
+// record's transaction: they held only at that instant, as nothing locked
+// the shards' rows. Once deadSQL has run, the record's transaction can stay
+// open (here: failSQL, the next statement of the same batch, waits on the
+// row of a failed event that another session holds locked, an operator's
+// open transaction, say) while its relay is cut off and its leases lapse.
+// The moved event is still pending to every other session until the
+// commit: another relay took the shards (takeSQL skipped no row of
+// relay_shards: none was locked), read the event and published it (its
+// topic's limit was raised). Then the lock went, the record committed, and
+// the event was both published and in outbox_dead (G7). Now the dead
+// letter's shards stay locked until the record commits, and no relay takes
+// them meanwhile.
 func TestADeadLetterDoesNotCommitAfterItsShardWasTakenAndTheEventPublished(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -85,7 +87,11 @@ func TestADeadLetterDoesNotCommitAfterItsShardWasTakenAndTheEventPublished(t *te
 	other := cfg
 	other.InstanceID = "b"
 	_, stopB := b.startRelayWith(t, b.pool, pub, other)
-	waitFor(t, "b to publish the key's events", 30*time.Second, func() bool { return slices.Contains(pub.writtenValues(), "second") })
+	// b publishes the key's events if it can take their shard: for five
+	// leases at most (it cannot while r0's record holds the shard).
+	for deadline := time.Now().Add(5 * cfg.LeaseDuration); time.Now().Before(deadline) && !slices.Contains(pub.writtenValues(), "second"); {
+		time.Sleep(20 * time.Millisecond)
+	}
 
 	// The lock goes: r0's record commits.
 	if err := lockTx.Rollback(ctx); err != nil {

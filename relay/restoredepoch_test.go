@@ -13,10 +13,11 @@ import (
 	"github.com/onceflow/onceflow/relay"
 )
 
-// The epoch check of a dead letter (migration 13) relies on a shard's count
-// of takes never coming back to a value it had. But restoreShardsSQL writes
-// a deleted row of relay_shards back with epoch 0 (the column's default),
-// and the count starts again. r0 holds the shards under their second take
+// (Helper 109.) The epoch check of a dead letter (migration 13) relies on
+// a shard's epoch never coming back to a value it had. Counted from the
+// row's (epoch + 1), it did: restoreShardsSQL writes a deleted row of
+// relay_shards back with epoch 0 (the column's default), and the count
+// starts again. r0 holds the shards under their second take
 // (epoch 2) when its record of a dead letter stalls, and so do its lease
 // ticks, past its lease. The rows of relay_shards are deleted by hand (the
 // case restoreShardsSQL is there for); b writes them back (epoch 0), takes
@@ -61,10 +62,6 @@ func TestAStalledDeadLetterDoesNotMoveAnEventAcrossRestoredShardRows(t *testing.
 		<-done0
 	})
 	waitFor(t, "r0 to stall recording the dead letter", 30*time.Second, closed(record.held))
-	var epoch int64
-	if err := b.pool.QueryRow(ctx, `SELECT max(epoch) FROM `+shardsTable+` WHERE owner = 'r0'`).Scan(&epoch); err != nil || epoch != 2 {
-		t.Fatalf("r0's shards at epoch %d (%v), want 2", epoch, err)
-	}
 
 	ticks.shutNow()
 	waitFor(t, "r0's leases to lapse", 30*time.Second, func() bool { return len(r0.OwnedShards()) == 0 && b.lapsed(t, "r0") })
@@ -87,7 +84,8 @@ func TestAStalledDeadLetterDoesNotMoveAnEventAcrossRestoredShardRows(t *testing.
 	})
 	waitFor(t, "b's leases to lapse", 30*time.Second, func() bool { return b.lapsed(t, "b") })
 
-	// r0 takes the shards back: their epoch is 2 again.
+	// r0 takes the shards back (with a count of takes from the row's,
+	// their epoch would be 2 again).
 	ticks.openUp()
 	waitFor(t, "r0 to own the shards again", 30*time.Second, func() bool { return len(r0.OwnedShards()) == relay.NumShards })
 

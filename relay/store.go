@@ -186,13 +186,23 @@ SELECT (SELECT count(*) FROM deleted),
 		// lease would otherwise move an event that another relay, or a
 		// successor under the same id, published meanwhile
 		// (dead-lettered and published, a replay after its key's later
-		// events), even if this relay took the shard back since.
-		deadSQL: `WITH moved AS (
-    DELETE FROM ` + outbox + ` o USING unnest($1::bigint[], $2::text[]) AS x(id, error)
-    WHERE o.id = x.id
-        AND EXISTS (SELECT 1 FROM ` + shards + ` s JOIN unnest($5::smallint[], $6::bigint[]) AS e(shard, epoch) ON e.shard = s.shard
-            WHERE s.shard = o.shard AND s.owner = $3 AND s.lease_until > now() AND s.epoch = e.epoch)
+		// events), even if this relay took the shard back since. Those
+		// shards' rows stay locked (FOR KEY SHARE) until the record
+		// commits: the checks hold at the statement's snapshot only, and
+		// the record's transaction may stay open past the lease (a later
+		// statement of its batch waiting on a row lock); meanwhile the
+		// moved events look pending to every other session, and a relay
+		// that took the shards would publish them. A take skips locked
+		// rows (FOR UPDATE SKIP LOCKED); a renewal does not wait on them.
+		deadSQL: `WITH held AS MATERIALIZED (
+    SELECT s.shard FROM ` + shards + ` s JOIN unnest($5::smallint[], $6::bigint[]) AS e(shard, epoch) ON e.shard = s.shard
+    WHERE s.shard IN (SELECT o.shard FROM ` + outbox + ` o WHERE o.id = ANY($1::bigint[]))
+        AND s.owner = $3 AND s.lease_until > now() AND s.epoch = e.epoch
         AND EXISTS (SELECT 1 FROM ` + instances + ` i WHERE i.id = $3 AND i.token = $4)
+    FOR KEY SHARE OF s),
+moved AS (
+    DELETE FROM ` + outbox + ` o USING unnest($1::bigint[], $2::text[]) AS x(id, error)
+    WHERE o.id = x.id AND o.shard IN (SELECT shard FROM held)
     RETURNING o.id, o.event_id, o.topic, o.key, o.value, o.headers, o.created_at, o.attempts, x.error)
 INSERT INTO ` + dead + ` (outbox_id, event_id, topic, key, value, headers, created_at, attempts, error)
 SELECT id, event_id, topic, key, value, headers, created_at, attempts + 1, error FROM moved ORDER BY id`,
@@ -231,9 +241,15 @@ FROM ` + instances + ` WHERE lease_until > now()`,
 ON CONFLICT (shard) DO NOTHING`,
 		renewSQL: `UPDATE ` + shards + ` SET lease_until = now() + $2::interval
 WHERE owner = $1 AND lease_until > now() RETURNING shard, lease_until, epoch`,
-		// Every take counts one in epoch, even a take back of this
-		// relay's own lapsed lease: see deadSQL.
-		takeSQL: `UPDATE ` + shards + ` SET owner = $1, lease_until = now() + $2::interval, epoch = epoch + 1
+		// Every take gives the shard an epoch greater than any it had,
+		// even a take back of this relay's own lapsed lease (see
+		// deadSQL): the database clock's microseconds, or one more than
+		// the last. Not a count from the row's: a row deleted by hand
+		// and written back (restoreShardsSQL), or a migration reverted
+		// and applied again, starts at 0, and a count would come back to
+		// an epoch a stalled record still checks.
+		takeSQL: `UPDATE ` + shards + ` SET owner = $1, lease_until = now() + $2::interval,
+    epoch = greatest(epoch + 1, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint)
 WHERE shard IN (
     SELECT shard FROM ` + shards + `
     WHERE owner IS NULL OR lease_until <= now()
