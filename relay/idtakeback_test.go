@@ -40,7 +40,7 @@ func (g *gapTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.Trac
 		time.Sleep(g.delay)
 		g.gapping.Store(true)
 	}
-	if g.gapping.Load() && strings.Contains(d.SQL, "relay_shards") && strings.Contains(d.SQL, "WHERE owner = $1 AND lease_until > now() RETURNING") {
+	if g.gapping.Load() && strings.Contains(d.SQL, "relay_shards") && strings.Contains(d.SQL, "s.owner = $1 AND s.lease_until > now()") && strings.Contains(d.SQL, "SET lease_until") {
 		return context.WithValue(ctx, gapRenewKey{}, true)
 	}
 	return ctx

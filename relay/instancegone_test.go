@@ -80,9 +80,11 @@ func TestGracefulStopHandsBackShardsAfterInstanceRowDeleted(t *testing.T) {
 }
 
 // The same, but another process under the same instance id wrote the row
-// back (it started meanwhile) and renewed the shards; then the row was
-// deleted again. Those shards are that process's now, renewed by it: the
-// stopped relay must not hand them back.
+// back (it started meanwhile). It must not come to hold the shards A holds
+// by renewing them (a renewal extends only its own takes: two processes
+// under one id would both publish them); it waits for them to lapse or be
+// handed back. Then the row is deleted again and A stops: the shards are
+// still A's own, and it hands them back.
 func TestGracefulStopAfterInstanceRowDeletedKeepsSameIDSuccessorsShards(t *testing.T) {
 	b := setup(t)
 	ctx := context.Background()
@@ -92,18 +94,26 @@ func TestGracefulStopAfterInstanceRowDeletedKeepsSameIDSuccessorsShards(t *testi
 	if _, err := b.pool.Exec(ctx, `DELETE FROM `+instances+` WHERE id = 'a'`); err != nil {
 		t.Fatal(err)
 	}
-	renewedFrom := time.Now()
+	from := time.Now()
 	successor, _ := b.startRelay(t, relay.Config{InstanceID: "a", LeaseDuration: 30 * time.Second})
-	waitFor(t, "the successor to renew the shards", 10*time.Second, func() bool { return len(successor.OwnedShards()) == relay.NumShards })
+	waitFor(t, "the successor to write the instance row", 10*time.Second, func() bool {
+		var n int
+		_ = b.pool.QueryRow(ctx, `SELECT count(*) FROM `+instances+` WHERE id = 'a'`).Scan(&n)
+		return n == 1
+	})
+	time.Sleep(2 * time.Second) // its first tick's renewal and take
+	if n := len(successor.OwnedShards()); n != 0 {
+		t.Fatalf("the successor under A's id holds %d shards A holds (renewed, not taken): both publish them", n)
+	}
 	if _, err := b.pool.Exec(ctx, `DELETE FROM `+instances+` WHERE id = 'a'`); err != nil {
 		t.Fatal(err)
 	}
 	stopA()
-	if time.Since(renewedFrom) > 8*time.Second {
+	if time.Since(from) > 8*time.Second {
 		t.Skip("too slow: A's lease tick may have run meanwhile")
 	}
-	if n := len(ownedBy(t, b, "a")); n != relay.NumShards {
-		t.Fatalf("after A's graceful stop %d shards are leased to id a, want the successor's %d", n, relay.NumShards)
+	if n := len(ownedBy(t, b, "a")); n != 0 {
+		t.Fatalf("after A's graceful stop %d shards are still leased to id a, want 0: they were A's own", n)
 	}
 }
 

@@ -48,6 +48,10 @@ func (e *InstanceInUseError) Error() string {
 //     renewed or took in the database, less those handed back since, and
 //     is empty once those leases may have lapsed (validUntil, on the local
 //     clock, a sixth of the lease early).
+//   - A renewal extends only this process's own takes (the shards of the
+//     owned set, at the epochs it took them under): a shard comes to this
+//     process only by a take, which gives it a new epoch, never by a
+//     renewal of a lease another process under the same id made.
 //   - Events read under a snapshot are published only while every shard of
 //     it has stayed held (stillHeld: no loss since, the leases valid), and
 //     their publish is cut short once that ends (boundByLeases). A loss is
@@ -181,9 +185,9 @@ func (l *leases) stillHeld(losses uint64) bool {
 	return l.losses == losses && time.Now().Before(l.validUntil)
 }
 
-// epochsOf returns, for the shards of a snapshot taken under losses, the
-// takes they were held under then (their epochs), or nil if a shard may
-// have left this relay's hands since. A statement that acts for the
+// epochsOf returns, by shard, the epochs the shards of a snapshot taken
+// under losses were held under then (-1 for the other shards), or nil if
+// a shard may have left this relay's hands since. A statement that acts for the
 // shards' owner checks them in the database, where a take since (another
 // relay's, or this relay's own after its lease lapsed) has changed them:
 // the statement may run long after this check (a stalled connection).
@@ -193,9 +197,12 @@ func (l *leases) epochsOf(losses uint64, shards []int16) []int64 {
 	if l.losses != losses {
 		return nil
 	}
-	epochs := make([]int64, len(shards))
-	for i, s := range shards {
-		epochs[i] = l.epoch[s]
+	epochs := make([]int64, NumShards)
+	for s := range epochs {
+		epochs[s] = -1
+	}
+	for _, s := range shards {
+		epochs[s] = l.epoch[s]
 	}
 	return epochs
 }
@@ -337,10 +344,15 @@ func (l *leases) tick(ctx context.Context) error {
 
 	l.mu.Lock()
 	releases := l.releases
+	mine := slices.Clone(l.owned)
+	mineEpochs := make([]int64, len(mine))
+	for i, s := range mine {
+		mineEpochs[i] = l.epoch[s]
+	}
 	l.mu.Unlock()
 	var until [NumShards]time.Time
 	var epochs [NumShards]int64
-	renewed, err := l.queryShards(ctx, &until, &epochs, l.st.renewSQL, l.id, dur)
+	renewed, err := l.queryShards(ctx, &until, &epochs, l.st.renewSQL, l.id, dur, mine, mineEpochs)
 	if err != nil {
 		return fmt.Errorf("renew shards: %w", err)
 	}

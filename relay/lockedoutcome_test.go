@@ -155,3 +155,73 @@ func (p *refuseFailPublisher) writtenValues() []string {
 }
 
 func (*refuseFailPublisher) Close() error { return nil }
+
+// A record holding its dead letters' shards locked (above) must not hold
+// them for as long as an operator's lock it waits on lasts: with its relay
+// frozen, no cancel comes from the client, and no relay could take those
+// shards meanwhile. The record gives up after a lease (lock_timeout), its
+// events left pending, and the shards can be taken: after five leases,
+// the record's own 30 s timeout at the default lease.
+func TestADeadLetterWaitingOnALockDoesNotKeepItsShardsFromOtherRelays(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	b.write(t,
+		outbox.Message{Topic: "t", Key: []byte("F"), Value: []byte("f")},
+		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("first")},
+		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("second")},
+	)
+	outboxTable := pgx.Identifier{b.schema, "outbox"}.Sanitize()
+	lockTx, err := b.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lockTx.Rollback(ctx)
+	if _, err := lockTx.Exec(ctx, `SELECT 1 FROM `+outboxTable+` WHERE value = 'f' FOR UPDATE`); err != nil {
+		t.Fatal(err)
+	}
+
+	pub := &refuseFailPublisher{refuse: map[string]bool{"first": true}, fail: map[string]bool{"f": true}}
+	cfg := relay.Config{Schema: b.schema, InstanceID: "r0", LeaseDuration: 600 * time.Millisecond, PublishTimeout: 200 * time.Millisecond,
+		MaxRetryBackoff: 50 * time.Millisecond, PollInterval: 20 * time.Millisecond}
+	var g sqlGates
+	ticks := g.add(`AS i (id, hostname, pid, lease_until, token`)
+	r0, err := relay.New(pgtest.TracedPool(t, &g, 4), pub, &cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx0, cancel0 := context.WithCancel(ctx)
+	done0 := make(chan error, 1)
+	go func() { done0 <- r0.Run(ctx0) }()
+	t.Cleanup(func() {
+		ticks.openUp()
+		cancel0()
+		<-done0
+	})
+	waitFor(t, "r0's record to wait on the locked row after its dead letter", 30*time.Second, func() bool {
+		var n int
+		if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'
+			AND query LIKE '%first_refused_at%' AND strpos(query, $1) > 0`, outboxTable).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n > 0
+	})
+	ticks.shutNow() // r0 is cut off from here on
+	waitFor(t, "r0's leases to lapse", 30*time.Second, func() bool { return len(r0.OwnedShards()) == 0 && b.lapsed(t, "r0") })
+
+	other := cfg
+	other.InstanceID = "b"
+	relayB, stopB := b.startRelayWith(t, b.pool, pub, other)
+	// Well before the record's own 30 s timeout, with the lock still held.
+	waitFor(t, "b to take every shard while the operator's lock is held", 10*time.Second, func() bool {
+		return len(relayB.OwnedShards()) == relay.NumShards
+	})
+	if err := lockTx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	pub.set("f", false)
+	waitFor(t, "f and second to be published", 30*time.Second, func() bool {
+		return slices.Contains(pub.writtenValues(), "f") && slices.Contains(pub.writtenValues(), "second")
+	})
+	stopB()
+}

@@ -94,7 +94,11 @@ type store struct {
 	// statements that act for the instance id on another relay's behalf
 	// check it, since a stalled earlier process under the same id (a
 	// restart under a fixed id) must not act for its successor.
-	token            string
+	token string
+	// recordLockWait bounds, in milliseconds (five leases: 30 s by
+	// default, as the record's own timeout), how long a round's record
+	// waits for a lock: see finish.
+	recordLockWait   string
 	markSQL          string
 	deleteSQL        string
 	deleteRunSQL     string
@@ -182,7 +186,7 @@ SELECT (SELECT count(*) FROM deleted),
 		//
 		// Only while the instance row carries this process's token ($4),
 		// and only on shards still under the take the round was read
-		// under (their epochs, $5 and $6): a record stalled past the
+		// under (their epochs, $5, by shard): a record stalled past the
 		// lease would otherwise move an event that another relay, or a
 		// successor under the same id, published meanwhile
 		// (dead-lettered and published, a replay after its key's later
@@ -195,14 +199,14 @@ SELECT (SELECT count(*) FROM deleted),
 		// that took the shards would publish them. A take skips locked
 		// rows (FOR UPDATE SKIP LOCKED); a renewal does not wait on them.
 		deadSQL: `WITH held AS MATERIALIZED (
-    SELECT s.shard FROM ` + shards + ` s JOIN unnest($5::smallint[], $6::bigint[]) AS e(shard, epoch) ON e.shard = s.shard
-    WHERE s.shard IN (SELECT o.shard FROM ` + outbox + ` o WHERE o.id = ANY($1::bigint[]))
-        AND s.owner = $3 AND s.lease_until > now() AND s.epoch = e.epoch
+    SELECT s.shard FROM ` + shards + ` s
+    WHERE s.shard = ANY (ARRAY(SELECT DISTINCT o.shard FROM ` + outbox + ` o WHERE o.id = ANY($1::bigint[])))
+        AND s.owner = $3 AND s.lease_until > now() AND s.epoch = ($5::bigint[])[s.shard + 1]
         AND EXISTS (SELECT 1 FROM ` + instances + ` i WHERE i.id = $3 AND i.token = $4)
     FOR KEY SHARE OF s),
 moved AS (
     DELETE FROM ` + outbox + ` o USING unnest($1::bigint[], $2::text[]) AS x(id, error)
-    WHERE o.id = x.id AND o.shard IN (SELECT shard FROM held)
+    WHERE o.id = x.id AND o.shard = ANY (ARRAY(SELECT shard FROM held))
     RETURNING o.id, o.event_id, o.topic, o.key, o.value, o.headers, o.created_at, o.attempts, x.error)
 INSERT INTO ` + dead + ` (outbox_id, event_id, topic, key, value, headers, created_at, attempts, error)
 SELECT id, event_id, topic, key, value, headers, created_at, attempts + 1, error FROM moved ORDER BY id`,
@@ -239,8 +243,16 @@ RETURNING true`,
 FROM ` + instances + ` WHERE lease_until > now()`,
 		restoreShardsSQL: `INSERT INTO ` + shards + ` (shard) SELECT g::smallint FROM generate_series(0, ` + strconv.Itoa(NumShards-1) + `) g
 ON CONFLICT (shard) DO NOTHING`,
-		renewSQL: `UPDATE ` + shards + ` SET lease_until = now() + $2::interval
-WHERE owner = $1 AND lease_until > now() RETURNING shard, lease_until, epoch`,
+		// A renewal extends only the takes this process made ($3 and $4:
+		// shards and their epochs), not every live lease under its id: a
+		// successor under the same id (a restart, its predecessor frozen
+		// with a dead letter's record open) must take the shards, under
+		// new epochs, and a take skips the rows that record holds locked
+		// (deadSQL). So must a take whose answer this process lost.
+		renewSQL: `UPDATE ` + shards + ` s SET lease_until = now() + $2::interval
+FROM unnest($3::smallint[], $4::bigint[]) AS x(shard, epoch)
+WHERE s.shard = x.shard AND s.epoch = x.epoch AND s.owner = $1 AND s.lease_until > now()
+RETURNING s.shard, s.lease_until, s.epoch`,
 		// Every take gives the shard an epoch greater than any it had,
 		// even a take back of this relay's own lapsed lease (see
 		// deadSQL): the database clock's microseconds, or one more than
@@ -1219,15 +1231,26 @@ type finished struct {
 // acknowledged events and moves the refused ones to outbox_dead (both only
 // on shards this relay still owns), and notes the errors of the ones to
 // retry. shards are the shards the round was read from, sorted, and
-// epochs their takes' counts when it was read (leases.epochsOf): nil, and
-// no refused event is moved. round is its relay_rounds row.
+// epochs, by shard, the epochs they were held under when it was read
+// (leases.epochsOf): nil, and no refused event is moved. round is its
+// relay_rounds row.
 func (s *store) finish(ctx context.Context, owner string, shards []int16, epochs []int64, acked []int64, dead []deadEvent, failed []failedEvent, round roundKey) (f finished, err error) {
 	b := &pgx.Batch{}
 	// Generic plans, as for the claims (local to the batch's implicit
 	// transaction): beside a large backlog PostgreSQL kept a custom plan
 	// for the deletes on every round (the generic estimate of a range of
 	// the primary key grows with the table), 0.15 ms of planning a round.
-	b.Queue(`SELECT set_config('plan_cache_mode', 'force_generic_plan', true)`)
+	// A lock_timeout (recordLockWait): a record with dead letters holds
+	// their shards' rows locked until it commits (deadSQL), and no relay
+	// can take them meanwhile; waiting on an operator's lock, its relay
+	// frozen (the record's own timeout is a cancel that never comes), it
+	// would hold them for as long as that lock lasts. A record that fails
+	// leaves its events pending.
+	lockWait := s.recordLockWait
+	if lockWait == "" {
+		lockWait = "0"
+	}
+	b.Queue(`SELECT set_config('plan_cache_mode', 'force_generic_plan', true), set_config('lock_timeout', $1, true)`, lockWait)
 	if len(acked) > 0 {
 		count := func(tag pgconn.CommandTag) error {
 			f.deleted += tag.RowsAffected()
@@ -1252,7 +1275,7 @@ func (s *store) finish(ctx context.Context, owner string, shards []int16, epochs
 		for i, d := range dead {
 			ids[i], errs[i] = d.id, d.err
 		}
-		b.Queue(s.deadSQL, ids, errs, owner, s.token, shards, epochs).Exec(func(tag pgconn.CommandTag) error {
+		b.Queue(s.deadSQL, ids, errs, owner, s.token, epochs).Exec(func(tag pgconn.CommandTag) error {
 			f.deadMoved = tag.RowsAffected()
 			return nil
 		})

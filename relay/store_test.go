@@ -555,7 +555,7 @@ SELECT 'bench', ('key-' || (g % 1000))::bytea, repeat('x', 256)::bytea FROM gene
 	for name, stmt := range map[string]statement{
 		"delete by id":  {sql: st.deleteSQL, args: []any{ids, "me", everyShard()}},
 		"failure":       {sql: st.failSQL, args: []any{ids, errs, runs, charges}},
-		"dead letters":  {sql: st.deadSQL, args: []any{ids, errs, "me", "token", everyShard(), make([]int64, NumShards)}},
+		"dead letters":  {sql: st.deadSQL, args: []any{ids, errs, "me", "token", make([]int64, NumShards)}},
 		"delete by row": {sql: st.deleteOwnedSQL, args: []any{ids, "me"}},
 	} {
 		plan := explainGeneric(t, stmt)
