@@ -377,8 +377,9 @@ func (l *leases) tick(ctx context.Context) error {
 	// Shards being handed back right now, or handed back since the renewal
 	// began, stay out even if renewed above: the renewal may have run
 	// before the hand-back committed, and another relay may own them now.
-	// (One that this tick took again after the hand-back is renewed, and
-	// published, from the next tick on.)
+	// (One that this tick took again after the hand-back stays out too:
+	// a renewal extends only the owned set's takes, so its lease lapses
+	// and a later take, this relay's or another's, gets it back.)
 	renewed = slices.DeleteFunc(renewed, func(s int16) bool {
 		return slices.Contains(l.releasing, s) || l.releasedBy[s] > releases
 	})
@@ -522,7 +523,7 @@ func (l *leases) releaseExcess(ctx context.Context) error {
 // relay writes the row back with its token for the length of the
 // transaction (another process taking the id now waits for it) and hands
 // back only the shards whose leases still end where its own last renewal
-// set them, so not those another process under the same id renewed since.
+// set them, so not those another process under the same id took since.
 func (l *leases) releaseAll(ctx context.Context) error {
 	l.mu.Lock()
 	owned, until := l.owned, make([]time.Time, len(l.owned))

@@ -148,7 +148,7 @@ func New(pool *pgxpool.Pool, pub Publisher, cfg *Config) (*Relay, error) {
 	st.maxBytes = int64(c.BatchBytes)
 	lz := newLeases(st, c.InstanceID, c.LeaseDuration, c.Observer, c.Logger.With("instance", c.InstanceID))
 	st.token = lz.token
-	st.recordLockWait = strconv.FormatInt((5 * cfg.LeaseDuration).Milliseconds(), 10)
+	st.recordLockWait = strconv.FormatInt((5 * c.LeaseDuration).Milliseconds(), 10)
 	return &Relay{
 		events:       events,
 		sickObs:      sickObs,

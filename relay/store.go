@@ -287,8 +287,8 @@ WHERE owner = $1 AND EXISTS (SELECT 1 FROM ` + instances + ` WHERE id = $1 AND t
 		// it back with this process's token (lapsed, and deleted again by
 		// goodbyeSQL) unless another process did meanwhile; it then
 		// releases the shards ($2) whose lease_until is still what this
-		// process's last renewal wrote ($3): a lease renewed since is
-		// another process's under the same id.
+		// process's last renewal wrote ($3): a lease written since is
+		// another process's take under the same id.
 		instanceBackSQL: `INSERT INTO ` + instances + ` (id, hostname, pid, lease_until, token) VALUES ($1, $2, $3, now(), $4)
 ON CONFLICT (id) DO NOTHING RETURNING true`,
 		releaseLeasesSQL: `UPDATE ` + shards + ` s SET owner = NULL, lease_until = NULL
