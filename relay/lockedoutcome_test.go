@@ -8,8 +8,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/onceflow/onceflow/internal/pgtest"
 	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/relay"
@@ -38,17 +36,9 @@ func TestADeadLetterDoesNotCommitAfterItsShardWasTakenAndTheEventPublished(t *te
 		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("first")},
 		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("second")},
 	)
-	outboxTable := pgx.Identifier{b.schema, "outbox"}.Sanitize()
 
 	// Another session holds the failed event's row locked.
-	lockTx, err := b.pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer lockTx.Rollback(ctx)
-	if _, err := lockTx.Exec(ctx, `SELECT 1 FROM `+outboxTable+` WHERE value = 'f' FOR UPDATE`); err != nil {
-		t.Fatal(err)
-	}
+	lockTx := lockOutboxRow(t, b, "f")
 
 	pub := &refuseFailPublisher{refuse: map[string]bool{"first": true}, fail: map[string]bool{"f": true}}
 	cfg := relay.Config{Schema: b.schema, InstanceID: "r0", LeaseDuration: 600 * time.Millisecond, PublishTimeout: 200 * time.Millisecond,
@@ -69,14 +59,7 @@ func TestADeadLetterDoesNotCommitAfterItsShardWasTakenAndTheEventPublished(t *te
 	})
 
 	// r0's record has moved "first" (uncommitted) and waits on the lock.
-	waitFor(t, "r0's record to wait on the locked row after its dead letter", 30*time.Second, func() bool {
-		var n int
-		if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'
-			AND query LIKE '%first_refused_at%' AND strpos(query, $1) > 0`, outboxTable).Scan(&n); err != nil {
-			t.Fatal(err)
-		}
-		return n > 0
-	})
+	waitFor(t, "r0's record to wait on the locked row after its dead letter", 30*time.Second, func() bool { return recordsWaitingOnALock(t, b) > 0 })
 
 	// r0 is cut off: its ticks stall, its leases lapse.
 	ticks.shutNow()
@@ -101,20 +84,7 @@ func TestADeadLetterDoesNotCommitAfterItsShardWasTakenAndTheEventPublished(t *te
 	stopB()
 
 	written := firstPublications(pub.writtenValues())
-	rows, err := b.pool.Query(ctx, `SELECT convert_from(value, 'UTF8') FROM `+pgx.Identifier{b.schema, "outbox_dead"}.Sanitize())
-	if err != nil {
-		t.Fatal(err)
-	}
-	dead, err := pgx.CollectRows(rows, pgx.RowTo[string])
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, v := range dead {
-		if slices.Contains(written, v) {
-			t.Errorf("%q was published (written %v) and dead-lettered too (dead %v): r0's dead letter, checked before its leases lapsed, committed after b took the shards and published it (G7)",
-				v, written, dead)
-		}
-	}
+	wantNoneBothDeadAndPublished(t, b, written, "r0's dead letter, checked before its leases lapsed, committed after b took the shards and published it")
 }
 
 // refuseFailPublisher refuses the values in refuse as too large and fails
@@ -171,15 +141,7 @@ func TestADeadLetterWaitingOnALockDoesNotKeepItsShardsFromOtherRelays(t *testing
 		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("first")},
 		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("second")},
 	)
-	outboxTable := pgx.Identifier{b.schema, "outbox"}.Sanitize()
-	lockTx, err := b.pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer lockTx.Rollback(ctx)
-	if _, err := lockTx.Exec(ctx, `SELECT 1 FROM `+outboxTable+` WHERE value = 'f' FOR UPDATE`); err != nil {
-		t.Fatal(err)
-	}
+	lockTx := lockOutboxRow(t, b, "f")
 
 	pub := &refuseFailPublisher{refuse: map[string]bool{"first": true}, fail: map[string]bool{"f": true}}
 	cfg := relay.Config{Schema: b.schema, InstanceID: "r0", LeaseDuration: 600 * time.Millisecond, PublishTimeout: 200 * time.Millisecond,
@@ -198,14 +160,7 @@ func TestADeadLetterWaitingOnALockDoesNotKeepItsShardsFromOtherRelays(t *testing
 		cancel0()
 		<-done0
 	})
-	waitFor(t, "r0's record to wait on the locked row after its dead letter", 30*time.Second, func() bool {
-		var n int
-		if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'
-			AND query LIKE '%first_refused_at%' AND strpos(query, $1) > 0`, outboxTable).Scan(&n); err != nil {
-			t.Fatal(err)
-		}
-		return n > 0
-	})
+	waitFor(t, "r0's record to wait on the locked row after its dead letter", 30*time.Second, func() bool { return recordsWaitingOnALock(t, b) > 0 })
 	ticks.shutNow() // r0 is cut off from here on
 	waitFor(t, "r0's leases to lapse", 30*time.Second, func() bool { return len(r0.OwnedShards()) == 0 && b.lapsed(t, "r0") })
 

@@ -5,6 +5,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"testing"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -116,4 +117,54 @@ func (g *sqlGates) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQue
 
 func (g *sqlGates) TraceBatchEnd(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchEndData) {
 	g.ran(ctx)
+}
+
+// wantNoneBothDeadAndPublished fails the test for every event of b's
+// outbox_dead (by value) among written, the values published: an event
+// both dead-lettered and published (G7; G2's published + dead-lettered =
+// written). how says how the test's relay came to do it.
+func wantNoneBothDeadAndPublished(t *testing.T, b *bundle, written []string, how string) {
+	t.Helper()
+	rows, err := b.pool.Query(context.Background(), `SELECT convert_from(value, 'UTF8') FROM `+pgx.Identifier{b.schema, "outbox_dead"}.Sanitize())
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, v := range dead {
+		if slices.Contains(written, v) {
+			t.Errorf("%q was published (written %v) and dead-lettered too (dead %v): %s (G7)", v, written, dead, how)
+		}
+	}
+}
+
+// lockOutboxRow holds the outbox row of value locked (FOR UPDATE) in a
+// transaction of its own, an operator's say, until the test rolls it back
+// (or ends).
+func lockOutboxRow(t *testing.T, b *bundle, value string) pgx.Tx {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := b.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback(ctx) })
+	if _, err := tx.Exec(ctx, `SELECT 1 FROM `+pgx.Identifier{b.schema, "outbox"}.Sanitize()+` WHERE value = $1 FOR UPDATE`, []byte(value)); err != nil {
+		t.Fatal(err)
+	}
+	return tx
+}
+
+// recordsWaitingOnALock counts the sessions whose round record (its
+// failSQL, in b's schema) waits on a lock.
+func recordsWaitingOnALock(t *testing.T, b *bundle) int {
+	t.Helper()
+	var n int
+	if err := b.pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'
+    AND query LIKE '%first_refused_at%' AND strpos(query, $1) > 0`, pgx.Identifier{b.schema, "outbox"}.Sanitize()).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
 }

@@ -6,8 +6,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/onceflow/onceflow/internal/pgtest"
 	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/relay"
@@ -43,17 +41,9 @@ func TestADeadLetterDoesNotCommitAfterASuccessorUnderItsIDRenewedTheShardsAndPub
 		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("first")},
 		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("second")},
 	)
-	outboxTable := pgx.Identifier{b.schema, "outbox"}.Sanitize()
 
 	// Another session holds the failed event's row locked.
-	lockTx, err := b.pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer lockTx.Rollback(ctx)
-	if _, err := lockTx.Exec(ctx, `SELECT 1 FROM `+outboxTable+` WHERE value = 'f' FOR UPDATE`); err != nil {
-		t.Fatal(err)
-	}
+	lockTx := lockOutboxRow(t, b, "f")
 
 	pub := &refuseFailPublisher{refuse: map[string]bool{"first": true}, fail: map[string]bool{"f": true}}
 	cfg := relay.Config{Schema: b.schema, InstanceID: "r0", LeaseDuration: 3 * time.Second, PublishTimeout: 200 * time.Millisecond,
@@ -77,14 +67,7 @@ func TestADeadLetterDoesNotCommitAfterASuccessorUnderItsIDRenewedTheShardsAndPub
 	})
 
 	// P's record has moved "first" (uncommitted) and waits on the lock.
-	waitFor(t, "P's record to wait on the locked row after its dead letter", 30*time.Second, func() bool {
-		var n int
-		if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'
-			AND query LIKE '%first_refused_at%' AND strpos(query, $1) > 0`, outboxTable).Scan(&n); err != nil {
-			t.Fatal(err)
-		}
-		return n > 0
-	})
+	waitFor(t, "P's record to wait on the locked row after its dead letter", 30*time.Second, func() bool { return recordsWaitingOnALock(t, b) > 0 })
 	recordStart := time.Now()
 
 	// P's next tick is slow between heartbeat and renewal, then P freezes.
@@ -102,12 +85,7 @@ func TestADeadLetterDoesNotCommitAfterASuccessorUnderItsIDRenewedTheShardsAndPub
 	for deadline := recordStart.Add(20 * time.Second); time.Now().Before(deadline) && !slices.Contains(pub.writtenValues(), "second"); {
 		time.Sleep(20 * time.Millisecond)
 	}
-	var stillWaiting int
-	if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'
-		AND query LIKE '%first_refused_at%' AND strpos(query, $1) > 0`, outboxTable).Scan(&stillWaiting); err != nil {
-		t.Fatal(err)
-	}
-	if stillWaiting == 0 {
+	if recordsWaitingOnALock(t, b) == 0 {
 		t.Log("P's record no longer waits on the lock (timed out?): the scenario did not play out")
 	}
 
@@ -119,18 +97,5 @@ func TestADeadLetterDoesNotCommitAfterASuccessorUnderItsIDRenewedTheShardsAndPub
 	stopQ()
 
 	written := firstPublications(pub.writtenValues())
-	rows, err := b.pool.Query(ctx, `SELECT convert_from(value, 'UTF8') FROM `+pgx.Identifier{b.schema, "outbox_dead"}.Sanitize())
-	if err != nil {
-		t.Fatal(err)
-	}
-	dead, err := pgx.CollectRows(rows, pgx.RowTo[string])
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, v := range dead {
-		if slices.Contains(written, v) {
-			t.Errorf("%q was published (written %v) and dead-lettered too (dead %v): P's dead letter, checked (token, lease) before a successor under its id renewed the shards (a renewal is not kept out by FOR KEY SHARE), committed after the successor published it (G7)",
-				v, written, dead)
-		}
-	}
+	wantNoneBothDeadAndPublished(t, b, written, "P's dead letter, checked (token, lease) before a successor under its id renewed the shards (a renewal is not kept out by FOR KEY SHARE), committed after the successor published it")
 }
