@@ -84,8 +84,8 @@ type leases struct {
 	// take) by this process wrote: the proof at a stop that a shard's
 	// lease is still this process's when its instance row is gone.
 	until [NumShards]time.Time
-	// epoch is, per owned shard, its count of takes (relay_shards.epoch)
-	// as this relay last saw it: the take the shard is held under. It
+	// epoch is, per owned shard, the epoch its take by this process
+	// wrote (relay_shards.epoch): the take the shard is held under. It
 	// changes only with a loss (see losses), so the events read under a
 	// snapshot were read under these epochs while losses is unchanged.
 	epoch      [NumShards]int64
@@ -187,10 +187,11 @@ func (l *leases) stillHeld(losses uint64) bool {
 
 // epochsOf returns, by shard, the epochs the shards of a snapshot taken
 // under losses were held under then (-1 for the other shards), or nil if
-// a shard may have left this relay's hands since. A statement that acts for the
-// shards' owner checks them in the database, where a take since (another
-// relay's, or this relay's own after its lease lapsed) has changed them:
-// the statement may run long after this check (a stalled connection).
+// a shard may have left this relay's hands since. A statement that acts
+// for the shards' owner checks them in the database, where a take since
+// (another relay's, or this relay's own after its lease lapsed) has
+// changed them: the statement may run long after this check (a stalled
+// connection).
 func (l *leases) epochsOf(losses uint64, shards []int16) []int64 {
 	l.mu.Lock()
 	defer l.mu.Unlock()
