@@ -11,7 +11,7 @@ import (
 	"github.com/onceflow/onceflow/relay"
 )
 
-// (Helper 111.) The dead letter's FOR KEY SHARE lock on its shards' rows
+// (Helper 110.) The dead letter's FOR KEY SHARE lock on its shards' rows
 // keeps out a take (FOR UPDATE SKIP LOCKED), but not a renewal: an UPDATE
 // of lease_until alone takes FOR NO KEY UPDATE, which does not conflict
 // with FOR KEY SHARE. And a renewal is how a successor process under the
