@@ -8,7 +8,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/onceflow/onceflow/internal/pgtest"
 	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/relay"
 )
@@ -45,18 +44,7 @@ func TestADeadLetterDoesNotCommitAfterItsShardWasTakenAndTheEventPublished(t *te
 		MaxRetryBackoff: 50 * time.Millisecond, PollInterval: 20 * time.Millisecond}
 	var g sqlGates
 	ticks := g.add(`AS i (id, hostname, pid, lease_until, token`)
-	r0, err := relay.New(pgtest.TracedPool(t, &g, 4), pub, &cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx0, cancel0 := context.WithCancel(ctx)
-	done0 := make(chan error, 1)
-	go func() { done0 <- r0.Run(ctx0) }()
-	t.Cleanup(func() {
-		ticks.openUp()
-		cancel0()
-		<-done0
-	})
+	r0 := runGated(t, &g, pub, cfg)
 
 	// r0's record has moved "first" (uncommitted) and waits on the lock.
 	waitFor(t, "r0's record to wait on the locked row after its dead letter", 30*time.Second, func() bool { return recordsWaitingOnALock(t, b) > 0 })
@@ -148,18 +136,7 @@ func TestADeadLetterWaitingOnALockDoesNotKeepItsShardsFromOtherRelays(t *testing
 		MaxRetryBackoff: 50 * time.Millisecond, PollInterval: 20 * time.Millisecond}
 	var g sqlGates
 	ticks := g.add(`AS i (id, hostname, pid, lease_until, token`)
-	r0, err := relay.New(pgtest.TracedPool(t, &g, 4), pub, &cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx0, cancel0 := context.WithCancel(ctx)
-	done0 := make(chan error, 1)
-	go func() { done0 <- r0.Run(ctx0) }()
-	t.Cleanup(func() {
-		ticks.openUp()
-		cancel0()
-		<-done0
-	})
+	r0 := runGated(t, &g, pub, cfg)
 	waitFor(t, "r0's record to wait on the locked row after its dead letter", 30*time.Second, func() bool { return recordsWaitingOnALock(t, b) > 0 })
 	ticks.shutNow() // r0 is cut off from here on
 	waitFor(t, "r0's leases to lapse", 30*time.Second, func() bool { return len(r0.OwnedShards()) == 0 && b.lapsed(t, "r0") })

@@ -48,19 +48,7 @@ func TestAStalledDeadLetterDoesNotMoveAnEventAcrossRestoredShardRows(t *testing.
 	record := g.add(`"outbox_dead" (outbox_id, event_id`)
 	ticks := g.add(`AS i (id, hostname, pid, lease_until, token`)
 	record.shutNow()
-	r0, err := relay.New(pgtest.TracedPool(t, &g, 4), pub, &cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx0, cancel0 := context.WithCancel(ctx)
-	done0 := make(chan error, 1)
-	go func() { done0 <- r0.Run(ctx0) }()
-	t.Cleanup(func() {
-		record.openUp()
-		ticks.openUp()
-		cancel0()
-		<-done0
-	})
+	r0 := runGated(t, &g, pub, cfg)
 	waitFor(t, "r0 to stall recording the dead letter", 30*time.Second, closed(record.held))
 
 	ticks.shutNow()

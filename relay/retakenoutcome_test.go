@@ -52,7 +52,6 @@ func TestAStalledOutcomeDoesNotDeadLetterAcrossALostAndRetakenShard(t *testing.T
 
 func stalledOutcomeAcrossARetake(t *testing.T, stall string, batch int, before []outbox.Message) {
 	b := setup(t)
-	ctx := context.Background()
 	b.write(t, append(before,
 		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("first")},
 		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("second")},
@@ -66,19 +65,7 @@ func stalledOutcomeAcrossARetake(t *testing.T, stall string, batch int, before [
 	record := g.add(stall)
 	ticks := g.add(`AS i (id, hostname, pid, lease_until, token`)
 	record.shutNow()
-	r0, err := relay.New(pgtest.TracedPool(t, &g, 4), pub, &cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx0, cancel0 := context.WithCancel(ctx)
-	done0 := make(chan error, 1)
-	go func() { done0 <- r0.Run(ctx0) }()
-	t.Cleanup(func() {
-		record.openUp()
-		ticks.openUp()
-		cancel0()
-		<-done0
-	})
+	r0 := runGated(t, &g, pub, cfg)
 	waitFor(t, "r0 to stall recording an outcome", 30*time.Second, closed(record.held))
 	waitFor(t, "r0 to be refused the first event", 30*time.Second, func() bool { return pub.refusedCount() > 0 })
 

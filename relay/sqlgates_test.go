@@ -8,6 +8,9 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/internal/pgtest"
+	"github.com/onceflow/onceflow/relay"
 )
 
 // sqlGate holds back one relay's statements whose SQL contains match (a
@@ -167,4 +170,28 @@ func recordsWaitingOnALock(t *testing.T, b *bundle) int {
 		t.Fatal(err)
 	}
 	return n
+}
+
+// runGated runs a relay of cfg on a pool traced by g until the test ends,
+// then opens every gate of g and stops it.
+func runGated(t *testing.T, g *sqlGates, pub relay.Publisher, cfg relay.Config) *relay.Relay {
+	t.Helper()
+	r, err := relay.New(pgtest.TracedPool(t, g, 4), pub, &cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	t.Cleanup(func() {
+		g.mu.Lock()
+		list := slices.Clone(g.list)
+		g.mu.Unlock()
+		for _, gt := range list {
+			gt.openUp()
+		}
+		cancel()
+		<-done
+	})
+	return r
 }
