@@ -3,6 +3,8 @@ package relay_test
 import (
 	"context"
 	"fmt"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -126,4 +128,45 @@ func ownedBy(t *testing.T, b *bundle, id string) []int16 {
 		t.Fatal(err)
 	}
 	return out
+}
+
+// renewalAnswerLoser loses, once armed, the answer to the relay's next
+// lease renewal: the renewal commits, the relay sees a broken connection.
+type renewalAnswerLoser struct {
+	armed atomic.Bool
+	lost  chan struct{}
+}
+
+func (l *renewalAnswerLoser) TraceQueryStart(ctx context.Context, conn *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if strings.Contains(d.SQL, "SET lease_until = now() + $2::interval") && l.armed.CompareAndSwap(true, false) {
+		c := conn.PgConn().Conn().(*answerLosingConn)
+		c.lost = l.lost
+		c.lose.Store(true)
+	}
+	return ctx
+}
+
+func (*renewalAnswerLoser) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// As the first test, but the answer to A's last renewal was lost (it
+// committed: the leases end later than A knows). A's shards are still its
+// own take (same epoch), and its stop hands them back; checked by the
+// lease's end, it left them leased to id a until they lapsed.
+func TestGracefulStopAfterInstanceRowDeletedHandsBackShardsWhoseRenewalAnswerWasLost(t *testing.T) {
+	b := setup(t)
+	ctx := context.Background()
+	instances := pgx.Identifier{b.schema, "relay_instances"}.Sanitize()
+	loser := &renewalAnswerLoser{lost: make(chan struct{})}
+	_, stopA := b.startRelayWith(t, answerLosingPool(t, loser, 4), b.publisher(t), relay.Config{InstanceID: "a", LeaseDuration: 30 * time.Second})
+	waitFor(t, "A to own every shard", 20*time.Second, func() bool { return len(ownedBy(t, b, "a")) == relay.NumShards })
+	loser.armed.Store(true)
+	waitFor(t, "A's next renewal, its answer lost", 30*time.Second, closed(loser.lost))
+	// A's next tick is a lease interval (10 s) away.
+	if _, err := b.pool.Exec(ctx, `DELETE FROM `+instances+` WHERE id = 'a'`); err != nil {
+		t.Fatal(err)
+	}
+	stopA()
+	if n := len(ownedBy(t, b, "a")); n != 0 {
+		t.Fatalf("after A's graceful stop %d shards are still leased to id a, want 0: they were A's own take", n)
+	}
 }
