@@ -523,13 +523,15 @@ func (l *leases) releaseExcess(ctx context.Context) error {
 // row at all (deleted by hand, say) proves nothing about the shards: the
 // relay writes the row back with its token for the length of the
 // transaction (another process taking the id now waits for it) and hands
-// back only the shards whose leases still end where its own last renewal
-// set them, so not those another process under the same id took since.
+// back only the shards still held under its own takes' epochs, so not
+// those another process under the same id took since. (Not by the
+// leases' end, as before: a renewal whose answer was lost moved it, and
+// the stop left those shards leased until they lapsed.)
 func (l *leases) releaseAll(ctx context.Context) error {
 	l.mu.Lock()
-	owned, until := l.owned, make([]time.Time, len(l.owned))
+	owned, epochs := l.owned, make([]int64, len(l.owned))
 	for i, s := range owned {
-		until[i] = l.until[s]
+		epochs[i] = l.epoch[s]
 	}
 	l.owned = nil
 	l.lose()
@@ -551,7 +553,7 @@ func (l *leases) releaseAll(ctx context.Context) error {
 			case err != nil:
 				return fmt.Errorf("write back the instance row: %w", err)
 			}
-			tag, err := tx.Exec(ctx, l.st.releaseLeasesSQL, l.id, owned, until)
+			tag, err := tx.Exec(ctx, l.st.releaseLeasesSQL, l.id, owned, epochs)
 			if err != nil {
 				return fmt.Errorf("release shards: %w", err)
 			}

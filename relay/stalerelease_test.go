@@ -90,8 +90,8 @@ func (s *stallMarkOnly) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, _ pgx.Tr
 // Suggested fix: releaseSQL must free only shards this process holds:
 // check the instance row's token as releaseAllSQL does (AND EXISTS
 // (SELECT 1 FROM relay_instances WHERE id = $1 AND token = $3)), or match
-// each shard's lease_until to this process's last renewal as
-// releaseLeasesSQL does. (Other same-id writes that change ownership while
+// each shard's lease_until to this process's last renewal (as
+// releaseLeasesSQL then did; it matches the take's epoch now). (Other same-id writes that change ownership while
 // a lease is valid would need the same.)
 func TestAStaleHandBackUnderTheSameInstanceIDDoesNotLetTheSuccessorPublishOutOfOrder(t *testing.T) {
 	t.Parallel()

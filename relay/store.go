@@ -286,14 +286,14 @@ WHERE owner = $1 AND EXISTS (SELECT 1 FROM ` + instances + ` WHERE id = $1 AND t
 		// With the instance row gone (deleted by hand), the goodbye writes
 		// it back with this process's token (lapsed, and deleted again by
 		// goodbyeSQL) unless another process did meanwhile; it then
-		// releases the shards ($2) whose lease_until is still what this
-		// process's last renewal wrote ($3): a lease written since is
-		// another process's take under the same id.
+		// releases the shards ($2) still at the epochs of this process's
+		// takes ($3): a shard taken since, even by another process under
+		// the same id, has a greater epoch.
 		instanceBackSQL: `INSERT INTO ` + instances + ` (id, hostname, pid, lease_until, token) VALUES ($1, $2, $3, now(), $4)
 ON CONFLICT (id) DO NOTHING RETURNING true`,
 		releaseLeasesSQL: `UPDATE ` + shards + ` s SET owner = NULL, lease_until = NULL
-FROM unnest($2::smallint[], $3::timestamptz[]) AS x(shard, until)
-WHERE s.shard = x.shard AND s.owner = $1 AND s.lease_until = x.until`,
+FROM unnest($2::smallint[], $3::bigint[]) AS x(shard, epoch)
+WHERE s.shard = x.shard AND s.owner = $1 AND s.epoch = x.epoch`,
 		goodbyeSQL: `DELETE FROM ` + instances + ` WHERE id = $1 AND token = $2`,
 		landedSQL:  `DELETE FROM ` + rounds + ` WHERE instance = $1 AND lo = $2 AND hi = $3`,
 		forgetRoundsSQL: `DELETE FROM ` + rounds + ` WHERE instance = $1
