@@ -45,8 +45,14 @@ func TestDeadLettersSharingABatchAreTriedAlone(t *testing.T) {
 	// test fails if the shared batch never formed.
 	const attempts = 5
 	for i := 1; i <= attempts; i++ {
-		var formed bool
-		t.Run("attempt "+strconv.Itoa(i), func(t *testing.T) { formed = deadLettersSharingABatch(t) })
+		var formed, skipped bool
+		t.Run("attempt "+strconv.Itoa(i), func(t *testing.T) {
+			defer func() { skipped = t.Skipped() }() // on a real broker: kfake's hooks only
+			formed = deadLettersSharingABatch(t)
+		})
+		if skipped {
+			t.Skip("needs kfake: see the attempt's reason")
+		}
 		if formed || t.Failed() {
 			return
 		}
