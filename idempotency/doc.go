@@ -48,9 +48,10 @@
 //
 // 5xx responses and panics release the key (Config.StoreServerErrors stores
 // 5xx instead; in Transactional mode their writes through Tx roll back
-// either way); 4xx responses are stored. A Leased retry that took over a
-// dead request's key releases it to that request only: another one still
-// gets 422 until the key's Window ends. Responses larger than
+// either way); 4xx responses are stored. In Leased mode a 5xx, a panic or
+// a 503 for a client gone releases the key to the same request only: its
+// handler may have called the downstream under Key(ctx) before it failed,
+// so another request under the key gets 422 until the key's Window ends. Responses larger than
 // Config.MaxResponseBytes reach the client but are not stored: a retry gets
 // 422 (ErrNotStored), never a second run. Memory holds at most
 // MaxResponseBytes of a response; in Transactional mode the rest waits in a

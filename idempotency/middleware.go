@@ -107,7 +107,8 @@ type Config struct {
 	// cancelled (cause ErrLeaseLost) so the handler can stop before a retry
 	// may claim the key. A handler whose context ends (so, or because the
 	// client left) and that returns without writing is answered 503; nothing
-	// is stored and the key is released, so a retry runs it again. After a
+	// is stored and the claim is given up, so a retry runs it again (the
+	// same request only, as after a 5xx: see StoreServerErrors). After a
 	// crash the key is claimable again once the lease lapses. Defaults to 1
 	// minute.
 	Lease time.Duration
@@ -120,9 +121,10 @@ type Config struct {
 	// StoreServerErrors stores 5xx responses like any other, so a retry
 	// gets the 5xx instead of running the handler again. By default a 5xx
 	// response (or a panic) releases the claim, so a retry runs the handler
-	// again (in Leased mode, after taking over a dead request's key, only
-	// the same request: another one still gets 422 until the Window ends);
-	// 4xx responses are always stored. In Transactional mode a 5xx
+	// again. In Leased mode only the same request may: the handler may have
+	// called the downstream under Key(ctx) before it failed, so another
+	// request under the key gets 422 until the Window ends, as after a
+	// request that died. 4xx responses are always stored. In Transactional mode a 5xx
 	// rolls the handler's writes back either way: a stored 5xx is stored in
 	// a transaction of its own. Defaults to false.
 	StoreServerErrors bool
@@ -556,7 +558,7 @@ func (m *Middleware) serveLeased(w http.ResponseWriter, r *http.Request, next ht
 	defer func() {
 		if !finished { // the handler panicked
 			stop()
-			m.release(bg, c)
+			m.giveUp(bg, c)
 		}
 	}()
 	next.ServeHTTP(rw, r.WithContext(hctx))
@@ -566,17 +568,18 @@ func (m *Middleware) serveLeased(w http.ResponseWriter, r *http.Request, next ht
 		// the client left, an outer timeout fired, or the lease was lost
 		// (cause ErrLeaseLost). The recorder's default 200 would be stored
 		// and replayed as a success for work that never happened, so
-		// nothing is stored and the key is released, as for a 5xx: the
-		// retry runs the handler. Release deletes only this claim's row, so
-		// it is harmless if another holder has taken the key over.
+		// nothing is stored and the claim is given up, as for a 5xx: the
+		// retry runs the handler. giveUp lapses only this claim's row (its
+		// token), so it is harmless if another holder has taken the key
+		// over.
 		stop()
-		m.release(bg, c)
+		m.giveUp(bg, c)
 		m.fail(w, r, fmt.Errorf("idempotency: the handler returned without answering after its context ended: %w", context.Cause(hctx)))
 		return
 	}
 	if rw.statusCode() >= 500 && !m.cfg.StoreServerErrors {
 		stop()
-		m.release(bg, c)
+		m.giveUp(bg, c)
 		rw.flush(false)
 		return
 	}
@@ -601,10 +604,16 @@ func (m *Middleware) storeLeasedResponse(c claim, rw *recorder) error {
 	return m.store.completeRetrying(m.db, c, m.cfg.Lease, m.cfg.Window, state, rw.statusCode(), headers, body, m.cfg.Logger.Warn)
 }
 
-func (m *Middleware) release(ctx context.Context, c claim) {
+// giveUp ends a Leased claim whose handler failed (5xx, panic, no answer)
+// so the request may run again at once. The record stays, its lease
+// lapsed, until the key's Window ends: the handler may have called the
+// downstream under Key(ctx) before it failed, and another request run
+// under the key would be answered, downstream, with the first one's
+// outcome. Another body gets 422, as after a dead holder (store.release).
+func (m *Middleware) giveUp(ctx context.Context, c claim) {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	if err := m.store.release(ctx, m.db, c); err != nil {
+	if err := m.store.lapse(ctx, m.db, c); err != nil {
 		m.cfg.Logger.Warn("idempotency: release claim", "key", c.key, "error", err)
 	}
 }

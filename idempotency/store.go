@@ -212,9 +212,10 @@ RETURNING ` + micros("k.created_at"),
     expires_at = greatest(expires_at, clock_timestamp() + $8::float8 * interval '1 second')
 WHERE scope = $1 AND key = $2 AND token = $3`,
 		releaseSQL: `DELETE FROM ` + t + ` WHERE scope = $1 AND key = $2 AND token = $3`,
-		// An heir's release keeps the record, running with its lease
-		// lapsed: the same request may take it over again at once, and
-		// another is refused until it expires (takeable).
+		// A Leased request's or an heir's release keeps the record,
+		// running with its lease lapsed: the same request may take it over
+		// again at once, and another is refused until it expires
+		// (takeable).
 		lapseSQL: `UPDATE ` + t + ` SET lease_until = now() WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'running'`,
 		// A renewal finds the claim while it carries its token: running,
 		// or finished by this holder (renewals go on while the result is
@@ -475,11 +476,18 @@ func (s *store) completeRetrying(db querier, c claim, budget, window time.Durati
 // request (fingerprint) may run under the key until the record expires, as
 // before the heir took it over: the dead holder's effect may have happened.
 func (s *store) release(ctx context.Context, db querier, c claim) error {
-	sql := s.releaseSQL
 	if c.heir {
-		sql = s.lapseSQL
+		return s.lapse(ctx, db, c)
 	}
-	_, err := db.Exec(ctx, sql, c.scope, c.key, c.token)
+	_, err := db.Exec(ctx, s.releaseSQL, c.scope, c.key, c.token)
+	return err
+}
+
+// lapse gives up c's claim and keeps its record, running with its lease
+// lapsed: the same request may take the key over at once, another is
+// refused until the record expires (takeable).
+func (s *store) lapse(ctx context.Context, db querier, c claim) error {
+	_, err := db.Exec(ctx, s.lapseSQL, c.scope, c.key, c.token)
 	return err
 }
 
