@@ -431,9 +431,13 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 		m.replay(w, r, rec, c.fingerprint)
 		return
 	}
-	tx, err := m.db.Begin(ctx)
+	tx, rec, err := m.beginClaim(ctx, &c)
 	if err != nil {
-		m.fail(w, r, fmt.Errorf("idempotency: begin: %w", err))
+		m.fail(w, r, err)
+		return
+	}
+	if tx == nil {
+		m.replay(w, r, rec, c.fingerprint)
 		return
 	}
 	committed := false
@@ -442,15 +446,6 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 			_ = tx.Rollback(context.WithoutCancel(ctx))
 		}
 	}()
-	claimed, rec, err := m.store.tryClaim(ctx, tx, &c, 0, m.cfg.Window)
-	if err != nil {
-		m.fail(w, r, fmt.Errorf("idempotency: claim key: %w", err))
-		return
-	}
-	if !claimed {
-		m.replay(w, r, rec, c.fingerprint)
-		return
-	}
 	m.observe(ctx, OutcomeClaimed, c.key)
 	rw := newRecorder(w, m.cfg.MaxResponseBytes, false)
 	defer rw.close()
@@ -495,6 +490,32 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 	}
 	committed = true
 	rw.flush(false)
+}
+
+// beginClaim begins the transaction of a Transactional request and claims
+// c's key in it. It returns the transaction, open, if the key was claimed;
+// otherwise none (rolled back) and the record in the way. A claim whose
+// snapshot missed a racing claim (sessions defaulting to REPEATABLE READ
+// or SERIALIZABLE) is run again in a new transaction.
+func (m *Middleware) beginClaim(ctx context.Context, c *claim) (pgx.Tx, *record, error) {
+	for attempt := 1; ; attempt++ {
+		tx, err := m.db.Begin(ctx)
+		if err != nil {
+			return nil, nil, fmt.Errorf("idempotency: begin: %w", err)
+		}
+		claimed, rec, err := m.store.tryClaim(ctx, tx, c, 0, m.cfg.Window)
+		if claimed {
+			return tx, nil, nil
+		}
+		_ = tx.Rollback(context.WithoutCancel(ctx))
+		switch {
+		case errors.Is(err, errClaimSnapshot) && attempt < 10:
+		case err != nil:
+			return nil, nil, fmt.Errorf("idempotency: claim key: %w", err)
+		default:
+			return nil, rec, nil
+		}
+	}
 }
 
 // storeErrorAlone stores and sends an error answer whose handler's

@@ -353,6 +353,20 @@ func (s *store) lookup(ctx context.Context, db querier, scope, key string) (*rec
 	return rec, err
 }
 
+// errClaimSnapshot: a transactional claim raced another claim of its key
+// and its transaction, REPEATABLE READ or SERIALIZABLE, cannot see the
+// outcome (SQLSTATE 40001, the transaction aborted). The claim is run
+// again in a new transaction: the handler has not run.
+var errClaimSnapshot = errors.New("idempotency: the claim's snapshot missed a racing claim")
+
+// isSerializationFailure reports SQLSTATE 40001. Under READ COMMITTED the
+// claim statements never raise it; sessions defaulting to REPEATABLE READ
+// or SERIALIZABLE do when a racing claim commits after their snapshot.
+func isSerializationFailure(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "40001"
+}
+
 // tryClaim claims c.key for c.token, or returns the record in the way
 // (claimed false). lease 0 means a transactional claim: run it in the
 // transaction that will also store the response. Usually one round trip.
@@ -373,6 +387,10 @@ func (s *store) tryClaim(ctx context.Context, db querier, c *claim, lease, windo
 		switch {
 		case errors.As(err, &pgErr) && pgErr.Code == "54000": // program_limit_exceeded: the key does not fit the index
 			return false, nil, fmt.Errorf("%w: %d bytes is too long (%s)", ErrKeyInvalid, len(c.key), pgErr.Message)
+		case isSerializationFailure(err) && lease == 0:
+			return false, nil, fmt.Errorf("%w: %w", errClaimSnapshot, err)
+		case isSerializationFailure(err):
+			// On its own, the statement reads a new snapshot next time.
 		case err != nil:
 			return false, nil, err
 		case !got:
@@ -392,7 +410,12 @@ func (s *store) tryClaim(ctx context.Context, db querier, c *claim, lease, windo
 		case rec != nil: // dead: take it over
 			var created int64
 			err := db.QueryRow(ctx, s.takeoverSQL, append(args[:6:6], deadHolder)...).Scan(&created)
-			if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+			switch {
+			case isSerializationFailure(err) && lease == 0:
+				return false, nil, fmt.Errorf("%w: %w", errClaimSnapshot, err)
+			case isSerializationFailure(err):
+				// Another claimer changed the record: read it again.
+			case err != nil && !errors.Is(err, pgx.ErrNoRows):
 				return false, nil, err
 			}
 			if err == nil {
