@@ -208,7 +208,8 @@ func (r *Relay) LastLoop() time.Time {
 // (the round with Kafka gets its stop's grace, the shards are handed back).
 // A pool in exec or simple_protocol mode on a database whose bytea_output
 // or DateStyle pgx cannot read as text is refused at start with an error
-// wrapping ErrTextResultSettings.
+// wrapping ErrTextResultSettings, and a pool whose sessions do not default
+// to READ COMMITTED with one wrapping ErrIsolationSetting.
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.ran.CompareAndSwap(false, true) {
 		return errors.New("relay: Run called twice")
@@ -219,6 +220,12 @@ func (r *Relay) Run(ctx context.Context) error {
 	if err := checkTextSettings(ctx, r.pool); err != nil {
 		if errors.Is(err, ErrTextResultSettings) {
 			r.log.Error("relay: refusing to start: the database writes results as text pgx cannot read", "error", err)
+		}
+		return stoppedWhileStarting(ctx, err)
+	}
+	if err := checkIsolation(ctx, r.pool); err != nil {
+		if errors.Is(err, ErrIsolationSetting) {
+			r.log.Error("relay: refusing to start: its sessions do not default to READ COMMITTED", "error", err)
 		}
 		return stoppedWhileStarting(ctx, err)
 	}
@@ -416,7 +423,7 @@ func (r *Relay) start(ctx context.Context) error {
 // statements) is reported whatever ctx says.
 func stoppedWhileStarting(ctx context.Context, err error) error {
 	var inUse *InstanceInUseError
-	if ctx.Err() != nil && !errors.As(err, &inUse) && !errors.Is(err, ErrPreparedStatementsLost) && !errors.Is(err, ErrInsufficientPrivilege) && !errors.Is(err, ErrTextResultSettings) {
+	if ctx.Err() != nil && !errors.As(err, &inUse) && !errors.Is(err, ErrPreparedStatementsLost) && !errors.Is(err, ErrInsufficientPrivilege) && !errors.Is(err, ErrTextResultSettings) && !errors.Is(err, ErrIsolationSetting) {
 		return nil
 	}
 	return err
