@@ -230,12 +230,20 @@ func setDefault[T int | int64 | time.Duration](v *T, d T) {
 }
 
 // DefaultFingerprint is SHA-256 over the method, the path with its query and
-// the body.
+// the body. The path is the one the client sent (r.RequestURI), not
+// r.URL's, which http.StripPrefix shortens: one Middleware mounted under
+// "/v1" and "/v2" would take /v2/orders for /v1/orders and replay the one
+// under the other's key. Requests built by hand, without RequestURI, use
+// r.URL's.
 func DefaultFingerprint(r *http.Request, body []byte) []byte {
+	uri := r.RequestURI
+	if uri == "" {
+		uri = r.URL.RequestURI()
+	}
 	h := sha256.New()
 	io.WriteString(h, r.Method)
 	h.Write([]byte{0})
-	io.WriteString(h, r.URL.RequestURI())
+	io.WriteString(h, uri)
 	h.Write([]byte{0})
 	h.Write(body)
 	return h.Sum(nil)
