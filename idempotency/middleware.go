@@ -781,3 +781,9 @@ func readBody(r *http.Request, max int64) ([]byte, error) {
 	r.Body = io.NopCloser(bytes.NewReader(body))
 	return body, nil
 }
+
+// ErrTxOwned is returned by Commit and Rollback of the transaction Tx gives
+// a handler: the middleware commits it with the stored response, or rolls
+// it back (a 5xx, a panic), and a handler that ended it would leave its
+// rows without the record that stops a retry from writing them again.
+var ErrTxOwned = errors.New("idempotency: the request's transaction is the middleware's to commit or roll back")
