@@ -288,8 +288,9 @@ func downstreamKey(scope, key string) string {
 
 // Tx returns the transaction a Transactional middleware gives the handler,
 // or nil. Write the handler's rows
-// through it: they commit with the stored response, or not at all. Do not
-// commit or roll it back yourself.
+// through it: they commit with the stored response, or not at all. Its
+// Commit and Rollback return ErrTxOwned and do nothing: answer 5xx to roll
+// the handler's writes back, or use a savepoint (its Begin).
 func Tx(ctx context.Context) pgx.Tx {
 	tx, _ := ctx.Value(txKey).(pgx.Tx)
 	return tx
@@ -457,7 +458,7 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 	m.observe(ctx, OutcomeClaimed, c.key)
 	rw := newRecorder(w, m.cfg.MaxResponseBytes, false)
 	defer rw.close()
-	next.ServeHTTP(rw, r.WithContext(context.WithValue(ctx, txKey, tx))) // a panic rolls back in the deferred func
+	next.ServeHTTP(rw, r.WithContext(context.WithValue(ctx, txKey, handlerTx{tx}))) // a panic rolls back in the deferred func
 	if rw.err != nil {
 		m.fail(w, r, rw.err)
 		return
@@ -666,7 +667,7 @@ func (m *Middleware) serveWithoutKey(w http.ResponseWriter, r *http.Request, nex
 	}()
 	rw := newRecorder(w, m.cfg.MaxResponseBytes, false)
 	defer rw.close()
-	next.ServeHTTP(rw, r.WithContext(context.WithValue(ctx, txKey, tx)))
+	next.ServeHTTP(rw, r.WithContext(context.WithValue(ctx, txKey, handlerTx{tx})))
 	if rw.err != nil {
 		m.fail(w, r, rw.err)
 		return
@@ -787,3 +788,11 @@ func readBody(r *http.Request, max int64) ([]byte, error) {
 // it back (a 5xx, a panic), and a handler that ended it would leave its
 // rows without the record that stops a retry from writing them again.
 var ErrTxOwned = errors.New("idempotency: the request's transaction is the middleware's to commit or roll back")
+
+// handlerTx is the request's transaction as the handler sees it: all of it
+// but its end. (A savepoint, tx.Begin, may still be committed or rolled
+// back.)
+type handlerTx struct{ pgx.Tx }
+
+func (handlerTx) Commit(context.Context) error   { return ErrTxOwned }
+func (handlerTx) Rollback(context.Context) error { return ErrTxOwned }
