@@ -23,7 +23,10 @@ import (
 // to one topic. Their publishes must share the default Writer's batches:
 // one at a time per topic, each waited out the Writer's 5 ms BatchTimeout
 // alone, and the whole consumer dead-lettered at about 155/s whatever its
-// partitions (kfake, this machine), against about 1,050/s together.
+// partitions (kfake, this machine), against about 1,050/s together. (CI
+// failed it once at 148/s on the real broker, timed from the start, group
+// join included, beside another package's -race tests: the rate now runs
+// from the first dead letter.)
 func TestDeadLettersOfManyPartitionsGoOutTogether(t *testing.T) {
 	k := kafkatest.New(t)
 	schema := pgtest.Schema(t)
@@ -61,11 +64,29 @@ func TestDeadLettersOfManyPartitionsGoOutTogether(t *testing.T) {
 	go func() { done <- c.Run(rctx) }()
 	defer func() { stop(); <-done }()
 	dead := k.ReadAll(t, topic+".dlq", parts*per, 60*time.Second)
-	el := time.Since(start)
-	rate := float64(len(dead)) / el.Seconds()
-	t.Logf("%d dead letters in %s: %.0f/s", len(dead), el.Round(time.Millisecond), rate)
-	if len(dead) < parts*per || rate < 400 {
-		t.Errorf("%d of %d dead letters in %s (%.0f/s, want 400/s at least): are the partitions' dead letters published one at a time, each behind the Writer's BatchTimeout?",
-			len(dead), parts*per, el.Round(time.Millisecond), rate)
+	if len(dead) < parts*per {
+		t.Fatalf("%d of %d dead letters in %s", len(dead), parts*per, time.Since(start).Round(time.Millisecond))
+	}
+	// The rate runs from the first dead letter to the last (the Writer's
+	// timestamps), not from the start: joining a real broker's group
+	// takes a second or more, which said nothing about the publishes.
+	first, last := dead[0].Timestamp, dead[0].Timestamp
+	for _, d := range dead {
+		if d.Timestamp.Before(first) {
+			first = d.Timestamp
+		}
+		if d.Timestamp.After(last) {
+			last = d.Timestamp
+		}
+	}
+	span := max(last.Sub(first), time.Millisecond)
+	rate := float64(len(dead)-1) / span.Seconds()
+	t.Logf("%d dead letters over %s from the first: %.0f/s (%s from the start)", len(dead), span, rate, time.Since(start).Round(time.Millisecond))
+	// One at a time they go at 144-165/s (kfake and the real broker
+	// alike), together at 860-1,180/s on a quiet machine: 300/s is twice
+	// the one and leaves a loaded CI machine a third of the other.
+	if rate < 300 {
+		t.Errorf("%d dead letters over %s (%.0f/s, want 300/s at least): are the partitions' dead letters published one at a time, each behind the Writer's BatchTimeout?",
+			len(dead), span, rate)
 	}
 }
