@@ -537,6 +537,10 @@ func List(ctx context.Context, db Beginner, schema string) ([]Status, error) {
 	done := map[int]time.Time{}
 	names := map[int]string{}
 	err = pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+		restoreDateStyle, err := isoDateStyle(ctx, tx)
+		if err != nil {
+			return err
+		}
 		table := pgx.Identifier{schema, "schema_migrations"}.Sanitize()
 		var exists bool
 		if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, table).Scan(&exists); err != nil || !exists {
@@ -549,8 +553,10 @@ func List(ctx context.Context, db Beginner, schema string) ([]Status, error) {
 		var v int
 		var name string
 		var at time.Time
-		_, err = pgx.ForEachRow(rows, []any{&v, &name, &at}, func() error { done[v], names[v] = at, name; return nil })
-		return err
+		if _, err = pgx.ForEachRow(rows, []any{&v, &name, &at}, func() error { done[v], names[v] = at, name; return nil }); err != nil {
+			return err
+		}
+		return restoreDateStyle()
 	})
 	if err != nil {
 		return nil, fmt.Errorf("migrations: read versions: %w", err)
@@ -607,6 +613,27 @@ const versionTableSQL = `CREATE TABLE IF NOT EXISTS schema_migrations (
 // has search_path set to the schema, and sees the applied versions. With
 // create false, a missing schema or version table is left missing and fn
 // sees no applied versions.
+// isoDateStyle sets tx's DateStyle to ISO until the transaction ends and
+// returns what puts the caller's back. In exec and simple_protocol mode
+// (README's advice behind PgBouncer, and `onceflow migrate`'s) PostgreSQL
+// sends timestamps as text in the session's DateStyle, and pgx reads only
+// ISO: under a legacy application's German or SQL style every step failed
+// reading the server's clock. The setting is the transaction's own; in a
+// caller's transaction (a savepoint) it would outlive this call, hence the
+// restore.
+func isoDateStyle(ctx context.Context, tx pgx.Tx) (restore func() error, err error) {
+	var style string
+	if err := tx.QueryRow(ctx, `SELECT current_setting('DateStyle'), set_config('DateStyle', 'ISO, MDY', true)`).Scan(&style, nil); err != nil {
+		return nil, fmt.Errorf("migrations: set DateStyle: %w", err)
+	}
+	return func() error {
+		if _, err := tx.Exec(ctx, `SELECT set_config('DateStyle', $1, true)`, style); err != nil {
+			return fmt.Errorf("migrations: restore DateStyle: %w", err)
+		}
+		return nil
+	}, nil
+}
+
 func inLockedTx(ctx context.Context, db Beginner, schema string, create bool, fn func(pgx.Tx, map[int]time.Time) error) error {
 	if err := ValidateSchema(schema); err != nil {
 		return fmt.Errorf("migrations: %w", err)
@@ -627,6 +654,10 @@ func inLockedTx(ctx context.Context, db Beginner, schema string, create bool, fn
 		if err := tx.QueryRow(ctx, `SELECT current_setting('lock_timeout'), current_setting('search_path')`).Scan(&lockTimeout, &searchPath); err != nil {
 			return fmt.Errorf("migrations: read settings: %w", err)
 		}
+		restoreDateStyle, err := isoDateStyle(ctx, tx)
+		if err != nil {
+			return err
+		}
 		restore := func(err error) error {
 			if err != nil {
 				return err
@@ -634,7 +665,7 @@ func inLockedTx(ctx context.Context, db Beginner, schema string, create bool, fn
 			if _, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true), set_config('search_path', $2, true)`, lockTimeout, searchPath); err != nil {
 				return fmt.Errorf("migrations: restore settings: %w", err)
 			}
-			return nil
+			return restoreDateStyle()
 		}
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended('onceflow.migrate.' || $1, 0))`, schema); err != nil {
 			return fmt.Errorf("migrations: take lock: %w", err)

@@ -36,6 +36,10 @@ func TestMigrationsUnderANonISODateStyleInExecMode(t *testing.T) {
 			}
 			t.Cleanup(pool.Close)
 			ctx := context.Background()
+			var before string
+			if err := pool.QueryRow(ctx, `SHOW DateStyle`).Scan(&before); err != nil {
+				t.Fatal(err)
+			}
 			schema := pgtest.EmptySchema(t)
 			all, _ := migrations.All()
 			if applied, err := migrations.Up(ctx, pool, schema); err != nil || len(applied) != len(all) {
@@ -53,9 +57,9 @@ func TestMigrationsUnderANonISODateStyleInExecMode(t *testing.T) {
 			if reverted, err := migrations.Down(ctx, pool, schema, 1); err != nil || len(reverted) != 1 {
 				t.Fatalf("Down: reverted %v, %v", reverted, err)
 			}
-			var style2 string
-			if err := pool.QueryRow(ctx, `SHOW DateStyle`).Scan(&style2); err != nil || style2 != style {
-				t.Fatalf("the session's DateStyle after the migrations: %q (%v), want %q kept", style2, err, style)
+			var after string
+			if err := pool.QueryRow(ctx, `SHOW DateStyle`).Scan(&after); err != nil || after != before {
+				t.Fatalf("the session's DateStyle after the migrations: %q (%v), want %q kept", after, err, before)
 			}
 		})
 	}

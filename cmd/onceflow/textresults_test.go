@@ -61,6 +61,13 @@ func TestReadingCommandsUnderTextResultSettings(t *testing.T) {
 			if out, err := runCLI(t, append([]string{"dead", "discard", "--ids", "2"}, flags...)...); err != nil || !strings.Contains(out, "unknown topic") || !strings.Contains(out, "discarded 1") {
 				t.Errorf("dead discard: %v\n%s", err, out)
 			}
+			// migrate down and up read the server's clock (helper 113).
+			if out, err := runCLI(t, append([]string{"migrate", "down", "--steps", "1"}, flags...)...); err != nil || !strings.Contains(out, "reverted") {
+				t.Errorf("migrate down: %v\n%s", err, out)
+			}
+			if out, err := runCLI(t, append([]string{"migrate", "up"}, flags...)...); err != nil || !strings.Contains(out, "applied") {
+				t.Errorf("migrate up: %v\n%s", err, out)
+			}
 		})
 	}
 }
