@@ -82,8 +82,10 @@ func (d drainResult) allCPUPerEvent(n int) float64 {
 //     process);
 //   - 1: one relay in a process of its own (this test binary run again,
 //     TestDrainRelayProcess), with its own pool and publisher;
-//   - 4: four such relay processes, their shards spread 64/64/64/64 before
-//     they start.
+//   - 4: four such relay processes, their shards spread 64/64/64/64 as
+//     they start (leased to their ids by hand, lapsing a few seconds
+//     after: each relay then takes its own; the clock starts at the
+//     first take).
 //
 // Each contender drains a fresh, VACUUM ANALYZEd schema filled by one
 // INSERT … SELECT; the contenders take turns, the order rotating every
@@ -243,13 +245,7 @@ type drainChild struct {
 // the processes and their PostgreSQL backends used meanwhile.
 func drainRelayProcesses(b *testing.B, bin string, brokers []string, schema, topic string, n, relays int) drainResult {
 	ctx := context.Background()
-	if relays > 1 {
-		// Pre-balanced: relay i holds the shards s with s % relays == i.
-		if _, err := pgtest.Pool(b).Exec(ctx, `UPDATE `+pgx.Identifier{schema, "relay_shards"}.Sanitize()+`
-SET owner = 'bench-' || (shard % $1), lease_until = now() + interval '1 hour'`, relays); err != nil {
-			b.Fatal(err)
-		}
-	}
+	shardsTable := pgx.Identifier{schema, "relay_shards"}.Sanitize()
 	var published atomic.Int64
 	done := make(chan struct{})
 	var once sync.Once
@@ -327,6 +323,18 @@ SET owner = 'bench-' || (shard % $1), lease_until = now() + interval '1 hour'`, 
 	for i, c := range children {
 		apps[i], pids[i] = c.app, c.cmd.Process.Pid
 	}
+	if relays > 1 {
+		// Pre-balanced: relay i is to hold the shards s with s % relays
+		// == i. A relay renews only shards it took itself (their epoch),
+		// so rows leased to its id by hand are not its own: it takes them
+		// once their lease lapses, its own id's first (takeSQL). The lease
+		// outlasts the relays' first ticks, so all of them are live by
+		// then and each takes its share: its own shards.
+		if _, err := pgtest.Pool(b).Exec(ctx, `UPDATE `+shardsTable+`
+SET owner = 'bench-' || (shard % $1), lease_until = now() + interval '3 seconds'`, relays); err != nil {
+			b.Fatal(err)
+		}
+	}
 	pg0, proc0, self0 := backendTicks(b, apps), procCPU(pids), statCPU("/proc/self/stat")
 	stopPerf := perfBackends(b, apps[0])
 	start := time.Now()
@@ -334,6 +342,21 @@ SET owner = 'bench-' || (shard % $1), lease_until = now() + interval '1 hour'`, 
 		if _, err := io.WriteString(c.stdin, "go\n"); err != nil {
 			b.Fatal(err)
 		}
+	}
+	if relays > 1 {
+		// The drain starts at the relays' takes of their shards (within a
+		// few ms of one another: their lease ticks started together).
+		for taken := 0; taken == 0; {
+			if time.Since(start) > time.Minute {
+				b.Fatalf("%d relays took no shard within a minute", relays)
+			}
+			time.Sleep(time.Millisecond)
+			if err := pgtest.Pool(b).QueryRow(ctx, `SELECT count(*) FROM `+shardsTable+` WHERE epoch > 0`).Scan(&taken); err != nil {
+				b.Fatal(err)
+			}
+		}
+		pg0, proc0, self0 = backendTicks(b, apps), procCPU(pids), statCPU("/proc/self/stat")
+		start = time.Now()
 	}
 	select {
 	case <-done:
@@ -343,6 +366,15 @@ SET owner = 'bench-' || (shard % $1), lease_until = now() + interval '1 hour'`, 
 	elapsed := time.Since(start)
 	pg1, proc1, self1 := backendTicks(b, apps), procCPU(pids), statCPU("/proc/self/stat")
 	stopPerf(pg1)
+	if relays > 1 {
+		var spread int
+		if err := pgtest.Pool(b).QueryRow(ctx, `SELECT count(*) FROM `+shardsTable+` WHERE owner = 'bench-' || (shard % $1) AND epoch > 0`, relays).Scan(&spread); err != nil {
+			b.Fatal(err)
+		}
+		if spread != relay.NumShards {
+			b.Errorf("after the drain %d of %d shards were held by the relay they were spread to, want all: the run measured another shape", spread, relay.NumShards)
+		}
+	}
 	return drainResult{rate: perSecond(n, elapsed), relayCPU: proc1 - proc0, pgCPU: backendDelta(pg0, pg1), benchCPU: self1 - self0}
 }
 
