@@ -124,9 +124,9 @@ type Config struct {
 	// again. In Leased mode only the same request may: the handler may have
 	// called the downstream under Key(ctx) before it failed, so another
 	// request under the key gets 422 until the Window ends, as after a
-	// request that died. 4xx responses are always stored. In Transactional mode a 5xx
-	// rolls the handler's writes back either way: a stored 5xx is stored in
-	// a transaction of its own. Defaults to false.
+	// request that died. 4xx responses are always stored. In Transactional
+	// mode a 5xx rolls the handler's writes back either way: a stored 5xx
+	// is stored in a transaction of its own. Defaults to false.
 	StoreServerErrors bool
 	// ReplayHeaders lists the response headers stored and replayed. Defaults
 	// to every header the handler set except Set-Cookie, Date,
