@@ -543,8 +543,11 @@ func List(ctx context.Context, db Beginner, schema string) ([]Status, error) {
 		}
 		table := pgx.Identifier{schema, "schema_migrations"}.Sanitize()
 		var exists bool
-		if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, table).Scan(&exists); err != nil || !exists {
+		if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, table).Scan(&exists); err != nil {
 			return err
+		}
+		if !exists {
+			return restoreDateStyle()
 		}
 		rows, err := tx.Query(ctx, `SELECT version, name, applied_at FROM `+table)
 		if err != nil {
@@ -609,10 +612,6 @@ const versionTableSQL = `CREATE TABLE IF NOT EXISTS schema_migrations (
     name       text NOT NULL,
     applied_at timestamptz NOT NULL DEFAULT now())`
 
-// inLockedTx runs fn in a transaction that holds the schema's migration lock,
-// has search_path set to the schema, and sees the applied versions. With
-// create false, a missing schema or version table is left missing and fn
-// sees no applied versions.
 // isoDateStyle sets tx's DateStyle to ISO until the transaction ends and
 // returns what puts the caller's back. In exec and simple_protocol mode
 // (README's advice behind PgBouncer, and `onceflow migrate`'s) PostgreSQL
@@ -634,6 +633,10 @@ func isoDateStyle(ctx context.Context, tx pgx.Tx) (restore func() error, err err
 	}, nil
 }
 
+// inLockedTx runs fn in a transaction that holds the schema's migration lock,
+// has search_path set to the schema, and sees the applied versions. With
+// create false, a missing schema or version table is left missing and fn
+// sees no applied versions.
 func inLockedTx(ctx context.Context, db Beginner, schema string, create bool, fn func(pgx.Tx, map[int]time.Time) error) error {
 	if err := ValidateSchema(schema); err != nil {
 		return fmt.Errorf("migrations: %w", err)
