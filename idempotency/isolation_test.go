@@ -26,18 +26,10 @@ import (
 // isolatedPool is a pool whose sessions default to isolation level.
 func isolatedPool(t *testing.T, level string) *pgxpool.Pool {
 	t.Helper()
-	cfg, err := pgxpool.ParseConfig(pgtest.URL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.ConnConfig.RuntimeParams["default_transaction_isolation"] = level
-	cfg.MaxConns = 24
-	p, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(p.Close)
-	return p
+	return pgtest.PoolWith(t, func(cfg *pgxpool.Config) {
+		cfg.ConnConfig.RuntimeParams["default_transaction_isolation"] = level
+		cfg.MaxConns = 24
+	})
 }
 
 var strictLevels = []string{"repeatable read", "serializable"}

@@ -24,17 +24,10 @@ func TestMigrationsUnderANonISODateStyleInExecMode(t *testing.T) {
 	for _, style := range []string{"German", "SQL, DMY", "Postgres, MDY"} {
 		t.Run(style, func(t *testing.T) {
 			t.Parallel()
-			cfg, err := pgxpool.ParseConfig(pgtest.URL(t))
-			if err != nil {
-				t.Fatal(err)
-			}
-			cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec
-			cfg.ConnConfig.RuntimeParams["DateStyle"] = style
-			pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(pool.Close)
+			pool := pgtest.PoolWith(t, func(cfg *pgxpool.Config) {
+				cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec
+				cfg.ConnConfig.RuntimeParams["DateStyle"] = style
+			})
 			ctx := context.Background()
 			var before string
 			if err := pool.QueryRow(ctx, `SHOW DateStyle`).Scan(&before); err != nil {

@@ -28,16 +28,9 @@ func TestRelayRefusesSessionsNotDefaultingToReadCommitted(t *testing.T) {
 	for _, level := range []string{"repeatable read", "serializable"} {
 		t.Run(level, func(t *testing.T) {
 			b := setup(t)
-			cfg, err := pgxpool.ParseConfig(pgtest.URL(t))
-			if err != nil {
-				t.Fatal(err)
-			}
-			cfg.ConnConfig.RuntimeParams["default_transaction_isolation"] = level
-			pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(pool.Close)
+			pool := pgtest.PoolWith(t, func(cfg *pgxpool.Config) {
+				cfg.ConnConfig.RuntimeParams["default_transaction_isolation"] = level
+			})
 			r, err := relay.New(pool, b.publisher(t), &relay.Config{Schema: b.schema, LeaseDuration: time.Second})
 			if err != nil {
 				t.Fatal(err)

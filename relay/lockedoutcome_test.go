@@ -8,7 +8,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/relay"
 )
 
@@ -30,28 +29,12 @@ func TestADeadLetterDoesNotCommitAfterItsShardWasTakenAndTheEventPublished(t *te
 	t.Parallel()
 	b := setup(t)
 	ctx := context.Background()
-	b.write(t,
-		outbox.Message{Topic: "t", Key: []byte("F"), Value: []byte("f")},
-		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("first")},
-		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("second")},
-	)
-
 	// Another session holds the failed event's row locked.
-	lockTx := lockOutboxRow(t, b, "f")
-
-	pub := &refuseFailPublisher{refuse: map[string]bool{"first": true}, fail: map[string]bool{"f": true}}
-	cfg := relay.Config{Schema: b.schema, InstanceID: "r0", LeaseDuration: 600 * time.Millisecond, PublishTimeout: 200 * time.Millisecond,
-		MaxRetryBackoff: 50 * time.Millisecond, PollInterval: 20 * time.Millisecond}
-	var g sqlGates
-	ticks := g.add(`AS i (id, hostname, pid, lease_until, token`)
-	r0 := runGated(t, &g, pub, cfg)
-
-	// r0's record has moved "first" (uncommitted) and waits on the lock.
-	waitFor(t, "r0's record to wait on the locked row after its dead letter", 30*time.Second, func() bool { return recordsWaitingOnALock(t, b) > 0 })
-
-	// r0 is cut off: its ticks stall, its leases lapse.
-	ticks.shutNow()
-	waitFor(t, "r0's leases to lapse", 30*time.Second, func() bool { return len(r0.OwnedShards()) == 0 && b.lapsed(t, "r0") })
+	lockTx, pub := lockedDeadLetterSetup(t, b)
+	cfg := lockedRecordConfig(b, 600*time.Millisecond)
+	// r0's record moves "first" (uncommitted) and waits on the lock; r0
+	// is cut off: its ticks stall, its leases lapse.
+	cutOffWhileItsRecordWaits(t, b, pub, cfg)
 	pub.set("first", false)
 	pub.set("f", false)
 
@@ -124,22 +107,9 @@ func TestADeadLetterWaitingOnALockDoesNotKeepItsShardsFromOtherRelays(t *testing
 	t.Parallel()
 	b := setup(t)
 	ctx := context.Background()
-	b.write(t,
-		outbox.Message{Topic: "t", Key: []byte("F"), Value: []byte("f")},
-		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("first")},
-		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("second")},
-	)
-	lockTx := lockOutboxRow(t, b, "f")
-
-	pub := &refuseFailPublisher{refuse: map[string]bool{"first": true}, fail: map[string]bool{"f": true}}
-	cfg := relay.Config{Schema: b.schema, InstanceID: "r0", LeaseDuration: 600 * time.Millisecond, PublishTimeout: 200 * time.Millisecond,
-		MaxRetryBackoff: 50 * time.Millisecond, PollInterval: 20 * time.Millisecond}
-	var g sqlGates
-	ticks := g.add(`AS i (id, hostname, pid, lease_until, token`)
-	r0 := runGated(t, &g, pub, cfg)
-	waitFor(t, "r0's record to wait on the locked row after its dead letter", 30*time.Second, func() bool { return recordsWaitingOnALock(t, b) > 0 })
-	ticks.shutNow() // r0 is cut off from here on
-	waitFor(t, "r0's leases to lapse", 30*time.Second, func() bool { return len(r0.OwnedShards()) == 0 && b.lapsed(t, "r0") })
+	lockTx, pub := lockedDeadLetterSetup(t, b)
+	cfg := lockedRecordConfig(b, 600*time.Millisecond)
+	cutOffWhileItsRecordWaits(t, b, pub, cfg) // r0 is cut off from here on
 
 	other := cfg
 	other.InstanceID = "b"

@@ -6,10 +6,12 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/internal/pgtest"
+	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/relay"
 )
 
@@ -158,6 +160,41 @@ func lockOutboxRow(t *testing.T, b *bundle, value string) pgx.Tx {
 		t.Fatal(err)
 	}
 	return tx
+}
+
+// lockedDeadLetterSetup writes the stalled-record scenarios' events (F's
+// "f", K's "first" and "second"), holds "f"'s row locked in another session
+// (an operator's open transaction) and returns that transaction, with a
+// publisher that refuses "first" as too large (a dead letter) and fails
+// "f" (so the record's failSQL waits on the lock after deadSQL).
+func lockedDeadLetterSetup(t *testing.T, b *bundle) (lockTx pgx.Tx, pub *refuseFailPublisher) {
+	t.Helper()
+	b.write(t,
+		outbox.Message{Topic: "t", Key: []byte("F"), Value: []byte("f")},
+		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("first")},
+		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("second")},
+	)
+	lockTx = lockOutboxRow(t, b, "f")
+	return lockTx, &refuseFailPublisher{refuse: map[string]bool{"first": true}, fail: map[string]bool{"f": true}}
+}
+
+// lockedRecordConfig is the stalled-record scenarios' relay "r0" on b.
+func lockedRecordConfig(b *bundle, lease time.Duration) relay.Config {
+	return relay.Config{Schema: b.schema, InstanceID: "r0", LeaseDuration: lease, PublishTimeout: 200 * time.Millisecond,
+		MaxRetryBackoff: 50 * time.Millisecond, PollInterval: 20 * time.Millisecond}
+}
+
+// cutOffWhileItsRecordWaits runs relay "r0" (cfg) until its record waits on
+// the locked row after its dead letter, then stalls its lease ticks (it is
+// cut off) and waits until its leases lapse.
+func cutOffWhileItsRecordWaits(t *testing.T, b *bundle, pub relay.Publisher, cfg relay.Config) {
+	t.Helper()
+	var g sqlGates
+	ticks := g.add(`AS i (id, hostname, pid, lease_until, token`)
+	r0 := runGated(t, &g, pub, cfg)
+	waitFor(t, "r0's record to wait on the locked row after its dead letter", 30*time.Second, func() bool { return recordsWaitingOnALock(t, b) > 0 })
+	ticks.shutNow()
+	waitFor(t, "r0's leases to lapse", 30*time.Second, func() bool { return len(r0.OwnedShards()) == 0 && b.lapsed(t, "r0") })
 }
 
 // recordsWaitingOnALock counts the sessions whose round record (its

@@ -7,7 +7,6 @@ import (
 	"time"
 
 	"github.com/onceflow/onceflow/internal/pgtest"
-	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/relay"
 )
 
@@ -36,18 +35,9 @@ func TestADeadLetterDoesNotCommitAfterASuccessorUnderItsIDRenewedTheShardsAndPub
 	t.Parallel()
 	b := setup(t)
 	ctx := context.Background()
-	b.write(t,
-		outbox.Message{Topic: "t", Key: []byte("F"), Value: []byte("f")},
-		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("first")},
-		outbox.Message{Topic: "t", Key: []byte("K"), Value: []byte("second")},
-	)
-
 	// Another session holds the failed event's row locked.
-	lockTx := lockOutboxRow(t, b, "f")
-
-	pub := &refuseFailPublisher{refuse: map[string]bool{"first": true}, fail: map[string]bool{"f": true}}
-	cfg := relay.Config{Schema: b.schema, InstanceID: "r0", LeaseDuration: 3 * time.Second, PublishTimeout: 200 * time.Millisecond,
-		MaxRetryBackoff: 50 * time.Millisecond, PollInterval: 20 * time.Millisecond}
+	lockTx, pub := lockedDeadLetterSetup(t, b)
+	cfg := lockedRecordConfig(b, 3*time.Second)
 	gap := &gapTracer{delay: 1500 * time.Millisecond, froze: make(chan struct{}), thaw: make(chan struct{})}
 	p, err := relay.New(pgtest.TracedPool(t, gap, 4), pub, &cfg)
 	if err != nil {

@@ -57,14 +57,24 @@ func Pool(t testing.TB) *pgxpool.Pool {
 // closed when the test ends. maxConns 0 keeps pgxpool's default.
 func TracedPool(t testing.TB, tracer pgx.QueryTracer, maxConns int32) *pgxpool.Pool {
 	t.Helper()
+	return PoolWith(t, func(cfg *pgxpool.Config) {
+		cfg.ConnConfig.Tracer = tracer
+		if maxConns > 0 {
+			cfg.MaxConns = maxConns
+		}
+	})
+}
+
+// PoolWith returns a pool of its own on the test database, its config set
+// by configure (session settings, query mode, ...), closed when the test
+// ends.
+func PoolWith(t testing.TB, configure func(*pgxpool.Config)) *pgxpool.Pool {
+	t.Helper()
 	cfg, err := pgxpool.ParseConfig(URL(t))
 	if err != nil {
 		t.Fatalf("pgtest: %v", err)
 	}
-	cfg.ConnConfig.Tracer = tracer
-	if maxConns > 0 {
-		cfg.MaxConns = maxConns
-	}
+	configure(cfg)
 	p, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	if err != nil {
 		t.Fatalf("pgtest: %v", err)
