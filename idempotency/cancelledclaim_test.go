@@ -1,0 +1,245 @@
+package idempotency_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"net"
+	"net/http"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceflow/onceflow/idempotency"
+	"github.com/onceflow/onceflow/internal/pgtest"
+)
+
+// A Leased claim and Do's claim commit on their own (autocommit), so the
+// claim can commit on the server while its caller never learns it: the
+// caller's context is cancelled while the answer is on its way (pgx then
+// breaks the connection), or the connection breaks by itself. Nobody then
+// holds the claim or renews it, and every retry of the request (or call) got
+// "in progress" until its lease lapsed (a minute by default), though the
+// handler never ran.
+
+// heldAnswerConn is a database connection that can hold back the answer to
+// one claim statement after the server committed it. While held, a deadline
+// set on the connection (pgx's answer to a cancelled context) fails the
+// read at once, as it would with the answer still in flight.
+type heldAnswerConn struct {
+	net.Conn
+	hold     atomic.Bool
+	answers  *heldAnswers
+	deadline chan struct{}
+	once     sync.Once
+}
+
+// heldAnswers arms the pool's next claim statement and tells the test when
+// its answer is held; release lets it through (or loses it, when lose is set).
+type heldAnswers struct {
+	armed   atomic.Bool
+	held    chan struct{}
+	release chan struct{}
+	lose    atomic.Bool
+}
+
+var errAnswerLost = errors.New("test: connection reset after the claim committed")
+
+func (c *heldAnswerConn) Read(p []byte) (int, error) {
+	n, err := c.Conn.Read(p)
+	if !c.hold.Load() {
+		return n, err
+	}
+	// The claim is one SELECT (its INSERT in a CTE): hold the read carrying
+	// its CommandComplete and the ReadyForQuery after the commit.
+	i := bytes.Index(p[:n], []byte("SELECT 1\x00"))
+	if i < 0 || !bytes.Contains(p[i:n], []byte{'Z', 0, 0, 0, 5}) {
+		return n, err
+	}
+	c.hold.Store(false)
+	close(c.answers.held)
+	select {
+	case <-c.answers.release:
+		if c.answers.lose.Load() {
+			_ = c.Conn.Close()
+			return 0, errAnswerLost
+		}
+		return n, err
+	case <-c.deadline:
+		return 0, os.ErrDeadlineExceeded
+	}
+}
+
+func (c *heldAnswerConn) SetDeadline(t time.Time) error {
+	if !t.IsZero() {
+		c.once.Do(func() { close(c.deadline) })
+	}
+	return c.Conn.SetDeadline(t)
+}
+
+func (h *heldAnswers) TraceQueryStart(ctx context.Context, conn *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if strings.Contains(d.SQL, "ON CONFLICT (scope, key) DO NOTHING") && h.armed.CompareAndSwap(true, false) {
+		conn.PgConn().Conn().(*heldAnswerConn).hold.Store(true)
+	}
+	return ctx
+}
+
+func (*heldAnswers) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// heldAnswerBundle is b with a pool whose next claim's answer is held.
+func heldAnswerBundle(t *testing.T, b bundle) (bundle, *heldAnswers) {
+	t.Helper()
+	h := &heldAnswers{held: make(chan struct{}), release: make(chan struct{})}
+	h.armed.Store(true)
+	pool := pgtest.PoolWith(t, func(cfg *pgxpool.Config) {
+		cfg.ConnConfig.Tracer = h
+		cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			return &heldAnswerConn{Conn: c, answers: h, deadline: make(chan struct{})}, nil
+		}
+	})
+	return bundle{pool: pool, schema: b.schema}, h
+}
+
+// retryUntilNotInProgress sends req until it is not answered 409, for 10 s.
+func retryUntilNotInProgress(t *testing.T, srv string, req request) response {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		r, err := trySend(srv, req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.status != http.StatusConflict || time.Now().After(deadline) {
+			return r
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func TestLeasedClaimWhoseClientLeftBeforeItsAnswerDoesNotHoldTheKey(t *testing.T) {
+	t.Parallel()
+	b, answers := heldAnswerBundle(t, setup(t))
+	var runs atomic.Int64
+	srv := newServer(t, b, idempotency.Config{Mode: idempotency.Leased, Lease: time.Minute}, func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		w.WriteHeader(http.StatusCreated)
+	})
+
+	ctx, cancel := context.WithCancel(context.Background())
+	sent := make(chan error, 1)
+	go func() {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL+"/orders", strings.NewReader("{}"))
+		req.Header.Set(idempotency.KeyHeader, "k-left")
+		req.Header.Set("X-User", "alice")
+		resp, err := http.DefaultClient.Do(req)
+		if err == nil {
+			resp.Body.Close()
+		}
+		sent <- err
+	}()
+	<-answers.held // the claim committed; its answer is on its way
+	cancel()       // and the client leaves
+	if err := <-sent; !errors.Is(err, context.Canceled) {
+		t.Fatalf("client: %v, want context.Canceled", err)
+	}
+	time.Sleep(200 * time.Millisecond) // the server notices the closed connection
+	close(answers.release)
+
+	if r := retryUntilNotInProgress(t, srv.URL, request{key: "k-left", body: "{}"}); r.status != http.StatusCreated {
+		t.Fatalf("retry of a request whose client left before its claim's answer: %d for 10 s, want 201: "+
+			"the handler never ran, yet its claim held the key for a lease (1 min)", r.status)
+	}
+	if n := runs.Load(); n != 1 {
+		t.Fatalf("handler ran %d times, want 1 (the retry)", n)
+	}
+}
+
+func TestLeasedClaimWhoseAnswerWasLostDoesNotHoldTheKey(t *testing.T) {
+	t.Parallel()
+	b, answers := heldAnswerBundle(t, setup(t))
+	var runs atomic.Int64
+	srv := newServer(t, b, idempotency.Config{Mode: idempotency.Leased, Lease: time.Minute}, func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		w.WriteHeader(http.StatusCreated)
+	})
+	answers.lose.Store(true)
+	close(answers.release)
+	if r := send(t, srv, request{key: "k-lost", body: "{}"}); r.status < 500 {
+		t.Fatalf("request whose claim's answer was lost: %d, want a 5xx", r.status)
+	}
+	if r := retryUntilNotInProgress(t, srv.URL, request{key: "k-lost", body: "{}"}); r.status != http.StatusCreated {
+		t.Fatalf("retry of a request whose claim's answer was lost: %d for 10 s, want 201", r.status)
+	}
+	if n := runs.Load(); n != 1 {
+		t.Fatalf("handler ran %d times, want 1 (the retry)", n)
+	}
+	// The claim may have been an heir's, or a takeover's: the key stays the
+	// same request's, so another body under it is refused.
+	if r := send(t, srv, request{key: "k-lost", body: `{"other":1}`}); r.status != http.StatusUnprocessableEntity {
+		t.Fatalf("other body under the key: %d, want 422", r.status)
+	}
+}
+
+func TestDoCancelledBeforeItsClaimsAnswerDoesNotHoldTheKey(t *testing.T) {
+	t.Parallel()
+	b, answers := heldAnswerBundle(t, setup(t))
+	fence, err := idempotency.NewFence(b.pool, &idempotency.FenceConfig{Schema: b.schema, Lease: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var runs atomic.Int64
+	fn := func(context.Context) ([]byte, error) {
+		runs.Add(1)
+		return []byte("charged"), nil
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	returned := make(chan error, 1)
+	go func() {
+		_, err := fence.Do(ctx, "k-cancelled", fn)
+		returned <- err
+	}()
+	<-answers.held
+	cancel()
+	time.Sleep(200 * time.Millisecond)
+	close(answers.release)
+	select {
+	case err := <-returned:
+		if !errors.Is(err, context.Canceled) {
+			t.Fatalf("cancelled Do: %v, want context.Canceled", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("Do did not return within 5 s of its context's cancellation")
+	}
+	if runs.Load() != 0 {
+		t.Fatal("a cancelled Do ran fn")
+	}
+
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		got, err := fence.Do(context.Background(), "k-cancelled", fn)
+		if err == nil {
+			if string(got) != "charged" {
+				t.Fatalf("Do returned %q", got)
+			}
+			break
+		}
+		if !errors.Is(err, idempotency.ErrInProgress) || time.Now().After(deadline) {
+			t.Fatalf("Do after a call cancelled before its claim's answer: %v after 10 s, want fn to run: "+
+				"fn never ran, yet the claim held the key for a lease (1 min)", err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if n := runs.Load(); n != 1 {
+		t.Fatalf("fn ran %d times, want 1", n)
+	}
+}
