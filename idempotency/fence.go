@@ -141,7 +141,7 @@ func (f *Fence) Do(ctx context.Context, key string, fn func(ctx context.Context)
 	}
 	c := claim{scope: f.scope, key: key, token: newToken(), fingerprint: []byte{}}
 	held := time.Now()
-	claimed, rec, err := f.store.tryClaim(ctx, f.db, &c, f.cfg.Lease, f.cfg.Window)
+	claimed, rec, err := f.store.claimOwned(ctx, f.db, &c, f.cfg.Lease, f.cfg.Window, f.cfg.Logger.Warn)
 	if errors.Is(err, ErrKeyInvalid) {
 		return nil, err
 	}

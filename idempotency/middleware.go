@@ -566,7 +566,7 @@ func (m *Middleware) outcome(rw *recorder) (state string, headers map[string][]s
 func (m *Middleware) serveLeased(w http.ResponseWriter, r *http.Request, next http.Handler, c claim) {
 	ctx := r.Context()
 	held := time.Now()
-	claimed, rec, err := m.store.tryClaim(ctx, m.db, &c, m.cfg.Lease, m.cfg.Window)
+	claimed, rec, err := m.store.claimOwned(ctx, m.db, &c, m.cfg.Lease, m.cfg.Window, m.cfg.Logger.Warn)
 	if err != nil {
 		m.fail(w, r, fmt.Errorf("idempotency: claim key: %w", err))
 		return

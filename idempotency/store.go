@@ -434,6 +434,74 @@ func (s *store) tryClaim(ctx context.Context, db querier, c *claim, lease, windo
 	}
 }
 
+// claimOwned claims c.key for a claim that commits on its own (a Leased
+// request's, Do's), so that a claim which commits always has a holder to
+// run it or give it up. pgx answers a cancelled context by breaking the
+// connection: a claim that had committed by then held the key, renewed by
+// nobody, and every retry got "in progress" until its lease lapsed. So the
+// statement runs detached from ctx's cancellation, for at most a lease (a
+// claim it left behind would have lapsed by then anyway), and whatever it
+// claimed after ctx ended is given up (abandon). The caller still returns
+// as soon as ctx ends.
+func (s *store) claimOwned(ctx context.Context, db querier, c *claim, lease, window time.Duration, log func(string, ...any)) (claimed bool, in *record, err error) {
+	if ctx.Err() != nil {
+		return false, nil, context.Cause(ctx)
+	}
+	done := make(chan claimResult, 1)
+	go func(r claimResult) {
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), lease)
+		defer cancel()
+		r.claimed, r.rec, r.err = s.tryClaim(cctx, db, &r.c, lease, window)
+		done <- r
+	}(claimResult{c: *c})
+	select {
+	case r := <-done:
+		if r.claimed && ctx.Err() != nil {
+			s.abandon(ctx, db, r, log)
+			return false, nil, context.Cause(ctx)
+		}
+		if r.err != nil {
+			s.abandon(ctx, db, r, log)
+		}
+		*c = r.c
+		return r.claimed, r.rec, r.err
+	case <-ctx.Done():
+		go func() { s.abandon(ctx, db, <-done, log) }()
+		return false, nil, context.Cause(ctx)
+	}
+}
+
+type claimResult struct {
+	c       claim
+	claimed bool
+	rec     *record
+	err     error
+}
+
+// abandon gives up a claim its caller will not run: one that landed after
+// the caller left is released (nothing ran under it; an heir's lapses), and
+// one whose answer was lost (an error the server did not report, such as a
+// broken connection) may have committed, as an insert or as a takeover of a
+// dead holder's key, so it is lapsed by its token: the same request may
+// take the key at once, another body stays refused, as after a dead holder.
+func (s *store) abandon(ctx context.Context, db querier, r claimResult, log func(string, ...any)) {
+	bg, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	var pgErr *pgconn.PgError
+	var err error
+	switch {
+	case r.claimed:
+		err = s.release(bg, db, r.c)
+	case r.err != nil && !errors.As(r.err, &pgErr) && !errors.Is(r.err, ErrKeyInvalid):
+		err = s.lapse(bg, db, r.c)
+	default:
+		return
+	}
+	if err != nil {
+		log("idempotency: give up claim", "key", r.c.key, "error", err)
+	}
+}
+
 // complete stores the outcome of c. It fails with ErrLeaseLost when c no
 // longer owns the record.
 func (s *store) complete(ctx context.Context, db querier, c claim, window time.Duration, state string, status int, headers map[string][]string, body []byte) error {
