@@ -151,6 +151,7 @@ type common struct {
 	poolSize     int
 	schema       string
 	brokers      string
+	takesBrokers bool // the command has --brokers (ONCEFLOW_BROKERS applies)
 	logLevel     string
 	logFormat    string
 }
@@ -268,7 +269,10 @@ func (c *common) register(fs *flag.FlagSet, withBrokers bool) {
 	fs.StringVar(&c.schema, "schema", env("ONCEFLOW_SCHEMA", migrations.DefaultSchema), "schema holding onceflow's tables (env ONCEFLOW_SCHEMA)")
 	c.registerPG(fs)
 	if withBrokers {
-		fs.StringVar(&c.brokers, "brokers", env("ONCEFLOW_BROKERS", ""), "Kafka brokers, comma-separated host:port (env ONCEFLOW_BROKERS)")
+		// No default from the environment either: a broker list may carry
+		// credentials (refused, but --help would print them). parse reads it.
+		fs.StringVar(&c.brokers, "brokers", "", "Kafka brokers, comma-separated host:port (env ONCEFLOW_BROKERS)")
+		c.takesBrokers = true
 	}
 	fs.StringVar(&c.logLevel, "log-level", env("ONCEFLOW_LOG_LEVEL", "info"), "debug, info, warn or error (env ONCEFLOW_LOG_LEVEL)")
 	fs.StringVar(&c.logFormat, "log-format", env("ONCEFLOW_LOG_FORMAT", "text"), "text or json (env ONCEFLOW_LOG_FORMAT)")
@@ -305,11 +309,17 @@ func (c *common) parse(ctx context.Context, fs *flag.FlagSet, args []string, nee
 	if c.poolSize < 0 || c.poolSize > 10000 {
 		return fmt.Errorf("%w: --database-pool-size: %d is not between 0 and 10000", errUsage, c.poolSize)
 	}
+	if c.takesBrokers && c.brokers == "" {
+		c.brokers = env("ONCEFLOW_BROKERS", "")
+	}
 	if needBrokers && len(c.brokerList()) == 0 {
 		return fmt.Errorf("%w: --brokers (or ONCEFLOW_BROKERS) is required", errUsage)
 	}
 	for _, b := range c.brokerList() {
 		if !strings.Contains(b, ":") {
+			if at := strings.LastIndex(b, "@"); at >= 0 {
+				b = "…@" + b[at+1:] // credentials, not repeated
+			}
 			return fmt.Errorf("%w: --brokers: %q is not host:port", errUsage, b)
 		}
 	}

@@ -87,3 +87,24 @@ func TestKafkaSecurityThatDoesNothingOrLittleIsSaid(t *testing.T) {
 		t.Errorf("want two Warn lines (verification off; PLAIN in the clear), got:\n%s", logged.String())
 	}
 }
+
+// helper 114: --brokers took its default from ONCEFLOW_BROKERS, so --help
+// printed a broker list with credentials in it (a user:password@ prefix
+// a managed cluster's copy-paste carries), and a colon-less "token@host"
+// came back whole in "is not host:port" before ParseBrokers could refuse it
+// without repeating it.
+func TestBrokerCredentialsAreNotEchoed(t *testing.T) {
+	t.Setenv("ONCEFLOW_BROKERS", "u:hunter2@k:9092")
+	out, _ := runCLI(t, "relay", "--help")
+	if strings.Contains(out, "hunter2") {
+		t.Errorf("relay --help prints the broker credentials:\n%s", out)
+	}
+	t.Setenv("ONCEFLOW_BROKERS", "")
+	out, err := runCLI(t, "relay", "--database-url", "postgres://db.invalid/x", "--brokers", "hunter2@k")
+	if !errors.Is(err, errUsage) {
+		t.Errorf("--brokers hunter2@k: err %v, want a usage error", err)
+	}
+	if strings.Contains(out, "hunter2") || err != nil && strings.Contains(err.Error(), "hunter2") {
+		t.Errorf("--brokers hunter2@k echoes the credential: %v\n%s", err, out)
+	}
+}
