@@ -23,8 +23,9 @@ var awsHTTPClient aws.HTTPClient
 // instance role), cached and refreshed before they expire. kafkaconn's
 // default reads the environment's keys only, which the roles MSK users
 // run with never set. region (the brokers' or --kafka-aws-region, "" for
-// none) is the SDK's region unless AWS_REGION or the profile names one:
-// web identity and assumed roles call regional STS.
+// none) is the SDK's region when neither AWS_REGION nor the profile names
+// one (web identity and assumed roles call regional STS); the flag, when
+// given, has been set as AWS_REGION already, so it wins.
 //
 // The configuration is loaded now (files and the environment, no network):
 // an error there (a profile that does not exist, a malformed file) cannot

@@ -262,3 +262,24 @@ func franzGoIAMFirstMessage(t *testing.T, host string, extra ...string) (string,
 	_, first, err := m.Authenticate(context.Background(), host)
 	return string(first), err
 }
+
+// helper 114: AWS_MSK_IAM against a broker name that carries no region
+// (a custom DNS name), with neither --kafka-aws-region nor AWS_REGION nor
+// AWS_DEFAULT_REGION, started, and then failed every connection ("no
+// region") for good: a setting that cannot heal while the relay runs is a
+// usage error at start, naming the flag.
+func TestMSKIAMWithoutARegionRefusesToStart(t *testing.T) {
+	dir := t.TempDir()
+	for k, v := range map[string]string{
+		"AWS_ACCESS_KEY_ID": "AKIDSTATIC", "AWS_SECRET_ACCESS_KEY": "secret", "AWS_SESSION_TOKEN": "", "AWS_PROFILE": "",
+		"AWS_SHARED_CREDENTIALS_FILE": filepath.Join(dir, "none"), "AWS_CONFIG_FILE": filepath.Join(dir, "none"),
+		"AWS_EC2_METADATA_DISABLED": "true", "AWS_REGION": "", "AWS_DEFAULT_REGION": "", "ONCEFLOW_KAFKA_AWS_REGION": "",
+	} {
+		t.Setenv(k, v)
+	}
+	_, err := runCLI(t, "relay", "--database-url", pgtest.URL(t), "--brokers", "kafka.internal:9098", "--kafka-tls",
+		"--kafka-sasl-mechanism", "AWS_MSK_IAM")
+	if !errors.Is(err, errUsage) || !strings.Contains(err.Error(), "--kafka-aws-region") {
+		t.Fatalf("err = %v, want a usage error naming --kafka-aws-region", err)
+	}
+}

@@ -115,8 +115,17 @@ func (k *kafkaFlags) conn(brokers []string) ([]string, kafkaconn.Config, error) 
 				if err := os.Setenv("AWS_REGION", region); err != nil {
 					return nil, c, fmt.Errorf("--kafka-aws-region: %w", err)
 				}
-			} else if len(hosts) > 0 {
-				region, _ = c.SASL.AWSRegionFor(hosts[0]) // "" when the name carries none
+			} else {
+				// A broker name without a region, and none in the
+				// environment, fails every connection for good: refused now.
+				for _, h := range hosts {
+					if _, err := c.SASL.AWSRegionFor(h); err != nil {
+						return nil, c, fmt.Errorf("--kafka-aws-region: required: broker %s's name carries no region, and AWS_REGION and AWS_DEFAULT_REGION are unset", h)
+					}
+				}
+				if len(hosts) > 0 {
+					region, _ = c.SASL.AWSRegionFor(hosts[0])
+				}
 			}
 			creds, err := awsCredentialChain(region)
 			if err != nil {
@@ -170,5 +179,8 @@ func warnWeakKafkaSecurity(log *slog.Logger, c kafkaconn.Config) {
 	}
 	if c.TLS == nil && c.SASL != nil && c.SASL.Mechanism == kafkaconn.Plain {
 		log.Warn("relay: SASL PLAIN without TLS sends the password in the clear; use SASL_SSL:// brokers or --kafka-tls")
+	}
+	if c.TLS == nil && c.SASL != nil && c.SASL.Mechanism == kafkaconn.AWSMSKIAM {
+		log.Warn("relay: AWS_MSK_IAM without TLS: MSK serves IAM on its TLS listener only (port 9098), and the signed token goes in the clear; use SASL_SSL:// brokers or --kafka-tls")
 	}
 }

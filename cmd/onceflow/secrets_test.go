@@ -83,8 +83,14 @@ func TestKafkaSecurityThatDoesNothingOrLittleIsSaid(t *testing.T) {
 	warnWeakKafkaSecurity(log, kafkaconn.Config{TLS: &kafkaconn.TLS{InsecureSkipVerify: true}})
 	warnWeakKafkaSecurity(log, kafkaconn.Config{SASL: &kafkaconn.SASL{Mechanism: kafkaconn.Plain, Username: "u", Password: "p"}})
 	warnWeakKafkaSecurity(log, kafkaconn.Config{TLS: &kafkaconn.TLS{}, SASL: &kafkaconn.SASL{Mechanism: kafkaconn.Plain, Username: "u", Password: "p"}})
-	if n := strings.Count(logged.String(), "level=WARN"); n != 2 || !strings.Contains(logged.String(), "not verified") || !strings.Contains(logged.String(), "in the clear") {
-		t.Errorf("want two Warn lines (verification off; PLAIN in the clear), got:\n%s", logged.String())
+	// helper 114: AWS_MSK_IAM without TLS looked like an unreachable
+	// broker (MSK serves IAM on TLS only), and the signed token, with its
+	// session token, would go in the clear.
+	warnWeakKafkaSecurity(log, kafkaconn.Config{SASL: &kafkaconn.SASL{Mechanism: kafkaconn.AWSMSKIAM}})
+	warnWeakKafkaSecurity(log, kafkaconn.Config{TLS: &kafkaconn.TLS{}, SASL: &kafkaconn.SASL{Mechanism: kafkaconn.AWSMSKIAM}})
+	if n := strings.Count(logged.String(), "level=WARN"); n != 3 || !strings.Contains(logged.String(), "not verified") ||
+		!strings.Contains(logged.String(), "in the clear") || !strings.Contains(logged.String(), "AWS_MSK_IAM without TLS") {
+		t.Errorf("want three Warn lines (verification off; PLAIN in the clear; AWS_MSK_IAM without TLS), got:\n%s", logged.String())
 	}
 }
 
