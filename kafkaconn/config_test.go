@@ -2,6 +2,7 @@ package kafkaconn_test
 
 import (
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"strings"
 	"testing"
@@ -23,16 +24,20 @@ func TestValidateNamesTheField(t *testing.T) {
 		c    kafkaconn.Config
 		want string
 	}{
-		"NoMechanism":     {kafkaconn.Config{SASL: &kafkaconn.SASL{Username: "u", Password: "pw-9f3a"}}, "SASL.Mechanism: required"},
-		"BadMechanism":    {kafkaconn.Config{SASL: &kafkaconn.SASL{Mechanism: "GSSAPI"}}, `SASL.Mechanism: "GSSAPI" is not one of`},
-		"NoUser":          {kafkaconn.Config{SASL: &kafkaconn.SASL{Mechanism: kafkaconn.ScramSHA512, Password: "pw-9f3a"}}, "SASL.Username: required for SCRAM-SHA-512"},
-		"NoPassword":      {kafkaconn.Config{SASL: &kafkaconn.SASL{Mechanism: kafkaconn.Plain, Username: "u"}}, "SASL.Password: required for PLAIN"},
-		"IAMWithPassword": {kafkaconn.Config{SASL: &kafkaconn.SASL{Mechanism: kafkaconn.AWSMSKIAM, Password: "pw-9f3a"}}, "unused by AWS_MSK_IAM"},
-		"MissingCA":       {kafkaconn.Config{TLS: &kafkaconn.TLS{CAFile: "/nonexistent/ca.pem"}}, "TLS.CAFile: open /nonexistent/ca.pem"},
-		"CAIsNotPEM":      {kafkaconn.Config{TLS: &kafkaconn.TLS{CAFile: pki.ClientKey}}, "TLS.CAFile:"},
-		"CertWithoutKey":  {kafkaconn.Config{TLS: &kafkaconn.TLS{CertFile: pki.ClientCert}}, "TLS.KeyFile: required with TLS.CertFile"},
-		"KeyWithoutCert":  {kafkaconn.Config{TLS: &kafkaconn.TLS{KeyFile: pki.ClientKey}}, "TLS.CertFile: required with TLS.KeyFile"},
-		"CertKeyMismatch": {kafkaconn.Config{TLS: &kafkaconn.TLS{CertFile: pki.ClientCert, KeyFile: pki.ServerKey}}, "TLS.CertFile, TLS.KeyFile:"},
+		"NoMechanism":         {kafkaconn.Config{SASL: &kafkaconn.SASL{Username: "u", Password: "pw-9f3a"}}, "SASL.Mechanism: required"},
+		"BadMechanism":        {kafkaconn.Config{SASL: &kafkaconn.SASL{Mechanism: "GSSAPI"}}, `SASL.Mechanism: "GSSAPI" is not one of`},
+		"NoUser":              {kafkaconn.Config{SASL: &kafkaconn.SASL{Mechanism: kafkaconn.ScramSHA512, Password: "pw-9f3a"}}, "SASL.Username: required for SCRAM-SHA-512"},
+		"NoPassword":          {kafkaconn.Config{SASL: &kafkaconn.SASL{Mechanism: kafkaconn.Plain, Username: "u"}}, "SASL.Password: required for PLAIN"},
+		"PasswordAndFile":     {kafkaconn.Config{SASL: &kafkaconn.SASL{Mechanism: kafkaconn.Plain, Username: "u", Password: "pw-9f3a", PasswordFile: pki.CAFile}}, "SASL.Password, SASL.PasswordFile: set one"},
+		"MissingPasswordFile": {kafkaconn.Config{SASL: &kafkaconn.SASL{Mechanism: kafkaconn.Plain, Username: "u", PasswordFile: "/nonexistent/pw"}}, "SASL.PasswordFile: open /nonexistent/pw"},
+		"EmptyPasswordFile":   {kafkaconn.Config{SASL: &kafkaconn.SASL{Mechanism: kafkaconn.Plain, Username: "u", PasswordFile: "/dev/null"}}, "SASL.PasswordFile: /dev/null is empty"},
+		"IAMWithPasswordFile": {kafkaconn.Config{SASL: &kafkaconn.SASL{Mechanism: kafkaconn.AWSMSKIAM, PasswordFile: "/dev/null"}}, "unused by AWS_MSK_IAM"},
+		"IAMWithPassword":     {kafkaconn.Config{SASL: &kafkaconn.SASL{Mechanism: kafkaconn.AWSMSKIAM, Password: "pw-9f3a"}}, "unused by AWS_MSK_IAM"},
+		"MissingCA":           {kafkaconn.Config{TLS: &kafkaconn.TLS{CAFile: "/nonexistent/ca.pem"}}, "TLS.CAFile: open /nonexistent/ca.pem"},
+		"CAIsNotPEM":          {kafkaconn.Config{TLS: &kafkaconn.TLS{CAFile: pki.ClientKey}}, "TLS.CAFile:"},
+		"CertWithoutKey":      {kafkaconn.Config{TLS: &kafkaconn.TLS{CertFile: pki.ClientCert}}, "TLS.KeyFile: required with TLS.CertFile"},
+		"KeyWithoutCert":      {kafkaconn.Config{TLS: &kafkaconn.TLS{KeyFile: pki.ClientKey}}, "TLS.CertFile: required with TLS.KeyFile"},
+		"CertKeyMismatch":     {kafkaconn.Config{TLS: &kafkaconn.TLS{CertFile: pki.ClientCert, KeyFile: pki.ServerKey}}, "TLS.CertFile, TLS.KeyFile:"},
 	}
 	for name, tc := range cases {
 		t.Run(name, func(t *testing.T) {
@@ -63,8 +68,12 @@ func TestValidateNamesTheField(t *testing.T) {
 		t.Fatalf("String() = %q", s)
 	}
 	tc, err := ok.TLSConfig()
-	if err != nil || tc.ServerName != "kafka" || tc.InsecureSkipVerify || len(tc.Certificates) != 1 || tc.RootCAs == nil {
+	if err != nil || tc.ServerName != "kafka" || tc.InsecureSkipVerify || tc.GetClientCertificate == nil || tc.RootCAs == nil {
 		t.Fatalf("TLSConfig() = %+v, %v", tc, err)
+	}
+	// The client certificate is read at each handshake (rotation_test.go).
+	if cert, err := tc.GetClientCertificate(&tls.CertificateRequestInfo{}); err != nil || len(cert.Certificate) == 0 {
+		t.Fatalf("GetClientCertificate() = %v, %v", cert, err)
 	}
 }
 

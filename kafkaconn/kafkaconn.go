@@ -37,7 +37,9 @@ type TLS struct {
 	CAFile string
 	// CertFile and KeyFile are a PEM client certificate and its key, for
 	// brokers that require mutual TLS (ssl.client.auth=required). Both or
-	// neither. Default to "": no client certificate.
+	// neither. They are read for every new connection, so a certificate
+	// rotated in place is used without a restart (CAFile is read once).
+	// Default to "": no client certificate.
 	CertFile string
 	KeyFile  string
 	// ServerName is the name the brokers' certificates must carry.
@@ -87,9 +89,14 @@ type SASL struct {
 	// Required.
 	Mechanism Mechanism
 	// Username and Password are the credentials of PLAIN and SCRAM.
-	// Required for them; unused by AWS_MSK_IAM.
+	// Required for them (Password or PasswordFile); unused by AWS_MSK_IAM.
 	Username string
 	Password string
+	// PasswordFile, instead of Password, is a file holding the password
+	// (one trailing newline is ignored). It is read for every new
+	// connection, so a secret rotated in place (a mounted Kubernetes or
+	// Vault secret) is used without a restart once the old one is refused.
+	PasswordFile string
 	// AWSCredentials returns the credentials AWS_MSK_IAM signs with; it is
 	// called for every new connection, so it may rotate them. Defaults to
 	// reading AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN
@@ -101,6 +108,24 @@ type SASL struct {
 	// the environment: with the kgo adapters a non-MSK host name needs
 	// AWS_REGION. Defaults to AWS_REGION, then AWS_DEFAULT_REGION.
 	AWSRegion string
+}
+
+// CurrentPassword returns Password, or PasswordFile's content as it is now
+// (one trailing newline, and a carriage return before it, trimmed). The
+// adapters call it for every new connection.
+func (s *SASL) CurrentPassword() (string, error) {
+	if s.PasswordFile == "" {
+		return s.Password, nil
+	}
+	b, err := os.ReadFile(s.PasswordFile)
+	if err != nil {
+		return "", fmt.Errorf("SASL.PasswordFile: %w", err)
+	}
+	password := strings.TrimSuffix(strings.TrimSuffix(string(b), "\n"), "\r")
+	if password == "" {
+		return "", fmt.Errorf("SASL.PasswordFile: %s is empty", s.PasswordFile)
+	}
+	return password, nil
 }
 
 // AWSCredentials are what AWS_MSK_IAM signs with.
@@ -173,11 +198,17 @@ func (c Config) Validate() error {
 			if s.Username == "" {
 				return fmt.Errorf("SASL.Username: required for %s", s.Mechanism)
 			}
-			if s.Password == "" {
+			switch {
+			case s.Password != "" && s.PasswordFile != "":
+				return errors.New("SASL.Password, SASL.PasswordFile: set one")
+			case s.Password == "" && s.PasswordFile == "":
 				return fmt.Errorf("SASL.Password: required for %s", s.Mechanism)
 			}
+			if _, err := s.CurrentPassword(); err != nil {
+				return err
+			}
 		case AWSMSKIAM:
-			if s.Username != "" || s.Password != "" {
+			if s.Username != "" || s.Password != "" || s.PasswordFile != "" {
 				return errors.New("SASL.Username, SASL.Password: unused by AWS_MSK_IAM (it signs with AWS credentials); leave them empty")
 			}
 		case "":
@@ -214,11 +245,20 @@ func (c Config) TLSConfig() (*tls.Config, error) {
 	}
 	switch {
 	case t.CertFile != "" && t.KeyFile != "":
-		cert, err := tls.LoadX509KeyPair(t.CertFile, t.KeyFile)
-		if err != nil {
-			return nil, fmt.Errorf("TLS.CertFile, TLS.KeyFile: %w", err)
+		load := func() (*tls.Certificate, error) {
+			cert, err := tls.LoadX509KeyPair(t.CertFile, t.KeyFile)
+			if err != nil {
+				return nil, fmt.Errorf("TLS.CertFile, TLS.KeyFile: %w", err)
+			}
+			return &cert, nil
 		}
-		out.Certificates = []tls.Certificate{cert}
+		if _, err := load(); err != nil {
+			return nil, err
+		}
+		// Read at every handshake: a certificate rotated in place is
+		// presented on the next connection. A pair caught half-written
+		// fails that handshake, and the client dials again.
+		out.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return load() }
 	case t.CertFile != "":
 		return nil, errors.New("TLS.KeyFile: required with TLS.CertFile")
 	case t.KeyFile != "":

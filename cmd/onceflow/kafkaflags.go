@@ -94,16 +94,10 @@ func (k *kafkaFlags) conn(brokers []string) ([]string, kafkaconn.Config, error) 
 			if fromEnv {
 				return nil, c, errors.New("--kafka-sasl-password-file: ONCEFLOW_KAFKA_SASL_PASSWORD is set too; give one")
 			}
-			b, err := os.ReadFile(k.passwordFile)
-			if err != nil {
-				return nil, c, fmt.Errorf("--kafka-sasl-password-file: %w", err)
-			}
-			password = strings.TrimSuffix(strings.TrimSuffix(string(b), "\n"), "\r")
-			if password == "" {
-				return nil, c, fmt.Errorf("--kafka-sasl-password-file: %s is empty", k.passwordFile)
-			}
 		}
-		c.SASL = &kafkaconn.SASL{Mechanism: m, Username: k.username, Password: password, AWSRegion: k.awsRegion}
+		// The file is read for every new connection (Validate reads it
+		// once now): a secret rotated in place is used without a restart.
+		c.SASL = &kafkaconn.SASL{Mechanism: m, Username: k.username, Password: password, PasswordFile: k.passwordFile, AWSRegion: k.awsRegion}
 		if m == kafkaconn.AWSMSKIAM {
 			region := k.awsRegion
 			if region != "" {
@@ -151,6 +145,7 @@ func flagNames(s string) string {
 		"TLS.KeyFile", "--kafka-tls-key-file",
 		"SASL.Mechanism", "--kafka-sasl-mechanism",
 		"SASL.Username", "--kafka-sasl-username",
+		"SASL.PasswordFile", "--kafka-sasl-password-file", // before its prefix
 		"SASL.Password", "ONCEFLOW_KAFKA_SASL_PASSWORD (or --kafka-sasl-password-file)",
 	).Replace(s)
 }

@@ -259,17 +259,45 @@ const probeForget = 10 * time.Minute
 // Mechanism returns kafka-go's mechanism for s.
 func Mechanism(s *kafkaconn.SASL) (sasl.Mechanism, error) {
 	switch s.Mechanism {
-	case kafkaconn.Plain:
-		return plain.Mechanism{Username: s.Username, Password: s.Password}, nil
-	case kafkaconn.ScramSHA256:
-		return scram.Mechanism(scram.SHA256, s.Username, s.Password)
-	case kafkaconn.ScramSHA512:
-		return scram.Mechanism(scram.SHA512, s.Username, s.Password)
+	case kafkaconn.Plain, kafkaconn.ScramSHA256, kafkaconn.ScramSHA512:
+		if s.PasswordFile != "" {
+			return passwordFileMechanism{s: s}, nil
+		}
+		return passwordMechanism(s.Mechanism, s.Username, s.Password)
 	case kafkaconn.AWSMSKIAM:
 		return &iam{s: s}, nil
 	default:
 		return nil, fmt.Errorf("SASL.Mechanism: %q is not supported", s.Mechanism)
 	}
+}
+
+func passwordMechanism(m kafkaconn.Mechanism, user, password string) (sasl.Mechanism, error) {
+	switch m {
+	case kafkaconn.Plain:
+		return plain.Mechanism{Username: user, Password: password}, nil
+	case kafkaconn.ScramSHA256:
+		return scram.Mechanism(scram.SHA256, user, password)
+	default:
+		return scram.Mechanism(scram.SHA512, user, password)
+	}
+}
+
+// passwordFileMechanism reads SASL.PasswordFile for every connection, so a
+// secret rotated in place is used on the next one.
+type passwordFileMechanism struct{ s *kafkaconn.SASL }
+
+func (m passwordFileMechanism) Name() string { return string(m.s.Mechanism) }
+
+func (m passwordFileMechanism) Start(ctx context.Context) (sasl.StateMachine, []byte, error) {
+	pw, err := m.s.CurrentPassword()
+	if err != nil {
+		return nil, nil, err
+	}
+	inner, err := passwordMechanism(m.s.Mechanism, m.s.Username, pw)
+	if err != nil {
+		return nil, nil, err
+	}
+	return inner.Start(ctx)
 }
 
 // iam is aws_msk_iam_v2's mechanism with the region chosen per broker

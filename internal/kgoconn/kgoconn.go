@@ -43,12 +43,23 @@ func Opts(c kafkaconn.Config) ([]kgo.Opt, error) {
 // Mechanism returns franz-go's mechanism for s.
 func Mechanism(s *kafkaconn.SASL) (sasl.Mechanism, error) {
 	switch s.Mechanism {
+	// The password is read for every connection (SASL.PasswordFile may be
+	// rotated in place).
 	case kafkaconn.Plain:
-		return plain.Auth{User: s.Username, Pass: s.Password}.AsMechanism(), nil
+		return plain.Plain(func(context.Context) (plain.Auth, error) {
+			pw, err := s.CurrentPassword()
+			return plain.Auth{User: s.Username, Pass: pw}, err
+		}), nil
 	case kafkaconn.ScramSHA256:
-		return scram.Auth{User: s.Username, Pass: s.Password}.AsSha256Mechanism(), nil
+		return scram.Sha256(func(context.Context) (scram.Auth, error) {
+			pw, err := s.CurrentPassword()
+			return scram.Auth{User: s.Username, Pass: pw}, err
+		}), nil
 	case kafkaconn.ScramSHA512:
-		return scram.Auth{User: s.Username, Pass: s.Password}.AsSha512Mechanism(), nil
+		return scram.Sha512(func(context.Context) (scram.Auth, error) {
+			pw, err := s.CurrentPassword()
+			return scram.Auth{User: s.Username, Pass: pw}, err
+		}), nil
 	case kafkaconn.AWSMSKIAM:
 		creds := s.AWSCredentials
 		if creds == nil {
