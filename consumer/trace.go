@@ -25,12 +25,15 @@ type HookTrace interface {
 	// under its own. Set PlainBegin for each message's statements under its
 	// own trace, at one more round trip a message.
 	TraceStart(ctx context.Context, e TraceStartEvent) context.Context
-	// TraceRetry is called after every failed attempt that will be
-	// retried, with TraceStart's context. With several HookTrace hooks,
-	// each TraceStart is given the context the previous one returned, the
-	// message is processed under the last one's, and each hook's
-	// TraceRetry and TraceEnd get the context its own TraceStart returned
-	// (TraceEnd in the reverse order, innermost first).
+	// TraceRetry is called after every failed attempt of a traced message
+	// that will be retried, with TraceStart's context. A batch retried
+	// whole after a conflict gets none: its messages' traces ended,
+	// abandoned with the conflict, and the retry traces them again. With
+	// several HookTrace hooks, each TraceStart is given the context the
+	// previous one returned, the message is processed under the last
+	// one's, and each hook's TraceRetry and TraceEnd get the context its
+	// own TraceStart returned (TraceEnd in the reverse order, innermost
+	// first).
 	TraceRetry(ctx context.Context, e RetryEvent)
 	// TraceEnd is called once per TraceStart, when the message is finished
 	// (committed, duplicate or dead-lettered) or abandoned (shutdown, lost
@@ -157,8 +160,15 @@ func (p *Processor) traceDeadLetter(ctx context.Context, cause error, topic stri
 	}
 }
 
+// traceRetry calls the trace hooks' TraceRetry for the message traced
+// under ctx. A batch retried whole after a conflict is retried between its
+// messages' traces (each ended, abandoned, with the failed attempt): ctx is
+// then the Processor's, and its span none of the hooks' to record on.
 func (p *Processor) traceRetry(ctx context.Context, e RetryEvent) {
 	st, _ := ctx.Value(traceKey{}).(*traceState)
+	if st == nil {
+		return
+	}
 	for i, h := range p.hooks.trace {
 		h.TraceRetry(st.hookContext(ctx, i), e)
 	}

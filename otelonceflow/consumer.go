@@ -3,7 +3,9 @@ package otelonceflow
 import (
 	"context"
 	"errors"
+	"reflect"
 	"strconv"
+	"strings"
 	"unicode/utf8"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -41,21 +43,26 @@ const (
 
 // Consumer is a consumer.HookTrace: put it in consumer.Config.Hooks. For
 // each message it starts a consumer span "process <topic>" whose parent is
-// the producer's span carried in the record's headers, runs the handler's
-// transaction inside it (the handler's ctx holds the span), and ends it
-// with the outcome. In batch mode (consumer.NewBatch) each message's span
-// covers the batch's transaction, from before BEGIN to after COMMIT, with
-// onceflow.batch.size; the BatchHandler's ctx holds none of them, since a
-// batch's messages belong to many traces. It follows OpenTelemetry's messaging conventions:
+// the producer's span carried in the record's headers (a message without
+// one starts a trace of its own, whatever span the Processor's context
+// holds), runs the handler's transaction inside it (the handler's ctx holds
+// the span), and ends it with the outcome. In batch mode
+// (consumer.NewBatch) each message's span covers the batch's transaction,
+// from before BEGIN to after COMMIT, with onceflow.batch.size; the
+// BatchHandler's ctx holds none of them, since a batch's messages belong to
+// many traces. It follows OpenTelemetry's messaging conventions:
 // messaging.system=kafka, messaging.operation.type=process,
 // messaging.destination.name, messaging.destination.partition.id,
 // messaging.kafka.message.key, messaging.kafka.offset,
 // messaging.consumer.group.name, messaging.message.id; and adds the
 // onceflow.* attributes above. A retry adds a "retry" event. A dead letter
 // sets the span's status to Error and error.type to the type of the
-// handler's error (or ErrorTypeNoMessageID); an abandoned message's span
-// gets status Error and error.type ErrorTypeAbandoned. Safe for concurrent
-// use.
+// handler's error (or ErrorTypeNoMessageID), and records the error; an
+// abandoned message's span gets status Error and error.type
+// ErrorTypeAbandoned. Error text on a span (the retry event's
+// error.message, the recorded error, the status) is cut at 8 KiB, as the
+// consumer cuts its dead letter's error header: a handler's error may carry
+// a whole payload. Safe for concurrent use.
 type Consumer struct {
 	tracer     trace.Tracer
 	propagator propagation.TextMapPropagator
@@ -76,8 +83,14 @@ func NewConsumer(opts ...Option) *Consumer {
 	}
 }
 
-// TraceStart implements consumer.HookTrace.
+// TraceStart implements consumer.HookTrace. The span's parent is the
+// producer's span from the message's headers, never a span ctx holds: a
+// message without a trace context starts a trace of its own.
 func (c *Consumer) TraceStart(ctx context.Context, e consumer.TraceStartEvent) context.Context {
+	// The W3C propagator returns ctx as it is when the headers carry no
+	// traceparent, which would make the span a child of the Processor's
+	// (an adapter's Run under a start-up span, say).
+	ctx = trace.ContextWithSpanContext(ctx, trace.SpanContext{})
 	ctx = c.propagator.Extract(ctx, headerCarrier(e.Message.Headers))
 	group := c.group
 	if group == "" {
@@ -107,7 +120,7 @@ func (c *Consumer) TraceRetry(ctx context.Context, e consumer.RetryEvent) {
 	span := trace.SpanFromContext(ctx)
 	span.AddEvent("retry", trace.WithAttributes(
 		AttrAttempts.Int(e.Attempt),
-		attribute.String("error.message", e.Err.Error()),
+		attribute.String("error.message", errorText(e.Err)),
 		attribute.Float64("onceflow.backoff_seconds", e.Backoff.Seconds()),
 	))
 }
@@ -140,14 +153,14 @@ func (c *Consumer) TraceEnd(ctx context.Context, e consumer.TraceEndEvent) {
 	case e.Outcome == consumer.DeadLettered:
 		span.SetAttributes(errorType(e.Err))
 		if e.Err != nil {
-			span.RecordError(e.Err)
-			span.SetStatus(codes.Error, "dead-lettered: "+e.Err.Error())
+			recordError(span, e.Err)
+			span.SetStatus(codes.Error, "dead-lettered: "+errorText(e.Err))
 		} else {
 			span.SetStatus(codes.Error, "dead-lettered")
 		}
 	case e.Outcome == 0 && e.Err != nil:
 		span.SetAttributes(semconv.ErrorTypeKey.String(ErrorTypeAbandoned))
-		span.SetStatus(codes.Error, "abandoned: "+e.Err.Error())
+		span.SetStatus(codes.Error, "abandoned: "+errorText(e.Err))
 	}
 	span.End()
 }
@@ -177,4 +190,37 @@ func errorType(err error) attribute.KeyValue {
 		err = pe.Err
 	}
 	return semconv.ErrorType(err)
+}
+
+// maxErrorText bounds the error text put on a span, as the consumer bounds
+// its dead letter's error header: a handler's error may carry a whole
+// payload, and a span of megabytes (one copy a retry) can get its OTLP
+// export batch rejected.
+const maxErrorText = 8 << 10
+
+// errorText is err's text, cut at maxErrorText bytes to valid UTF-8 the
+// way the consumer cuts its dead letter's error header.
+func errorText(err error) string {
+	s := err.Error()
+	if len(s) <= maxErrorText {
+		return s
+	}
+	return strings.ToValidUTF8(s[:maxErrorText], "") + "... (cut at 8 KiB)"
+}
+
+// recordError is span.RecordError(err), the exception event with the
+// SDK's exception.type, with err's text cut by errorText.
+func recordError(span trace.Span, err error) {
+	if !span.IsRecording() {
+		return
+	}
+	t := reflect.TypeOf(err)
+	typ := t.String() // a builtin type, or one without a name
+	if t.PkgPath() != "" || t.Name() != "" {
+		typ = t.PkgPath() + "." + t.Name()
+	}
+	span.AddEvent(semconv.ExceptionEventName, trace.WithAttributes(
+		semconv.ExceptionType(typ),
+		semconv.ExceptionMessage(errorText(err)),
+	))
 }

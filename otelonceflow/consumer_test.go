@@ -143,8 +143,14 @@ func TestConsumerSpanRecordsARetry(t *testing.T) {
 // p on a partition of its own, and waits until it is finished.
 func processOne(t *testing.T, p *consumer.Processor, headers []consumer.Header) {
 	t.Helper()
+	processOneUnder(t, context.Background(), p, headers)
+}
+
+// processOneUnder is processOne with the partition started under ctx, as
+// an adapter's Run starts it under its own.
+func processOneUnder(t *testing.T, ctx context.Context, p *consumer.Processor, headers []consumer.Header) {
+	t.Helper()
 	tr := &marks{}
-	ctx := context.Background()
 	w := p.StartPartition(ctx, tr)
 	defer w.Stop(ctx)
 	if err := w.Add(ctx, consumer.Message{Topic: "orders", Value: []byte("v"), Headers: headers}); err != nil {

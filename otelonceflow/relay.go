@@ -29,8 +29,10 @@ const AttrOutboxDwell = attribute.Key("onceflow.outbox.dwell_seconds")
 // end after the producer's span ended (the event waited in the outbox):
 // trace viewers show it as the later hop it is.
 // Events without a trace context get no span. It passes every call on to
-// the Observer it wraps (relayprom's, say). Set it as relay.Config.Observer.
-// Safe for concurrent use.
+// the Observer it wraps (relayprom's, say); sick-partition changes only
+// to one that is a relay.SickPartitionObserver, and BatchStats tells the
+// wrapped Observer SickPartitionsReported only then. Set it as
+// relay.Config.Observer. Safe for concurrent use.
 type RelayObserver struct {
 	next       relay.Observer
 	nextEvents relay.EventObserver
@@ -54,9 +56,12 @@ func NewRelayObserver(next relay.Observer, opts ...Option) *RelayObserver {
 	return o
 }
 
-// ObserveBatch implements relay.Observer.
+// ObserveBatch implements relay.Observer. SickPartitionsReported says the
+// relay reports sick-partition changes to o; next hears of it only if o
+// passes them on, that is, if next is a relay.SickPartitionObserver.
 func (o *RelayObserver) ObserveBatch(s relay.BatchStats) {
 	if o.next != nil {
+		s.SickPartitionsReported = s.SickPartitionsReported && o.nextSick != nil
 		o.next.ObserveBatch(s)
 	}
 }

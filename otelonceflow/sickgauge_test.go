@@ -95,3 +95,48 @@ func gaugeValue(t *testing.T, reg *prometheus.Registry, name string) float64 {
 	t.Fatalf("%s not registered", name)
 	return 0
 }
+
+// BatchStats.SickPartitionsReported tells an Observer that the relay also
+// reports the changes of SickPartitions to it, so it must not count them
+// from BatchStats too. A RelayObserver always receives those changes, but
+// passes them on only to a next that is a relay.SickPartitionObserver: a
+// plain next told they were reported counted no sick partitions at all.
+func TestRelayObserverSaysSickPartitionsReportedOnlyWhenNextGetsThem(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name     string
+		next     interface{ last() relay.BatchStats }
+		reported bool
+		want     bool
+	}{
+		{name: "plain next", next: &statsObserver{}, reported: true, want: false},
+		{name: "sick partition observer", next: &sickStatsObserver{}, reported: true, want: true},
+		{name: "not reported by the relay", next: &sickStatsObserver{}, reported: false, want: false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			obs := otelonceflow.NewRelayObserver(tc.next.(relay.Observer))
+			obs.ObserveBatch(relay.BatchStats{SickPartitions: 2, SickPartitionsReported: tc.reported})
+			got := tc.next.last()
+			if got.SickPartitionsReported != tc.want {
+				t.Errorf("next got SickPartitionsReported = %t, want %t", got.SickPartitionsReported, tc.want)
+			}
+			if got.SickPartitions != 2 {
+				t.Errorf("next got SickPartitions = %d, want 2", got.SickPartitions)
+			}
+		})
+	}
+}
+
+// statsObserver is a relay.Observer, and no SickPartitionObserver, that
+// keeps the last BatchStats.
+type statsObserver struct{ stats relay.BatchStats }
+
+func (o *statsObserver) ObserveBatch(s relay.BatchStats) { o.stats = s }
+func (o *statsObserver) ObserveShards(int)               {}
+func (o *statsObserver) last() relay.BatchStats          { return o.stats }
+
+// sickStatsObserver is a statsObserver that is a SickPartitionObserver.
+type sickStatsObserver struct{ statsObserver }
+
+func (o *sickStatsObserver) SickPartitionsChanged(int) {}
