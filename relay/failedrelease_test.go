@@ -1,0 +1,56 @@
+package relay_test
+
+import (
+	"context"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/internal/pgtest"
+	"github.com/onceflow/onceflow/relay"
+)
+
+// failFirstRelease fails the first hand-back (releaseSQL) before it is
+// sent: a database blip at the wrong moment.
+type failFirstRelease struct{ failed atomic.Bool }
+
+func (f *failFirstRelease) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if strings.Contains(d.SQL, "SET owner = NULL, lease_until = NULL WHERE owner = $1 AND shard = ANY") && f.failed.CompareAndSwap(false, true) {
+		cancelled, cancel := context.WithCancel(ctx)
+		cancel()
+		return cancelled
+	}
+	return ctx
+}
+
+func (*failFirstRelease) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// helper 115: releaseExcess trims the shards it hands back from the
+// relay's own set before it sends the hand-back, but reported the new count
+// (ObserveShards) only when the statement succeeded. After a failed one the
+// next ticks changed nothing the report depends on, so
+// onceflow_relay_owned_shards stayed at the old count (256 for a relay that
+// now publishes 128) until ownership changed again, and its sum across
+// relays was above 256.
+func TestOwnedShardsAreReportedAfterAFailedHandBack(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	cfg := relay.Config{Schema: b.schema, LeaseDuration: 600 * time.Millisecond, PollInterval: 20 * time.Millisecond}
+	obs := &shardsObserver{}
+	cfgA := cfg
+	cfgA.InstanceID, cfgA.Observer = "a", obs
+	fail := &failFirstRelease{}
+	a, _ := b.startRelayOn(t, pgtest.TracedPool(t, fail, 4), cfgA)
+	waitFor(t, "a to own every shard", 10*time.Second, func() bool { return len(a.OwnedShards()) == relay.NumShards })
+	cfgB := cfg
+	cfgB.InstanceID = "b"
+	b.startRelay(t, cfgB)
+	waitFor(t, "a's hand-back to fail", 10*time.Second, func() bool { return fail.failed.Load() })
+	time.Sleep(3 * cfg.LeaseDuration) // a few lease ticks
+	if owned, reported := len(a.OwnedShards()), obs.owned.Load(); int64(owned) != reported {
+		t.Fatalf("a owns %d shards but reports %d after a failed hand-back", owned, reported)
+	}
+}
