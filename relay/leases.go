@@ -507,10 +507,13 @@ func (l *leases) releaseExcess(ctx context.Context) error {
 	l.releasing = nil
 	l.mu.Unlock()
 	l.at("released")
+	// Reported either way: the shards are no longer this relay's to
+	// publish (a failed hand-back's leases lapse unrenewed), and no later
+	// tick changes what would report them.
+	l.obs.ObserveShards(owned)
 	if err != nil {
 		return fmt.Errorf("release shards: %w", err)
 	}
-	l.obs.ObserveShards(owned)
 	l.log.Info("relay: handed shards back", "shards", len(give), "owned", owned)
 	return nil
 }
