@@ -1,6 +1,8 @@
 package relay_test
 
 import (
+	"context"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -11,6 +13,7 @@ import (
 
 	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/relay"
+	"github.com/onceflow/onceflow/relay/kgopublisher"
 	"github.com/onceflow/onceflow/relay/relayprom"
 )
 
@@ -128,4 +131,67 @@ func TestSickGaugeIsNotLeftOverFromAStoppedRelay(t *testing.T) {
 	if g := sickGauge(t, reg); g != 0 {
 		t.Fatalf("onceflow_relay_sick_partitions = %g on a relay with no sick partition that just published to the topic", g)
 	}
+}
+
+// helper 115: sick-partition marks are dropped by an ack, by the round's
+// forgetUnprobedSick, or when Run ends. A relay holding no shard runs no
+// round: one that marked a partition sick and then stood aside (cut off
+// from Kafka while another relay reaches it) kept reporting it sick, for
+// good, while the other relay published to it.
+func TestSickGaugeOfARelayThatHandedItsShardsOverIsCleared(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	fake := b.kafka.RequireFake(t)
+	topic := b.kafka.Topic(t, 1)
+	heal := fake.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topic, Err: kerr.NotEnoughReplicas, Count: -1}).Remove
+	// Shard 62 (of 0-255): A keeps it when it first hands its upper half
+	// to B, so its mark outlives that and the rounds A runs until it
+	// stands aside.
+	b.write(t, outbox.Message{Topic: topic, Key: []byte("b"), Value: []byte("held")})
+	reg := prometheus.NewRegistry()
+	cut := &cutOffKgo{Publisher: b.publisher(t)}
+	cfg := relay.Config{PublishTimeout: 500 * time.Millisecond, KafkaHandoff: time.Second}
+	cfgA := cfg
+	cfgA.InstanceID, cfgA.Observer = "a", relayprom.NewObserver(reg)
+	a, _ := b.startRelayWith(t, b.pool, cut, cfgA)
+	waitFor(t, "relay A to report its partition sick", 30*time.Second, func() bool { return sickGauge(t, reg) == 1 })
+
+	cut.cut.Store(true)
+	cfgB := cfg
+	cfgB.InstanceID = "b"
+	b.startRelay(t, cfgB)
+	waitFor(t, "relay A to hand every shard over", 30*time.Second, func() bool { return len(a.OwnedShards()) == 0 })
+	heal()
+	waitFor(t, "relay B to publish the event", 30*time.Second, func() bool { return b.count(t, "outbox") == 0 })
+	time.Sleep(2 * time.Second) // a few of A's lease ticks
+	if g := sickGauge(t, reg); g != 0 {
+		t.Fatalf("onceflow_relay_sick_partitions = %g on relay A, which holds no shard (another relay published to the partition)", g)
+	}
+}
+
+// cutOffKgo is cutOffPublisher keeping every optional interface of the
+// franz-go publisher (the partition a record goes to, which sick marks
+// need); while cut, a publish times out, as to brokers that do not answer.
+type cutOffKgo struct {
+	*kgopublisher.Publisher
+	cut atomic.Bool
+}
+
+func (p *cutOffKgo) Publish(ctx context.Context, records []relay.Record) []error {
+	if !p.cut.Load() {
+		return p.Publisher.Publish(ctx, records)
+	}
+	<-ctx.Done() // nothing answers: the publish times out
+	errs := make([]error, len(records))
+	for i := range errs {
+		errs[i] = ctx.Err()
+	}
+	return errs
+}
+
+func (p *cutOffKgo) Ping(ctx context.Context) error {
+	if p.cut.Load() {
+		return errCutOff
+	}
+	return p.Publisher.Ping(ctx)
 }
