@@ -617,6 +617,11 @@ func (r *Relay) publishLoop(ctx context.Context) {
 			ahead = nil // ownership changed since it was read
 		}
 		if len(shards) == 0 {
+			if r.sickCount > 0 {
+				// No round runs to drop the marks of partitions whose
+				// keys went with the shards.
+				r.forgetUnprobedSick()
+			}
 			r.idle(ctx)
 			continue
 		}
