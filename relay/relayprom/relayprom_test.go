@@ -94,3 +94,29 @@ onceflow_relay_sick_partitions 1
 		t.Errorf("promlint: %s: %s", p.Metric, p.Text)
 	}
 }
+
+// helper 115: onceflow_relay_oldest_published_age_seconds subtracts the
+// event's created_at (the database's clock) from the relay host's clock.
+// With the database's clock ahead, the observation was negative and the
+// histogram's _sum went down, which no Prometheus histogram may do
+// (rate() of it reads as a counter reset). It is clamped at 0, as
+// onceflow_outbox_dwell_seconds is.
+func TestOldestPublishedAgeIsNeverNegative(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	o := relayprom.NewObserver(reg)
+	o.ObserveBatch(relay.BatchStats{Published: 1, OldestCreatedAt: time.Now().Add(time.Second)}) // the database's clock a second ahead
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == "onceflow_relay_oldest_published_age_seconds" {
+			h := mf.GetMetric()[0].GetHistogram()
+			if h.GetSampleCount() != 1 || h.GetSampleSum() < 0 {
+				t.Fatalf("oldest published age: %d observations summing to %g s, want one of at least 0", h.GetSampleCount(), h.GetSampleSum())
+			}
+			return
+		}
+	}
+	t.Fatal("onceflow_relay_oldest_published_age_seconds not registered")
+}
