@@ -53,7 +53,7 @@ func NewObserver(reg prometheus.Registerer) *Observer {
 		deadLettered: prometheus.NewCounter(prometheus.CounterOpts{Name: "onceflow_relay_dead_lettered_total", Help: "Events Kafka refused for good, moved to outbox_dead."}),
 		notDeleted:   prometheus.NewCounter(prometheus.CounterOpts{Name: "onceflow_relay_ownership_lost_total", Help: "Published events left for the new shard owner after this relay lost ownership mid-round."}),
 		ownedShards:  prometheus.NewGauge(prometheus.GaugeOpts{Name: "onceflow_relay_owned_shards", Help: "Shards this relay owns."}),
-		roundSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "onceflow_relay_round_seconds", Help: "Duration of a publish round (read, publish, record).", Buckets: prometheus.ExponentialBuckets(0.001, 2, 14)}),
+		roundSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "onceflow_relay_round_seconds", Help: "Duration of a publish round (read, publish, record), or of a side retry of a sick partition's keys (up to the publish timeout).", Buckets: prometheus.ExponentialBuckets(0.001, 2, 14)}),
 		lagSeconds:   prometheus.NewHistogram(prometheus.HistogramOpts{Name: "onceflow_relay_oldest_published_age_seconds", Help: "Age of the oldest event in each round at publish time.", Buckets: prometheus.ExponentialBuckets(0.001, 2, 18)}),
 		dwellSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "onceflow_outbox_dwell_seconds", Help: "Time each published event spent in the outbox, from its write to Kafka's acknowledgement.", Buckets: prometheus.ExponentialBuckets(0.001, 2, 18)}),
 	}
@@ -76,7 +76,9 @@ func (o *Observer) ObserveBatch(s relay.BatchStats) {
 	o.notDeleted.Add(float64(s.NotDeleted))
 	o.roundSeconds.Observe(s.Duration.Seconds())
 	if !s.OldestCreatedAt.IsZero() {
-		o.lagSeconds.Observe(time.Since(s.OldestCreatedAt).Seconds())
+		// Clamped as dwell is: created_at is the database's clock, and a
+		// negative observation would make the histogram's _sum go down.
+		o.lagSeconds.Observe(max(time.Since(s.OldestCreatedAt), 0).Seconds())
 	}
 }
 
