@@ -428,6 +428,19 @@ func (m *Middleware) replay(w http.ResponseWriter, r *http.Request, rec *record,
 	writeResponse(w, rec.status, rec.headers, rec.body, true)
 }
 
+// rollbackTimeout bounds a rollback. It runs whether or not the client is
+// still there (not under the request's context), but not for good: on a
+// connection gone silent (the server alive, so TCP keepalive sees nothing
+// wrong) it waited forever, and the client's 5xx with it. On timeout pgx
+// closes the connection, and the server rolls back when it notices.
+const rollbackTimeout = 5 * time.Second
+
+func rollback(ctx context.Context, tx pgx.Tx) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
+	defer cancel()
+	_ = tx.Rollback(ctx)
+}
+
 func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.Handler, c claim) {
 	ctx := r.Context()
 	// The replay path: one round trip, no transaction.
@@ -452,7 +465,7 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 	committed := false
 	defer func() {
 		if !committed {
-			_ = tx.Rollback(context.WithoutCancel(ctx))
+			rollback(ctx, tx)
 		}
 	}()
 	m.observe(ctx, OutcomeClaimed, c.key)
@@ -468,7 +481,7 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 		// A 5xx says the request failed: its writes roll back, so no
 		// business row outlives it. With StoreServerErrors the answer is
 		// then stored under a claim of its own, and replayed.
-		_ = tx.Rollback(context.WithoutCancel(ctx))
+		rollback(ctx, tx)
 		if m.cfg.StoreServerErrors {
 			m.storeErrorAlone(w, r, c, rw)
 			return
@@ -485,7 +498,7 @@ func (m *Middleware) serveTx(w http.ResponseWriter, r *http.Request, next http.H
 		// A statement of the handler's failed and left the transaction
 		// aborted: its writes and the claim are lost, and no response can be
 		// stored in it.
-		_ = tx.Rollback(context.WithoutCancel(ctx))
+		rollback(ctx, tx)
 		if status < 400 {
 			m.fail(w, r, fmt.Errorf("idempotency: the handler answered %d after a statement in its transaction failed; nothing was committed", status))
 			return
@@ -516,7 +529,7 @@ func (m *Middleware) beginClaim(ctx context.Context, c *claim) (pgx.Tx, *record,
 		if claimed {
 			return tx, nil, nil
 		}
-		_ = tx.Rollback(context.WithoutCancel(ctx))
+		rollback(ctx, tx)
 		switch {
 		case errors.Is(err, errClaimSnapshot) && attempt < 10:
 		case err != nil:
@@ -662,7 +675,7 @@ func (m *Middleware) serveWithoutKey(w http.ResponseWriter, r *http.Request, nex
 	committed := false
 	defer func() {
 		if !committed {
-			_ = tx.Rollback(context.WithoutCancel(ctx))
+			rollback(ctx, tx)
 		}
 	}()
 	rw := newRecorder(w, m.cfg.MaxResponseBytes, false)
