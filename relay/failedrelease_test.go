@@ -3,6 +3,7 @@ package relay_test
 import (
 	"context"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -52,5 +53,75 @@ func TestOwnedShardsAreReportedAfterAFailedHandBack(t *testing.T) {
 	time.Sleep(3 * cfg.LeaseDuration) // a few lease ticks
 	if owned, reported := len(a.OwnedShards()), obs.owned.Load(); int64(owned) != reported {
 		t.Fatalf("a owns %d shards but reports %d after a failed hand-back", owned, reported)
+	}
+}
+
+// outageDuringRelease holds the first hand-back (releaseSQL) until told,
+// then fails it; from the moment it is held until heal, every other
+// statement fails at once (the database unreachable), so the lease ticks
+// fail and the leases lapse meanwhile.
+type outageDuringRelease struct {
+	held, release chan struct{}
+	once          sync.Once
+	down          atomic.Bool
+}
+
+func (o *outageDuringRelease) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if strings.Contains(d.SQL, "SET owner = NULL, lease_until = NULL WHERE owner = $1 AND shard = ANY") {
+		first := false
+		o.once.Do(func() { first = true })
+		if first {
+			o.down.Store(true)
+			close(o.held)
+			<-o.release
+			return cancelledContext(ctx)
+		}
+	}
+	if o.down.Load() {
+		return cancelledContext(ctx)
+	}
+	return ctx
+}
+
+func (*outageDuringRelease) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+func cancelledContext(ctx context.Context) context.Context {
+	c, cancel := context.WithCancel(ctx)
+	cancel()
+	return c
+}
+
+// The failed hand-back's report must not undo the report of lapsed leases:
+// a hand-back that hung while the database was unreachable, and failed
+// after the leases lapsed (reported 0), reported the trimmed count (128),
+// and the lapse, reported once, was not reported again: the relay showed
+// 128 shards for the rest of the outage.
+func TestAFailedHandBackAfterTheLeasesLapsedReportsNoShard(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	cfg := relay.Config{Schema: b.schema, LeaseDuration: 600 * time.Millisecond, PollInterval: 20 * time.Millisecond}
+	obs := &shardsObserver{}
+	cfgA := cfg
+	cfgA.InstanceID, cfgA.Observer = "a", obs
+	outage := &outageDuringRelease{held: make(chan struct{}), release: make(chan struct{})}
+	a, _ := b.startRelayOn(t, pgtest.TracedPool(t, outage, 4), cfgA)
+	t.Cleanup(func() {
+		outage.down.Store(false)
+		select {
+		case <-outage.release:
+		default:
+			close(outage.release)
+		}
+	})
+	waitFor(t, "a to own every shard", 10*time.Second, func() bool { return len(a.OwnedShards()) == relay.NumShards })
+	cfgB := cfg
+	cfgB.InstanceID = "b"
+	b.startRelay(t, cfgB)
+	<-outage.held
+	waitFor(t, "a's leases to be reported lapsed", 10*time.Second, func() bool { return obs.owned.Load() == 0 })
+	close(outage.release) // the hand-back fails, the database still unreachable
+	time.Sleep(3 * cfg.LeaseDuration)
+	if n := obs.owned.Load(); n != 0 {
+		t.Fatalf("a reports %d shards while its leases are lapsed (the database unreachable)", n)
 	}
 }
