@@ -505,12 +505,16 @@ func (l *leases) releaseExcess(ctx context.Context) error {
 		l.releasedBy[s] = l.releases
 	}
 	l.releasing = nil
-	l.mu.Unlock()
-	l.at("released")
 	// Reported either way: the shards are no longer this relay's to
 	// publish (a failed hand-back's leases lapse unrenewed), and no later
-	// tick changes what would report them.
-	l.obs.ObserveShards(owned)
+	// tick changes what would report them. Not over a lapse reported
+	// meanwhile (0): the next successful tick reports the shards again.
+	lapsed := l.lapsed
+	l.mu.Unlock()
+	l.at("released")
+	if !lapsed {
+		l.obs.ObserveShards(owned)
+	}
 	if err != nil {
 		return fmt.Errorf("release shards: %w", err)
 	}
