@@ -2,8 +2,10 @@ package idempotency_test
 
 import (
 	"bytes"
+	"encoding/binary"
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"net/http"
 	"os"
@@ -47,6 +49,7 @@ type heldAnswers struct {
 	held    chan struct{}
 	release chan struct{}
 	lose    atomic.Bool
+	fatal   atomic.Bool // answer with a FATAL error instead
 }
 
 var errAnswerLost = errors.New("test: connection reset after the claim committed")
@@ -66,6 +69,14 @@ func (c *heldAnswerConn) Read(p []byte) (int, error) {
 	close(c.answers.held)
 	select {
 	case <-c.answers.release:
+		if c.answers.fatal.Load() {
+			// The backend terminated after its commit (a switchover
+			// waiting on a synchronous standby): a FATAL error instead
+			// of the answer.
+			fields := "SFATAL\x00VFATAL\x00C57P01\x00Mterminating connection due to administrator command\x00\x00"
+			msg := binary.BigEndian.AppendUint32([]byte{'E'}, uint32(len(fields)+4))
+			return copy(p, append(msg, fields...)), nil
+		}
 		if c.answers.lose.Load() {
 			_ = c.Conn.Close()
 			return 0, errAnswerLost
@@ -241,5 +252,145 @@ func TestDoCancelledBeforeItsClaimsAnswerDoesNotHoldTheKey(t *testing.T) {
 	}
 	if n := runs.Load(); n != 1 {
 		t.Fatalf("fn ran %d times, want 1", n)
+	}
+}
+
+// claimCounter counts claim statements and, while delay is set, holds each
+// for that long before it is sent.
+type claimCounter struct {
+	claims atomic.Int64
+	delay  atomic.Int64 // time.Duration
+	hold   chan struct{} // when non-nil, each claim waits on it
+}
+
+func (c *claimCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if strings.Contains(d.SQL, "ON CONFLICT (scope, key) DO NOTHING") {
+		c.claims.Add(1)
+		if d := time.Duration(c.delay.Load()); d > 0 {
+			time.Sleep(d)
+		}
+		if c.hold != nil {
+			<-c.hold
+		}
+	}
+	return ctx
+}
+
+func (*claimCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// helper 117: the detached claim took its connection detached too. Under
+// a saturated pool, every caller that gave up while waiting for a
+// connection left a goroutine in the pool's queue, ahead of live callers,
+// which then ran a claim (and its release) for nobody: an overload
+// amplifier. A caller gone before its statement was sent sends nothing.
+func TestDoCancelledWhileWaitingForAConnectionSendsNoClaim(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	counter := &claimCounter{}
+	pool := pgtest.PoolWith(t, func(cfg *pgxpool.Config) {
+		cfg.ConnConfig.Tracer = counter
+		cfg.MaxConns = 1
+	})
+	fence, err := idempotency.NewFence(pool, &idempotency.FenceConfig{Schema: b.schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	busy, err := pool.Acquire(context.Background()) // the pool's only connection
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	for i := range 10 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+			defer cancel()
+			if _, err := fence.Do(ctx, fmt.Sprint("k-queued-", i), func(context.Context) ([]byte, error) { return nil, nil }); !errors.Is(err, context.DeadlineExceeded) {
+				t.Errorf("Do with a connection never free: %v, want context.DeadlineExceeded", err)
+			}
+		}()
+	}
+	wg.Wait()
+	busy.Release()
+	time.Sleep(500 * time.Millisecond)
+	if n := counter.claims.Load(); n != 0 {
+		t.Fatalf("%d claims sent for callers gone before a connection was free, want 0", n)
+	}
+}
+
+// helper 117: the detached claim was bounded by a lease for every caller.
+// A live caller whose claim took longer than the lease (a slow database,
+// a short lease) failed with DeadlineExceeded though its context was live.
+func TestDoWithALiveContextIsNotBoundedByTheLease(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	counter := &claimCounter{}
+	counter.delay.Store(int64(300 * time.Millisecond))
+	pool := pgtest.PoolWith(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.Tracer = counter })
+	fence, err := idempotency.NewFence(pool, &idempotency.FenceConfig{Schema: b.schema, Lease: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := fence.Do(context.Background(), "k-slow", func(context.Context) ([]byte, error) { return []byte("ran"), nil })
+	if err != nil || string(got) != "ran" {
+		t.Fatalf("Do with a live context and a claim slower than the lease: %q, %v; want it to run", got, err)
+	}
+}
+
+// helper 117: a caller cancelled with a cause of its own
+// (context.WithCancelCause, WithTimeoutCause) got the cause alone: not
+// errors.Is context.Canceled any more, and the middleware answered 500
+// (and logged it) instead of 503.
+func TestDoCancelledWithACauseIsStillCanceled(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	counter := &claimCounter{hold: make(chan struct{})}
+	pool := pgtest.PoolWith(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.Tracer = counter })
+	t.Cleanup(func() { close(counter.hold) })
+	fence, err := idempotency.NewFence(pool, &idempotency.FenceConfig{Schema: b.schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	errShutdown := errors.New("shutting down")
+	ctx, cancel := context.WithCancelCause(context.Background())
+	returned := make(chan error, 1)
+	go func() {
+		_, err := fence.Do(ctx, "k-cause", func(context.Context) ([]byte, error) { return nil, nil })
+		returned <- err
+	}()
+	waitFor(t, 5*time.Second, "the claim to be sent", func() bool { return counter.claims.Load() == 1 })
+	cancel(errShutdown)
+	err = <-returned
+	if !errors.Is(err, context.Canceled) || !errors.Is(err, errShutdown) {
+		t.Fatalf("Do cancelled with a cause: %v; want both context.Canceled and the cause", err)
+	}
+	if code := idempotency.StatusCode(err); code != http.StatusServiceUnavailable {
+		t.Fatalf("StatusCode = %d, want 503", code)
+	}
+}
+
+// helper 117: a PgError can come after the commit: a backend terminated
+// (FATAL 57P01) while it waited for a synchronous standby has committed
+// locally. Taken for "nothing committed", the claim was left to hold the
+// key for a lease.
+func TestLeasedClaimAnsweredWithAFatalErrorDoesNotHoldTheKey(t *testing.T) {
+	t.Parallel()
+	b, answers := heldAnswerBundle(t, setup(t))
+	var runs atomic.Int64
+	srv := newServer(t, b, idempotency.Config{Mode: idempotency.Leased, Lease: time.Minute}, func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		w.WriteHeader(http.StatusCreated)
+	})
+	answers.fatal.Store(true)
+	close(answers.release)
+	if r := send(t, srv, request{key: "k-fatal", body: "{}"}); r.status < 500 {
+		t.Fatalf("request whose claim was answered FATAL: %d, want a 5xx", r.status)
+	}
+	if r := retryUntilNotInProgress(t, srv.URL, request{key: "k-fatal", body: "{}"}); r.status != http.StatusCreated {
+		t.Fatalf("retry of a request whose claim was answered FATAL after its commit: %d for 10 s, want 201", r.status)
+	}
+	if n := runs.Load(); n != 1 {
+		t.Fatalf("handler ran %d times, want 1 (the retry)", n)
 	}
 }
