@@ -2,8 +2,8 @@ package idempotency_test
 
 import (
 	"bytes"
-	"encoding/binary"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
@@ -259,7 +259,7 @@ func TestDoCancelledBeforeItsClaimsAnswerDoesNotHoldTheKey(t *testing.T) {
 // for that long before it is sent.
 type claimCounter struct {
 	claims atomic.Int64
-	delay  atomic.Int64 // time.Duration
+	delay  atomic.Int64  // time.Duration
 	hold   chan struct{} // when non-nil, each claim waits on it
 }
 

@@ -439,36 +439,63 @@ func (s *store) tryClaim(ctx context.Context, db querier, c *claim, lease, windo
 // run it or give it up. pgx answers a cancelled context by breaking the
 // connection: a claim that had committed by then held the key, renewed by
 // nobody, and every retry got "in progress" until its lease lapsed. So the
-// statement runs detached from ctx's cancellation, for at most a lease (a
-// claim it left behind would have lapsed by then anyway), and whatever it
-// claimed after ctx ended is given up (abandon). The caller still returns
-// as soon as ctx ends.
+// connection is taken under ctx (a caller gone while it waits for one sends
+// nothing), and the statement, once it may be sent, runs detached from
+// ctx: a caller gone leaves it at most a lease more (a claim it left
+// behind would have lapsed by then anyway), and whatever it claimed after
+// ctx ended is given up (abandon). The caller returns as soon as ctx ends.
 func (s *store) claimOwned(ctx context.Context, db querier, c *claim, lease, window time.Duration, log func(string, ...any)) (claimed bool, in *record, err error) {
 	if ctx.Err() != nil {
-		return false, nil, context.Cause(ctx)
+		return false, nil, ctxError(ctx)
 	}
+	conn, release := db, func() {}
+	if p, ok := db.(interface {
+		Acquire(context.Context) (*pgxpool.Conn, error)
+	}); ok {
+		pc, err := p.Acquire(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return false, nil, ctxError(ctx)
+			}
+			return false, nil, err
+		}
+		conn, release = pc, pc.Release
+	}
+	sctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	stopWatch := context.AfterFunc(ctx, func() { time.AfterFunc(lease, cancel) })
 	done := make(chan claimResult, 1)
 	go func(r claimResult) {
-		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), lease)
-		defer cancel()
-		r.claimed, r.rec, r.err = s.tryClaim(cctx, db, &r.c, lease, window)
+		r.claimed, r.rec, r.err = s.tryClaim(sctx, conn, &r.c, lease, window)
+		stopWatch()
+		cancel()
+		release()
 		done <- r
 	}(claimResult{c: *c})
 	select {
 	case r := <-done:
-		if r.claimed && ctx.Err() != nil {
-			s.abandon(ctx, db, r, log)
-			return false, nil, context.Cause(ctx)
+		gone := r.claimed && ctx.Err() != nil // ctx ended as the claim landed
+		if gone || r.err != nil {
+			go s.abandon(ctx, db, r, log)
 		}
-		if r.err != nil {
-			s.abandon(ctx, db, r, log)
+		if gone {
+			return false, nil, ctxError(ctx)
 		}
 		*c = r.c
 		return r.claimed, r.rec, r.err
 	case <-ctx.Done():
 		go func() { s.abandon(ctx, db, <-done, log) }()
-		return false, nil, context.Cause(ctx)
+		return false, nil, ctxError(ctx)
 	}
+}
+
+// ctxError is ctx's end as its caller sees it: context.Canceled or
+// DeadlineExceeded (StatusCode's 503), wrapped with its cause when it has
+// one of its own (context.WithCancelCause).
+func ctxError(ctx context.Context) error {
+	if cause := context.Cause(ctx); cause != nil && cause != ctx.Err() {
+		return fmt.Errorf("%w: %w", ctx.Err(), cause)
+	}
+	return ctx.Err()
 }
 
 type claimResult struct {
@@ -480,19 +507,18 @@ type claimResult struct {
 
 // abandon gives up a claim its caller will not run: one that landed after
 // the caller left is released (nothing ran under it; an heir's lapses), and
-// one whose answer was lost (an error the server did not report, such as a
-// broken connection) may have committed, as an insert or as a takeover of a
-// dead holder's key, so it is lapsed by its token: the same request may
-// take the key at once, another body stays refused, as after a dead holder.
+// one whose outcome is unknown (mayHaveCommitted) is lapsed by its token,
+// as it may have committed as an insert or as a takeover of a dead
+// holder's key: the same request may take the key at once, another body
+// stays refused, as after a dead holder.
 func (s *store) abandon(ctx context.Context, db querier, r claimResult, log func(string, ...any)) {
 	bg, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()
-	var pgErr *pgconn.PgError
 	var err error
 	switch {
 	case r.claimed:
 		err = s.release(bg, db, r.c)
-	case r.err != nil && !errors.As(r.err, &pgErr) && !errors.Is(r.err, ErrKeyInvalid):
+	case r.err != nil && mayHaveCommitted(r.err):
 		err = s.lapse(bg, db, r.c)
 	default:
 		return
@@ -500,6 +526,23 @@ func (s *store) abandon(ctx context.Context, db querier, r claimResult, log func
 	if err != nil {
 		log("idempotency: give up claim", "key", r.c.key, "error", err)
 	}
+}
+
+// mayHaveCommitted reports whether an autocommit statement that failed with
+// err may have committed all the same: its answer was lost (a broken
+// connection, a context's end after it was sent), or the backend ended
+// (FATAL, PANIC) after the commit, as one terminated while it waits for a
+// synchronous standby does. An ERROR rolled the statement back, and an
+// error before anything was sent (pgconn.SafeToRetry) ran nothing.
+func mayHaveCommitted(err error) bool {
+	if errors.Is(err, ErrKeyInvalid) || pgconn.SafeToRetry(err) {
+		return false
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Severity == "FATAL" || pgErr.Severity == "PANIC"
+	}
+	return true
 }
 
 // complete stores the outcome of c. It fails with ErrLeaseLost when c no
