@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/onceflow/onceflow/consumer"
 	"github.com/onceflow/onceflow/internal/pgtest"
@@ -94,5 +95,41 @@ func TestBatchConflictRetryLeavesTheProcessorsSpanAlone(t *testing.T) {
 				t.Errorf("the Processor's span got a retry event %v from a batch's conflict", e.Attributes)
 			}
 		}
+	}
+}
+
+// remoteParentHook is a HookTrace before otelonceflow's that found the
+// message's trace in headers of another format (B3, say) and put it in the
+// context as a remote parent, as a propagator would.
+type remoteParentHook struct{ parent trace.SpanContext }
+
+func (h remoteParentHook) TraceStart(ctx context.Context, _ consumer.TraceStartEvent) context.Context {
+	return trace.ContextWithRemoteSpanContext(ctx, h.parent)
+}
+func (remoteParentHook) TraceRetry(context.Context, consumer.RetryEvent)  {}
+func (remoteParentHook) TraceEnd(context.Context, consumer.TraceEndEvent) {}
+
+// helper 117: clearing the context's span for a message without trace
+// headers also dropped a remote parent put there on purpose by an earlier
+// hook: only a local span (the Processor's own context's) is left out.
+func TestConsumerSpanKeepsARemoteParentFromAnEarlierHook(t *testing.T) {
+	t.Parallel()
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	defer func() { _ = tp.Shutdown(context.Background()) }()
+	parent := trace.NewSpanContext(trace.SpanContextConfig{TraceID: trace.TraceID{1, 2, 3}, SpanID: trace.SpanID{4, 5, 6},
+		TraceFlags: trace.FlagsSampled, Remote: true})
+	cfg := &consumer.Config{Schema: pgtest.Schema(t), Hooks: []consumer.Hook{remoteParentHook{parent}, otelonceflow.NewConsumer(otelonceflow.WithTracerProvider(tp))}}
+	p, err := consumer.New(pgtest.Pool(t), "shipping", func(context.Context, pgx.Tx, consumer.Message) error { return nil }, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	processOneUnder(t, context.Background(), p, idHeader("b3-traced"))
+	spans := rec.Ended()
+	if len(spans) != 1 {
+		t.Fatalf("%d spans ended, want the message's one", len(spans))
+	}
+	if got := spans[0].Parent(); got.TraceID() != parent.TraceID() || got.SpanID() != parent.SpanID() {
+		t.Fatalf("span's parent is %s/%s, want the earlier hook's remote parent %s/%s", got.TraceID(), got.SpanID(), parent.TraceID(), parent.SpanID())
 	}
 }
