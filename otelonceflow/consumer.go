@@ -84,13 +84,17 @@ func NewConsumer(opts ...Option) *Consumer {
 }
 
 // TraceStart implements consumer.HookTrace. The span's parent is the
-// producer's span from the message's headers, never a span ctx holds: a
-// message without a trace context starts a trace of its own.
+// producer's span from the message's headers, else a remote parent an
+// earlier hook put in ctx, never a local span ctx holds: a message without
+// a trace context starts a trace of its own.
 func (c *Consumer) TraceStart(ctx context.Context, e consumer.TraceStartEvent) context.Context {
 	// The W3C propagator returns ctx as it is when the headers carry no
 	// traceparent, which would make the span a child of the Processor's
-	// (an adapter's Run under a start-up span, say).
-	ctx = trace.ContextWithSpanContext(ctx, trace.SpanContext{})
+	// (an adapter's Run under a start-up span, say). A remote parent an
+	// earlier hook extracted (another header format) is kept.
+	if !trace.SpanContextFromContext(ctx).IsRemote() {
+		ctx = trace.ContextWithSpanContext(ctx, trace.SpanContext{})
+	}
 	ctx = c.propagator.Extract(ctx, headerCarrier(e.Message.Headers))
 	group := c.group
 	if group == "" {
