@@ -59,6 +59,11 @@ func TestAWSRegionFromMSKServerlessNames(t *testing.T) {
 	for host, want := range map[string]string{
 		"boot-abcd1234.c2.kafka-serverless.us-east-1.amazonaws.com:9098": "us-east-1",
 		"b-1.demo.abc123.c2.kafka.eu-west-1.amazonaws.com:9098":          "eu-west-1",
+		// The other AWS partitions franz-go's signer knows (helper 117:
+		// the relay's start-up refusal must not refuse what it signs).
+		"b-1.demo.abc123.c2.kafka.cn-north-1.amazonaws.com.cn:9098":  "cn-north-1",
+		"b-1.demo.abc123.c1.kafka.us-iso-east-1.c2s.ic.gov:9098":     "us-iso-east-1",
+		"b-1.demo.abc123.c1.kafka.us-isob-east-1.sc2s.sgov.gov:9098": "us-isob-east-1",
 	} {
 		if got, err := s.AWSRegionFor(host); err != nil || got != want {
 			t.Errorf("AWSRegionFor(%s) = %q, %v; want %s", host, got, err, want)
