@@ -209,7 +209,7 @@ func (c Config) Validate() error {
 			}
 		case AWSMSKIAM:
 			if s.Username != "" || s.Password != "" || s.PasswordFile != "" {
-				return errors.New("SASL.Username, SASL.Password: unused by AWS_MSK_IAM (it signs with AWS credentials); leave them empty")
+				return errors.New("SASL.Username, SASL.Password, SASL.PasswordFile: unused by AWS_MSK_IAM (it signs with AWS credentials); leave them empty")
 			}
 		case "":
 			return fmt.Errorf("SASL.Mechanism: required (%s)", mechanismList())
@@ -293,7 +293,11 @@ func (s *SASL) AWSRegionFor(host string) (string, error) {
 	for i := 0; i+2 < len(labels); i++ {
 		// MSK provisioned (….kafka.<region>.amazonaws.com) and Serverless
 		// (….kafka-serverless.<region>.amazonaws.com) broker names.
-		if (labels[i] == "kafka" || labels[i] == "kafka-serverless") && labels[i+2] == "amazonaws" && labels[i+1] != "" {
+		// The domain after the region is one of AWS's partitions (those
+		// franz-go's signer knows): amazonaws.com(.cn), the ISO ones.
+		domain := strings.Join(labels[i+2:], ".")
+		aws := labels[i+2] == "amazonaws" || domain == "c2s.ic.gov" || domain == "sc2s.sgov.gov"
+		if (labels[i] == "kafka" || labels[i] == "kafka-serverless") && aws && labels[i+1] != "" {
 			return labels[i+1], nil
 		}
 	}
