@@ -172,6 +172,9 @@ type probes struct {
 	watch   *brokerWatch
 	relay   atomic.Pointer[relay.Relay] // nil while waiting for the database
 	stallAt time.Duration               // /livez fails when the loop has not passed for this long
+	// backends are the pool's sessions: a loop stalled while one of them
+	// waits on a lock is waiting on purpose. Nil: not asked.
+	backends *backendPIDs
 }
 
 func (p *probes) register(mux *http.ServeMux) {
@@ -281,4 +284,49 @@ func permanentDBError(err error) bool {
 	var hostname x509.HostnameError
 	var invalid x509.CertificateInvalidError
 	return errors.As(err, &unknownCA) || errors.As(err, &hostname) || errors.As(err, &invalid)
+}
+
+// backendPIDs keeps the server process ids of a pool's connections, for
+// /livez to ask whether one of them waits on a lock.
+type backendPIDs struct {
+	mu   sync.Mutex
+	pids map[uint32]struct{}
+}
+
+// install has cfg's connections register their process ids, after any
+// AfterConnect and before any BeforeClose already set.
+func (b *backendPIDs) install(cfg *pgxpool.Config) {
+	after, before := cfg.AfterConnect, cfg.BeforeClose
+	cfg.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
+		if after != nil {
+			if err := after(ctx, c); err != nil {
+				return err
+			}
+		}
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		if b.pids == nil {
+			b.pids = map[uint32]struct{}{}
+		}
+		b.pids[c.PgConn().PID()] = struct{}{}
+		return nil
+	}
+	cfg.BeforeClose = func(c *pgx.Conn) {
+		b.mu.Lock()
+		delete(b.pids, c.PgConn().PID())
+		b.mu.Unlock()
+		if before != nil {
+			before(c)
+		}
+	}
+}
+
+func (b *backendPIDs) list() []int64 {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	out := make([]int64, 0, len(b.pids))
+	for pid := range b.pids {
+		out = append(out, int64(pid))
+	}
+	return out
 }
