@@ -185,7 +185,7 @@ func (p *probes) register(mux *http.ServeMux) {
 
 // livez: the process runs and its publish loop is progressing, or waiting
 // on purpose (for the database at start, or for Kafka to acknowledge).
-func (p *probes) livez(w http.ResponseWriter, _ *http.Request) {
+func (p *probes) livez(w http.ResponseWriter, req *http.Request) {
 	r := p.relay.Load()
 	if r == nil {
 		fmt.Fprintln(w, "ok: starting")
@@ -196,7 +196,28 @@ func (p *probes) livez(w http.ResponseWriter, _ *http.Request) {
 		fmt.Fprintln(w, "ok")
 		return
 	}
+	if p.waitsOnLock(req.Context()) {
+		// A long lock on the outbox (VACUUM FULL, CLUSTER, a migration):
+		// a restart would wait on it again.
+		fmt.Fprintln(w, "ok: waiting on a database lock")
+		return
+	}
 	http.Error(w, fmt.Sprintf("publish loop stalled for %s", time.Since(last).Round(time.Second)), http.StatusServiceUnavailable)
+}
+
+// waitsOnLock reports whether one of the relay's sessions waits on a lock
+// (pg_stat_activity shows a role's own sessions' waits). Behind PgBouncer
+// the ids are the pooler's, which match no server session: false.
+func (p *probes) waitsOnLock(ctx context.Context) bool {
+	if p.backends == nil {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	var waits bool
+	err := p.pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = ANY($1::int8[]) AND wait_event_type = 'Lock')`,
+		p.backends.list()).Scan(&waits)
+	return err == nil && waits
 }
 
 // readyz: the database answers and accepts writes, and a Kafka broker

@@ -13,6 +13,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -132,7 +133,14 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 		log.Warn(msg)
 	}
 
-	pool, err := c.open(ctx)
+	backends := &backendPIDs{} // for /livez: does a session wait on a lock?
+	pool, err := openWith(ctx, func() (*pgxpool.Config, error) {
+		cfg, err := c.poolConfig()
+		if err == nil {
+			backends.install(cfg)
+		}
+		return cfg, err
+	})
 	if err != nil {
 		return err
 	}
@@ -182,7 +190,7 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	// relays is the whole.
 	reg.MustRegister(relayprom.NewBacklogCollector(pool, c.schema, &relayprom.CollectorConfig{Owned: r.OwnedShards, Logger: log}))
 
-	pr := &probes{pool: pool, watch: watch, stallAt: 2*time.Minute + 4**poll}
+	pr := &probes{pool: pool, watch: watch, stallAt: 2*time.Minute + 4**poll, backends: backends}
 	if *httpAddr != "" {
 		ln, err := net.Listen("tcp", *httpAddr)
 		if err != nil {
