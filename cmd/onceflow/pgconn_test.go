@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/onceflow/onceflow/internal/pgbouncertest"
 	"github.com/onceflow/onceflow/internal/pgtest"
 	"github.com/onceflow/onceflow/internal/tlstest"
@@ -150,5 +152,52 @@ SELECT g, gen_random_uuid(), 'gone', 'k', 'v', now(), 'unknown topic', 3 FROM ge
 	var backlog int
 	if err := pgtest.Pool(t).QueryRow(ctx, `SELECT count(*) FROM `+schema+`.outbox`).Scan(&backlog); err != nil || backlog != 3 {
 		t.Fatalf("outbox after three replays: %d rows (%v), want 3", backlog, err)
+	}
+}
+
+// helper 118: --database-password-file was read once, at start. A password
+// rotated in place (a Vault or RDS credential written to a mounted file,
+// the old one revoked) wedged every relay once its pool opened new
+// connections: each login used the old password, and /livez stayed 200 (the
+// loop kept beating, its rounds failing). The file is read for every new
+// connection. Here the file turns wrong and right again under one pool.
+func TestDatabasePasswordFileIsReadForEveryConnection(t *testing.T) {
+	pgb := pgbouncertest.Start(t)
+	file := filepath.Join(t.TempDir(), "pw")
+	write := func(pw string) {
+		if err := os.WriteFile(file+".new", []byte(pw+"\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(file+".new", file); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write(pgb.Password)
+	c := &common{databaseURL: fmt.Sprintf("postgres://postgres@%s/session?sslmode=disable", pgb.Addr), passwordFile: file}
+	cfg, err := c.poolConfig()
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	ping := func() error {
+		pool.Reset() // the next statement opens a new connection
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		return pool.Ping(ctx)
+	}
+	if err := ping(); err != nil {
+		t.Fatalf("with the file's password: %v", err)
+	}
+	write("revoked-password")
+	if err := ping(); err == nil || !strings.Contains(err.Error(), "authentication") {
+		t.Fatalf("a new connection after the file changed to a wrong password: %v, want an authentication error (the file read again)", err)
+	}
+	write(pgb.Password)
+	if err := ping(); err != nil {
+		t.Fatalf("a new connection after the file changed back: %v", err)
 	}
 }
