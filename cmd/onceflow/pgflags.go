@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"flag"
 	"fmt"
@@ -8,6 +9,7 @@ import (
 	"os"
 	"strings"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
@@ -25,15 +27,28 @@ func (c *common) registerPG(fs *flag.FlagSet) {
 // applyPG applies the password file and pool size to cfg.
 func (c *common) applyPG(cfg *pgxpool.Config) error {
 	if c.passwordFile != "" {
-		b, err := os.ReadFile(c.passwordFile)
+		pw, err := readPasswordFile(c.passwordFile)
 		if err != nil {
-			return fmt.Errorf("--database-password-file: %w", err)
-		}
-		pw := strings.TrimSuffix(strings.TrimSuffix(string(b), "\n"), "\r")
-		if pw == "" {
-			return fmt.Errorf("--database-password-file: %s is empty", c.passwordFile)
+			return err
 		}
 		cfg.ConnConfig.Password = pw
+		// Read again for every new connection: a password rotated in place
+		// (a mounted secret) is used without a restart, once the pool
+		// replaces its connections (or the old ones are ended).
+		file, before := c.passwordFile, cfg.BeforeConnect
+		cfg.BeforeConnect = func(ctx context.Context, cc *pgx.ConnConfig) error {
+			if before != nil {
+				if err := before(ctx, cc); err != nil {
+					return err
+				}
+			}
+			pw, err := readPasswordFile(file)
+			if err != nil {
+				return err
+			}
+			cc.Password = pw
+			return nil
+		}
 	}
 	switch {
 	case c.poolSize < 0 || c.poolSize > 10000:
@@ -45,6 +60,20 @@ func (c *common) applyPG(cfg *pgxpool.Config) error {
 		}
 	}
 	return nil
+}
+
+// readPasswordFile reads --database-password-file: one trailing newline
+// (and a carriage return before it) ignored, empty refused.
+func readPasswordFile(path string) (string, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return "", fmt.Errorf("--database-password-file: %w", err)
+	}
+	pw := strings.TrimSuffix(strings.TrimSuffix(string(b), "\n"), "\r")
+	if pw == "" {
+		return "", fmt.Errorf("--database-password-file: %s is empty", path)
+	}
+	return pw, nil
 }
 
 // parseURLError describes why --database-url does not parse without
