@@ -58,7 +58,7 @@ func TestConsumerSpanCapsTheErrorText(t *testing.T) {
 			}
 			texts := []string{s.Status().Description}
 			for _, kv := range s.Attributes() {
-				texts = append(texts, kv.Value.Emit())
+				texts = append(texts, kv.Value.String())
 			}
 			var retries, recorded int
 			for _, e := range s.Events() {
@@ -75,7 +75,7 @@ func TestConsumerSpanCapsTheErrorText(t *testing.T) {
 					}
 				}
 				for _, kv := range e.Attributes {
-					texts = append(texts, kv.Value.Emit())
+					texts = append(texts, kv.Value.String())
 				}
 			}
 			if retries != attempts-1 || recorded != 1 {

@@ -492,10 +492,6 @@ func (c *common) connectMigrated(ctx context.Context) (*pgxpool.Pool, error) {
 
 // open returns a pool without waiting for the database: pgxpool connects
 // on first use.
-func (c *common) open(ctx context.Context) (*pgxpool.Pool, error) {
-	return openWith(ctx, c.poolConfig)
-}
-
 func openWith(ctx context.Context, config func() (*pgxpool.Config, error)) (*pgxpool.Pool, error) {
 	cfg, err := config()
 	if err != nil {
