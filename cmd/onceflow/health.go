@@ -173,8 +173,10 @@ type probes struct {
 	relay   atomic.Pointer[relay.Relay] // nil while waiting for the database
 	stallAt time.Duration               // /livez fails when the loop has not passed for this long
 	// backends are the pool's sessions: a loop stalled while one of them
-	// waits on a lock is waiting on purpose. Nil: not asked.
+	// waits for a table lock of schema is waiting on purpose. Nil: not
+	// asked.
 	backends *backendPIDs
+	schema   string
 }
 
 func (p *probes) register(mux *http.ServeMux) {
@@ -205,18 +207,39 @@ func (p *probes) livez(w http.ResponseWriter, req *http.Request) {
 	http.Error(w, fmt.Sprintf("publish loop stalled for %s", time.Since(last).Round(time.Second)), http.StatusServiceUnavailable)
 }
 
-// waitsOnLock reports whether one of the relay's sessions waits on a lock
-// (pg_stat_activity shows a role's own sessions' waits). Behind PgBouncer
-// the ids are the pooler's, which match no server session: false.
+// waitsOnLock reports whether one of the relay's sessions waits for a
+// table lock of its schema (a VACUUM FULL, CLUSTER or migration of the
+// outbox). Row locks are left out: the relay's statements wait on those by
+// design, for seconds at most. pg_locks, unlike pg_stat_activity, shows
+// every session's locks whatever the viewer's role. It asks on a
+// connection of its own: during such a lock the pool's may all be
+// waiting. Behind PgBouncer the ids are the pooler's, which match no
+// server session: false.
 func (p *probes) waitsOnLock(ctx context.Context) bool {
 	if p.backends == nil {
 		return false
 	}
+	pids := p.backends.list()
+	if len(pids) == 0 {
+		return false
+	}
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
+	cfg := p.pool.Config()
+	if cfg.BeforeConnect != nil {
+		if err := cfg.BeforeConnect(ctx, cfg.ConnConfig); err != nil {
+			return false
+		}
+	}
+	conn, err := pgx.ConnectConfig(ctx, cfg.ConnConfig)
+	if err != nil {
+		return false
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
 	var waits bool
-	err := p.pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = ANY($1::int8[]) AND wait_event_type = 'Lock')`,
-		p.backends.list()).Scan(&waits)
+	err = conn.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_locks AS l JOIN pg_class AS c ON c.oid = l.relation
+WHERE l.pid = ANY($1::int8[]) AND l.locktype = 'relation' AND NOT l.granted
+    AND c.relnamespace = (SELECT oid FROM pg_namespace WHERE nspname = $2::text))`, pids, p.schema).Scan(&waits)
 	return err == nil && waits
 }
 
@@ -307,15 +330,16 @@ func permanentDBError(err error) bool {
 	return errors.As(err, &unknownCA) || errors.As(err, &hostname) || errors.As(err, &invalid)
 }
 
-// backendPIDs keeps the server process ids of a pool's connections, for
-// /livez to ask whether one of them waits on a lock.
+// backendPIDs keeps a pool's connections, for /livez to ask whether one
+// of them waits for a table lock. Keyed by connection, not process id: two
+// connections to two hosts (a multi-host URL) may share an id.
 type backendPIDs struct {
-	mu   sync.Mutex
-	pids map[uint32]struct{}
+	mu    sync.Mutex
+	conns map[*pgx.Conn]struct{}
 }
 
-// install has cfg's connections register their process ids, after any
-// AfterConnect and before any BeforeClose already set.
+// install has cfg's connections register, after any AfterConnect and
+// before any BeforeClose already set.
 func (b *backendPIDs) install(cfg *pgxpool.Config) {
 	after, before := cfg.AfterConnect, cfg.BeforeClose
 	cfg.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
@@ -326,15 +350,15 @@ func (b *backendPIDs) install(cfg *pgxpool.Config) {
 		}
 		b.mu.Lock()
 		defer b.mu.Unlock()
-		if b.pids == nil {
-			b.pids = map[uint32]struct{}{}
+		if b.conns == nil {
+			b.conns = map[*pgx.Conn]struct{}{}
 		}
-		b.pids[c.PgConn().PID()] = struct{}{}
+		b.conns[c] = struct{}{}
 		return nil
 	}
 	cfg.BeforeClose = func(c *pgx.Conn) {
 		b.mu.Lock()
-		delete(b.pids, c.PgConn().PID())
+		delete(b.conns, c)
 		b.mu.Unlock()
 		if before != nil {
 			before(c)
@@ -342,12 +366,15 @@ func (b *backendPIDs) install(cfg *pgxpool.Config) {
 	}
 }
 
+// list returns the connections' process ids. (A connection's id is set
+// when it connects, so it may be read while another goroutine uses it; its
+// other state may not.)
 func (b *backendPIDs) list() []int64 {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	out := make([]int64, 0, len(b.pids))
-	for pid := range b.pids {
-		out = append(out, int64(pid))
+	out := make([]int64, 0, len(b.conns))
+	for c := range b.conns {
+		out = append(out, int64(c.PgConn().PID()))
 	}
 	return out
 }

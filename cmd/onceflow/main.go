@@ -490,7 +490,7 @@ func (c *common) connectMigrated(ctx context.Context) (*pgxpool.Pool, error) {
 	return pool, nil
 }
 
-// open returns a pool without waiting for the database: pgxpool connects
+// openWith returns a pool of config's without waiting for the database: pgxpool connects
 // on first use.
 func openWith(ctx context.Context, config func() (*pgxpool.Config, error)) (*pgxpool.Pool, error) {
 	cfg, err := config()

@@ -190,7 +190,7 @@ func runRelay(ctx context.Context, args []string, _, stderr io.Writer) error {
 	// relays is the whole.
 	reg.MustRegister(relayprom.NewBacklogCollector(pool, c.schema, &relayprom.CollectorConfig{Owned: r.OwnedShards, Logger: log}))
 
-	pr := &probes{pool: pool, watch: watch, stallAt: 2*time.Minute + 4**poll, backends: backends}
+	pr := &probes{pool: pool, watch: watch, stallAt: 2*time.Minute + 4**poll, backends: backends, schema: c.schema}
 	if *httpAddr != "" {
 		ln, err := net.Listen("tcp", *httpAddr)
 		if err != nil {
