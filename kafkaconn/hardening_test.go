@@ -69,4 +69,15 @@ func TestAWSRegionFromMSKServerlessNames(t *testing.T) {
 			t.Errorf("AWSRegionFor(%s) = %q, %v; want %s", host, got, err, want)
 		}
 	}
+	// helper 119: names franz-go cannot sign (it matches the partitions'
+	// exact suffixes) carry no region here either: the relay then refuses
+	// to start unless one is set, rather than fail every connection.
+	for _, host := range []string{
+		"b-1.demo.abc123.c2.kafka.us-east-1.amazonaws.com.:9098",
+		"b-1.demo.abc123.c2.kafka.us-east-1.amazonaws.eu:9098",
+	} {
+		if got, err := s.AWSRegionFor(host); err == nil {
+			t.Errorf("AWSRegionFor(%s) = %q, want an error (franz-go cannot sign it)", host, got)
+		}
+	}
 }

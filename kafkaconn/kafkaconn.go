@@ -293,10 +293,11 @@ func (s *SASL) AWSRegionFor(host string) (string, error) {
 	for i := 0; i+2 < len(labels); i++ {
 		// MSK provisioned (….kafka.<region>.amazonaws.com) and Serverless
 		// (….kafka-serverless.<region>.amazonaws.com) broker names.
-		// The domain after the region is one of AWS's partitions (those
-		// franz-go's signer knows): amazonaws.com(.cn), the ISO ones.
+		// The domain after the region is one of AWS's partitions, exactly
+		// as franz-go's signer knows them (no trailing dot): what it
+		// cannot sign must not pass for signable here.
 		domain := strings.Join(labels[i+2:], ".")
-		aws := labels[i+2] == "amazonaws" || domain == "c2s.ic.gov" || domain == "sc2s.sgov.gov"
+		aws := domain == "amazonaws.com" || domain == "amazonaws.com.cn" || domain == "c2s.ic.gov" || domain == "sc2s.sgov.gov"
 		if (labels[i] == "kafka" || labels[i] == "kafka-serverless") && aws && labels[i+1] != "" {
 			return labels[i+1], nil
 		}
