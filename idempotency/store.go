@@ -462,11 +462,28 @@ func (s *store) claimOwned(ctx context.Context, db querier, c *claim, lease, win
 		conn, release = pc, pc.Release
 	}
 	sctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	stopWatch := context.AfterFunc(ctx, func() { time.AfterFunc(lease, cancel) })
+	// Once ctx ends, the statement has a lease more (timer); a statement
+	// that ends first stops the timer, which would hold sctx meanwhile.
+	var timerMu sync.Mutex
+	var timer *time.Timer
+	finished := false
+	stopWatch := context.AfterFunc(ctx, func() {
+		timerMu.Lock()
+		defer timerMu.Unlock()
+		if !finished {
+			timer = time.AfterFunc(lease, cancel)
+		}
+	})
 	done := make(chan claimResult, 1)
 	go func(r claimResult) {
 		r.claimed, r.rec, r.err = s.tryClaim(sctx, conn, &r.c, lease, window)
 		stopWatch()
+		timerMu.Lock()
+		finished = true
+		if timer != nil {
+			timer.Stop()
+		}
+		timerMu.Unlock()
 		cancel()
 		release()
 		done <- r
