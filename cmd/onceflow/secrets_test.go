@@ -3,6 +3,8 @@ package main
 import (
 	"bytes"
 	"errors"
+	"flag"
+	"io"
 	"log/slog"
 	"strings"
 	"testing"
@@ -112,5 +114,28 @@ func TestBrokerCredentialsAreNotEchoed(t *testing.T) {
 	}
 	if strings.Contains(out, "hunter2") || err != nil && strings.Contains(err.Error(), "hunter2") {
 		t.Errorf("--brokers hunter2@k echoes the credential: %v\n%s", err, out)
+	}
+}
+
+// helper 114: the password file has one trailing newline ignored, but
+// ONCEFLOW_KAFKA_SASL_PASSWORD and ONCEFLOW_KAFKA_SASL_USERNAME were taken
+// as they are: a Kubernetes secret made with `echo … | base64` carries the
+// newline, and the login failed for good with nothing saying why.
+func TestKafkaSASLFromTheEnvironmentIgnoresATrailingNewline(t *testing.T) {
+	t.Setenv("ONCEFLOW_KAFKA_SASL_USERNAME", "relay\n")
+	t.Setenv("ONCEFLOW_KAFKA_SASL_PASSWORD", "s3cret\r\n")
+	var kf kafkaFlags
+	fs := flag.NewFlagSet("relay", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	kf.register(fs)
+	if err := fs.Parse([]string{"--kafka-sasl-mechanism", "SCRAM-SHA-512"}); err != nil {
+		t.Fatal(err)
+	}
+	_, conn, err := kf.conn([]string{"k:9092"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if conn.SASL.Username != "relay" || conn.SASL.Password != "s3cret" {
+		t.Fatalf("user %q, password of %d bytes; want %q and %q", conn.SASL.Username, len(conn.SASL.Password), "relay", "s3cret")
 	}
 }
