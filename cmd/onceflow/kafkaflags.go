@@ -79,7 +79,10 @@ func (k *kafkaFlags) conn(brokers []string) ([]string, kafkaconn.Config, error) 
 	if k.awsRegion != "" && !strings.EqualFold(k.mechanism, string(kafkaconn.AWSMSKIAM)) {
 		return nil, c, errors.New("--kafka-aws-region: used only with --kafka-sasl-mechanism AWS_MSK_IAM")
 	}
-	password := os.Getenv("ONCEFLOW_KAFKA_SASL_PASSWORD")
+	// One trailing newline is dropped, as from the password file: a secret
+	// made with `echo … | base64` carries one.
+	password := trimNewline(os.Getenv("ONCEFLOW_KAFKA_SASL_PASSWORD"))
+	k.username = trimNewline(k.username)
 	fromEnv := password != "" // empty counts as unset, as for every setting
 	if k.mechanism == "" {
 		if k.username != "" || k.passwordFile != "" || fromEnv {
@@ -178,4 +181,9 @@ func warnWeakKafkaSecurity(log *slog.Logger, c kafkaconn.Config) {
 	if c.TLS == nil && c.SASL != nil && c.SASL.Mechanism == kafkaconn.AWSMSKIAM {
 		log.Warn("relay: AWS_MSK_IAM without TLS: MSK serves IAM on its TLS listener only (port 9098), and the signed token goes in the clear; use SASL_SSL:// brokers or --kafka-tls")
 	}
+}
+
+// trimNewline drops one trailing newline, and a carriage return before it.
+func trimNewline(s string) string {
+	return strings.TrimSuffix(strings.TrimSuffix(s, "\n"), "\r")
 }
