@@ -150,6 +150,9 @@ func (p *Processor) batchTx(ctx context.Context, stop <-chan struct{}, msgs []Me
 		pc := p.handlerStarts(stop, tx)
 		err := p.call(ctx, func() error { return p.batch(ctx, tx, todo) })
 		p.handlerEnded(stop, pc)
+		if err == nil {
+			err = txEndedBySQL(tx)
+		}
 		if errors.Is(err, pgx.ErrTxClosed) {
 			return p.endedByHandler(ctx, todo[0].ID, fmt.Errorf("consumer %s: the batch handler used tx after it ended (ending tx is the Processor's): %w", p.name, err))
 		}

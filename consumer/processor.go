@@ -360,6 +360,9 @@ func (p *Processor) attempt(ctx context.Context, stop <-chan struct{}, msg Messa
 		err = p.call(ctx, func() error { return p.handler(ctx, tx, msg) })
 	}
 	p.handlerEnded(stop, pc)
+	if err == nil {
+		err = txEndedBySQL(tx)
+	}
 	if err != nil {
 		if errors.Is(err, pgx.ErrTxClosed) {
 			err = p.endedByHandler(ctx, msg.ID, fmt.Errorf("consumer %s: message %s: the handler used tx after it ended (ending tx is the Processor's): %w", p.name, msg.ID, err))
@@ -582,7 +585,39 @@ func (p *Processor) call(ctx context.Context, fn func() error) (err error) {
 			err = pe
 		}
 	}()
-	return fn()
+	return usableError(fn())
+}
+
+// usableError returns err, or, when its methods panic (a nil
+// *ValidationError returned as error, whose Error reads its receiver), an
+// error standing in for it. The handler's error is read outside the
+// handler's recover (its text for the dead letter, errors.Is and As to
+// classify it): a panic there stopped the partition, on every redelivery.
+func usableError(err error) (out error) {
+	if err == nil {
+		return nil
+	}
+	defer func() {
+		if r := recover(); r != nil {
+			out = fmt.Errorf("consumer: the handler returned a %T whose methods panic (%v); a nil pointer returned as an error?", err, r)
+		}
+	}()
+	_ = err.Error()
+	_ = IsPermanent(err)
+	_ = errors.Is(err, pgx.ErrTxClosed)
+	return err
+}
+
+// txEndedBySQL reports, wrapping pgx.ErrTxClosed, a transaction the
+// handler ended with SQL of its own (tx.Exec("ROLLBACK") or "COMMIT")
+// though it returned nil: what it wrote after went outside the transaction
+// and its dedup record, and a COMMIT now would count the message
+// processed. (tx.Rollback and tx.Commit are caught by pgx itself.)
+func txEndedBySQL(tx pgx.Tx) error {
+	if c := tx.Conn(); c != nil && c.PgConn().TxStatus() == 'I' {
+		return fmt.Errorf("the handler ended its transaction with SQL of its own (ROLLBACK or COMMIT): %w", pgx.ErrTxClosed)
+	}
+	return nil
 }
 
 // handlerStarts registers tx's connection as the one of a handler running
