@@ -3,10 +3,13 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
+	"os/exec"
 	"regexp"
 	"strings"
 	"sync"
@@ -280,5 +283,30 @@ func TestOrdersTwoProcessesStartTogether(t *testing.T) {
 	}
 	for _, s := range procs {
 		s.proc.Stop(t, 20*time.Second)
+	}
+}
+
+// helper 121: the expired-key purger ran on the signal context, and run
+// waited for it on every return: an address already in use (or any error
+// after the purger started) left a silent process hanging until a signal,
+// instead of exiting 1 with the error.
+func TestOrdersExitsWhenItCannotListen(t *testing.T) {
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taken.Close()
+	schema := pgtest.Schema(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, bin, "--database-url", exampletest.WithSearchPath(t, pgtest.URL(t), schema),
+		"--schema", schema, "--addr", taken.Addr().String())
+	out, err := cmd.CombinedOutput()
+	if ctx.Err() != nil {
+		t.Fatalf("still running 30 s after its address was found taken:\n%s", out)
+	}
+	var exit *exec.ExitError
+	if !errors.As(err, &exit) || exit.ExitCode() != 1 || !strings.Contains(string(out), "address already in use") {
+		t.Fatalf("exit %v, want 1 naming the address in use:\n%s", err, out)
 	}
 }
