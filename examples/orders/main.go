@@ -100,9 +100,12 @@ func run(ctx context.Context, args []string, log *slog.Logger) error {
 	if err != nil {
 		return err
 	}
+	// Its own context: run stops it on every return, an error's too, and
+	// waits for it.
+	purgeCtx, stopPurge := context.WithCancel(ctx)
 	purged := make(chan struct{})
-	go func() { defer close(purged); _ = purger.Run(ctx) }()
-	defer func() { <-purged }()
+	go func() { defer close(purged); _ = purger.Run(purgeCtx) }()
+	defer func() { stopPurge(); <-purged }()
 
 	ln, err := net.Listen("tcp", *addr)
 	if err != nil {

@@ -310,3 +310,18 @@ func TestOrdersExitsWhenItCannotListen(t *testing.T) {
 		t.Fatalf("exit %v, want 1 naming the address in use:\n%s", err, out)
 	}
 }
+
+// helper 121: the example took ONCEFLOW_DATABASE_URL as --database-url's
+// default, so --help printed the URL, password and all; and an unparsable
+// URL came back in "connect: …" (net/url quotes it whole). The binary
+// avoids both; so do the examples now, which users copy.
+func TestExampleDoesNotPrintTheDatabasePassword(t *testing.T) {
+	for _, args := range [][]string{{"--help"}, {"--database-url", "postgres://u:hunter2@db.invalid:port/x"}} {
+		cmd := exec.Command(bin, args...)
+		cmd.Env = append(os.Environ(), "ONCEFLOW_DATABASE_URL=postgres://u:hunter2@db.invalid/x", "ONCEFLOW_BROKERS=k:9092")
+		out, _ := cmd.CombinedOutput()
+		if strings.Contains(string(out), "hunter2") {
+			t.Errorf("%v prints the database password:\n%s", args, out)
+		}
+	}
+}
