@@ -50,8 +50,10 @@ func main() {
 
 func run(ctx context.Context, args []string, log *slog.Logger) error {
 	fs := flag.NewFlagSet("ledger", flag.ContinueOnError)
-	dbURL := fs.String("database-url", os.Getenv("ONCEFLOW_DATABASE_URL"), "PostgreSQL URL (env ONCEFLOW_DATABASE_URL)")
-	brokers := fs.String("brokers", os.Getenv("ONCEFLOW_BROKERS"), "Kafka brokers, comma-separated host:port (env ONCEFLOW_BROKERS)")
+	// No defaults from the environment: --help prints them, and the URL
+	// may hold the password. Read after Parse.
+	dbURL := fs.String("database-url", "", "PostgreSQL URL (env ONCEFLOW_DATABASE_URL)")
+	brokers := fs.String("brokers", "", "Kafka brokers, comma-separated host:port (env ONCEFLOW_BROKERS)")
 	schema := fs.String("schema", envOr("ONCEFLOW_SCHEMA", migrations.DefaultSchema), "schema holding onceflow's tables (env ONCEFLOW_SCHEMA)")
 	topic := fs.String("topic", "payments", "topic to consume")
 	group := fs.String("group", "ledger", "consumer group, also the name payments are deduplicated under")
@@ -62,13 +64,20 @@ func run(ctx context.Context, args []string, log *slog.Logger) error {
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
+	if *dbURL == "" {
+		*dbURL = os.Getenv("ONCEFLOW_DATABASE_URL")
+	}
+	if *brokers == "" {
+		*brokers = os.Getenv("ONCEFLOW_BROKERS")
+	}
 	if *dbURL == "" || *brokers == "" {
 		return errors.New("--database-url and --brokers are required")
 	}
 
 	pool, err := pgxpool.New(ctx, *dbURL)
 	if err != nil {
-		return fmt.Errorf("connect: %w", err)
+		// Not the error itself: it may quote the URL, password and all.
+		return errors.New("--database-url: cannot parse it")
 	}
 	defer pool.Close()
 	if _, err := migrations.Up(ctx, pool, *schema); err != nil {

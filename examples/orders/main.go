@@ -58,7 +58,9 @@ func main() {
 
 func run(ctx context.Context, args []string, log *slog.Logger) error {
 	fs := flag.NewFlagSet("orders", flag.ContinueOnError)
-	dbURL := fs.String("database-url", os.Getenv("ONCEFLOW_DATABASE_URL"), "PostgreSQL URL (env ONCEFLOW_DATABASE_URL)")
+	// No defaults from the environment: --help prints them, and the URL
+	// may hold the password. Read after Parse.
+	dbURL := fs.String("database-url", "", "PostgreSQL URL (env ONCEFLOW_DATABASE_URL)")
 	schema := fs.String("schema", envOr("ONCEFLOW_SCHEMA", migrations.DefaultSchema), "schema holding onceflow's tables (env ONCEFLOW_SCHEMA)")
 	addr := fs.String("addr", "127.0.0.1:8080", "address to listen on")
 	tracing := fs.Bool("trace", false, "trace requests with OpenTelemetry: each order's event carries the request's trace context to its consumers; spans are exported as the standard OTEL_* environment variables say (OTEL_EXPORTER_OTLP_ENDPOINT, ...)")
@@ -66,12 +68,16 @@ func run(ctx context.Context, args []string, log *slog.Logger) error {
 		return err
 	}
 	if *dbURL == "" {
+		*dbURL = os.Getenv("ONCEFLOW_DATABASE_URL")
+	}
+	if *dbURL == "" {
 		return errors.New("--database-url is required")
 	}
 
 	pool, err := pgxpool.New(ctx, *dbURL)
 	if err != nil {
-		return fmt.Errorf("connect: %w", err)
+		// Not the error itself: it may quote the URL, password and all.
+		return errors.New("--database-url: cannot parse it")
 	}
 	defer pool.Close()
 	if _, err := migrations.Up(ctx, pool, *schema); err != nil {
