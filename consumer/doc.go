@@ -26,11 +26,21 @@
 // and kafkagoconsumer (segmentio/kafka-go).
 //
 //	p, err := consumer.New(pool, "ledger", func(ctx context.Context, tx pgx.Tx, msg consumer.Message) error {
-//		_, err := tx.Exec(ctx, `UPDATE accounts SET balance = balance + $1 WHERE id = $2`, amount, account)
+//		tag, err := tx.Exec(ctx, `UPDATE accounts SET balance = balance + $1 WHERE id = $2`, amount, account)
+//		if err == nil && tag.RowsAffected() == 0 {
+//			// Not nil: nil records the message as processed, for good.
+//			err = consumer.Permanent(fmt.Errorf("no account %s", account))
+//		}
 //		return err
 //	}, nil)
+//	if err != nil {
+//		return err
+//	}
 //	c, err := kgoconsumer.New(p, &kgoconsumer.Config{Brokers: brokers, Topics: []string{"payments"}})
-//	err = c.Run(ctx) // until ctx is canceled
+//	if err != nil {
+//		return err
+//	}
+//	return c.Run(ctx) // until ctx is canceled
 //
 // # Message ids
 //
