@@ -43,10 +43,12 @@ func (p *Processor) runBatch(ctx context.Context, stop <-chan struct{}, msgs []M
 		case ctx.Err() != nil || errors.Is(err, errAbandoned):
 			return errAbandoned
 		case IsPermanent(err) && errors.Is(err, pgx.ErrTxClosed):
-			// The handler committed the batch's tx itself and wrote on:
-			// each message retried alone would be taken for a duplicate,
-			// its later writes lost (see endedByHandler).
-			p.log.Error("consumer: the batch handler committed its transaction itself and wrote on; the batch is dead-lettered",
+			// The handler ended the batch's tx itself and wrote on:
+			// committed, each message retried alone would be taken for
+			// a duplicate, its later writes lost (see endedByHandler);
+			// rolled back by SQL, its later writes are committed, and a
+			// retry would write them again (rolledBackBySQL).
+			p.log.Error("consumer: the batch handler ended its transaction itself and wrote on; the batch is dead-lettered",
 				"topic", good[0].Topic, "partition", good[0].Partition, "first_offset", good[0].Offset, "size", len(good), "error", err)
 			for _, m := range good {
 				if err := deadLetter(m, err); err != nil {
@@ -148,10 +150,11 @@ func (p *Processor) batchTx(ctx context.Context, stop <-chan struct{}, msgs []Me
 	}
 	if len(todo) > 0 {
 		pc := p.handlerStarts(stop, tx)
-		err := p.call(ctx, func() error { return p.batch(ctx, tx, todo) })
+		htx := &handlerTx{Tx: tx}
+		err := p.call(ctx, func() error { return p.batch(ctx, htx, todo) })
 		p.handlerEnded(stop, pc)
-		if err == nil {
-			err = txEndedBySQL(tx)
+		if err == nil && !htx.ended.Load() {
+			err = p.rolledBackBySQL(ctx, tx, todo[0].ID)
 		}
 		if errors.Is(err, pgx.ErrTxClosed) {
 			return p.endedByHandler(ctx, todo[0].ID, fmt.Errorf("consumer %s: the batch handler used tx after it ended (ending tx is the Processor's): %w", p.name, err))

@@ -2,10 +2,13 @@ package consumer_test
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/onceflow/onceflow/consumer"
 )
@@ -60,12 +63,49 @@ func TestAHandlerThatEndsItsTransactionWithSQLIsRefused(t *testing.T) {
 				return err
 			}
 			return b.record(ctx, tx, "ledger", m)
-		}, &consumer.Config{Schema: b.schema, MaxAttempts: 1})
+		}, &consumer.Config{Schema: b.schema, MinBackoff: time.Millisecond, MaxBackoff: time.Millisecond})
 		tr := &memTransport{}
 		run(t, p, tr, msg(0, "m-raw-rollback", "k"))
 		dead := tr.deadLetters()
 		if len(dead) != 1 || !strings.Contains(dead[0].Err.Error(), "ended its transaction") {
 			t.Fatalf("dead letters %v; want the message dead-lettered as one whose handler ended its transaction, not counted processed", dead)
+		}
+		// helper 122: what it wrote after its ROLLBACK committed on its
+		// own; retrying wrote it again, once per attempt (5 by default).
+		// Dead-lettered at once, it is written by the one run (and, in
+		// batch mode, the batch's run before it).
+		want := 1
+		if batch {
+			want = 2
+		}
+		if n := b.count(t, "message_id = 'm-raw-rollback'"); n > want {
+			t.Fatalf("the effect written after the handler's ROLLBACK was written %d times, want at most %d: it was retried", n, want)
+		}
+	})
+}
+
+// helper 122: a handler's error wrapping a nil *pgconn.PgError (the wrong
+// variable returned after errors.As) passed usableError (its text reads
+// fine) and panicked where the Processor classifies it (isConflict reads
+// its Code), outside the handler's recover: the partition stopped on every
+// redelivery.
+func TestAHandlerErrorWrappingANilPgErrorIsDeadLettered(t *testing.T) {
+	inBothModes(t, func(t *testing.T, batch bool) {
+		b := setup(t)
+		p := newLedgerProcessor(t, b.pool, batch, func(ctx context.Context, tx pgx.Tx, m consumer.Message) error {
+			if string(m.Value) == "v0" {
+				var pgErr *pgconn.PgError
+				return fmt.Errorf("charge: %w", pgErr)
+			}
+			return b.record(ctx, tx, "ledger", m)
+		}, &consumer.Config{Schema: b.schema, MaxAttempts: 2, MinBackoff: time.Millisecond, MaxBackoff: time.Millisecond})
+		tr := &memTransport{}
+		run(t, p, tr, msg(0, "m-nil-pgerror", "k"), msg(1, "m-next", "k"))
+		if dead := tr.deadLetters(); len(dead) != 1 {
+			t.Fatalf("dead letters %v, want one", dead)
+		}
+		if n := b.count(t, "message_id = 'm-next'"); n != 1 {
+			t.Fatalf("the next message's effect: %d rows, want 1", n)
 		}
 	})
 }

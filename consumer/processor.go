@@ -354,20 +354,21 @@ func (p *Processor) attempt(ctx context.Context, stop <-chan struct{}, msg Messa
 	}
 	var err error
 	pc := p.handlerStarts(stop, tx)
+	htx := &handlerTx{Tx: tx}
 	if batchMode {
-		err = p.call(ctx, func() error { return p.batch(ctx, tx, []Message{msg}) })
+		err = p.call(ctx, func() error { return p.batch(ctx, htx, []Message{msg}) })
 	} else {
-		err = p.call(ctx, func() error { return p.handler(ctx, tx, msg) })
+		err = p.call(ctx, func() error { return p.handler(ctx, htx, msg) })
 	}
 	p.handlerEnded(stop, pc)
-	if err == nil {
-		err = txEndedBySQL(tx)
+	if err == nil && !htx.ended.Load() {
+		err = p.rolledBackBySQL(ctx, tx, msg.ID)
 	}
 	if err != nil {
 		if errors.Is(err, pgx.ErrTxClosed) {
 			err = p.endedByHandler(ctx, msg.ID, fmt.Errorf("consumer %s: message %s: the handler used tx after it ended (ending tx is the Processor's): %w", p.name, msg.ID, err))
 			if IsPermanent(err) {
-				p.log.Error("consumer: the handler committed its transaction itself and wrote on; the message is dead-lettered",
+				p.log.Error("consumer: the handler ended its transaction itself and wrote on; the message is dead-lettered",
 					"topic", msg.Topic, "partition", msg.Partition, "offset", msg.Offset, "message_id", msg.ID, "error", err)
 			}
 		} else if tx.Conn().IsClosed() {
@@ -589,35 +590,71 @@ func (p *Processor) call(ctx context.Context, fn func() error) (err error) {
 }
 
 // usableError returns err, or, when its methods panic (a nil
-// *ValidationError returned as error, whose Error reads its receiver), an
-// error standing in for it. The handler's error is read outside the
-// handler's recover (its text for the dead letter, errors.Is and As to
-// classify it): a panic there stopped the partition, on every redelivery.
+// *ValidationError returned as error, whose Error reads its receiver; a
+// nil *pgconn.PgError wrapped), an error standing in for it. The handler's
+// error is read outside the handler's recover (its text for the dead
+// letter, errors.Is and As to classify it): a panic there stopped the
+// partition, on every redelivery.
 func usableError(err error) (out error) {
 	if err == nil {
 		return nil
 	}
 	defer func() {
 		if r := recover(); r != nil {
-			out = fmt.Errorf("consumer: the handler returned a %T whose methods panic (%v); a nil pointer returned as an error?", err, r)
+			out = fmt.Errorf("consumer: the handler returned a %T whose methods or wrapped errors panic (%v); a nil pointer returned as an error?", err, r)
 		}
 	}()
 	_ = err.Error()
 	_ = IsPermanent(err)
 	_ = errors.Is(err, pgx.ErrTxClosed)
+	_ = isConflict(err)
+	var pe *PanicError
+	_ = errors.As(err, &pe)
 	return err
 }
 
-// txEndedBySQL reports, wrapping pgx.ErrTxClosed, a transaction the
-// handler ended with SQL of its own (tx.Exec("ROLLBACK") or "COMMIT")
-// though it returned nil: what it wrote after went outside the transaction
-// and its dedup record, and a COMMIT now would count the message
-// processed. (tx.Rollback and tx.Commit are caught by pgx itself.)
-func txEndedBySQL(tx pgx.Tx) error {
-	if c := tx.Conn(); c != nil && c.PgConn().TxStatus() == 'I' {
-		return fmt.Errorf("the handler ended its transaction with SQL of its own (ROLLBACK or COMMIT): %w", pgx.ErrTxClosed)
+// handlerTx is the transaction a handler gets. It notes whether the
+// handler ended it through Commit or Rollback (pgx catches their misuse
+// itself, ErrTxClosed): a *pgxpool.Tx then hands its connection back to
+// the pool, whose state is another's to read from then on.
+type handlerTx struct {
+	pgx.Tx
+	ended atomic.Bool
+}
+
+func (t *handlerTx) Commit(ctx context.Context) error {
+	t.ended.Store(true)
+	return t.Tx.Commit(ctx)
+}
+
+func (t *handlerTx) Rollback(ctx context.Context) error {
+	t.ended.Store(true)
+	return t.Tx.Rollback(ctx)
+}
+
+// rolledBackBySQL refuses, for good, a transaction the handler rolled back
+// with SQL of its own (tx.Exec("ROLLBACK")) though it returned nil: its
+// dedup record went with it, and what it wrote after committed on its own,
+// outside the transaction. COMMIT now would count the message processed,
+// and a retry would write that again. (A transaction ended by COMMIT holds
+// the record: it is processed, as before.) Called only while tx holds its
+// connection: the handler did not call tx.Commit or tx.Rollback.
+func (p *Processor) rolledBackBySQL(ctx context.Context, tx pgx.Tx, id string) error {
+	if c := tx.Conn(); c == nil || c.PgConn().TxStatus() != 'I' {
+		return nil
 	}
-	return nil
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	check, err := p.db.Begin(ctx)
+	if err == nil {
+		defer rollback(ctx, check)
+		var tag pgconn.CommandTag
+		tag, err = check.Exec(ctx, p.insertOne, p.name, id)
+		if err == nil && tag.RowsAffected() == 0 {
+			return nil // committed by the handler's own COMMIT
+		}
+	}
+	return Permanent(fmt.Errorf("the handler ended its transaction with SQL of its own (ROLLBACK): what it wrote after committed outside it: %w", pgx.ErrTxClosed))
 }
 
 // handlerStarts registers tx's connection as the one of a handler running
