@@ -64,6 +64,7 @@ func TestAWSRegionFromMSKServerlessNames(t *testing.T) {
 		"b-1.demo.abc123.c2.kafka.cn-north-1.amazonaws.com.cn:9098":  "cn-north-1",
 		"b-1.demo.abc123.c1.kafka.us-iso-east-1.c2s.ic.gov:9098":     "us-iso-east-1",
 		"b-1.demo.abc123.c1.kafka.us-isob-east-1.sc2s.sgov.gov:9098": "us-isob-east-1",
+		"B-1.Demo.ABC123.C2.Kafka.EU-WEST-1.AmazonAWS.com:9098":      "eu-west-1", // DNS names ignore case
 	} {
 		if got, err := s.AWSRegionFor(host); err != nil || got != want {
 			t.Errorf("AWSRegionFor(%s) = %q, %v; want %s", host, got, err, want)

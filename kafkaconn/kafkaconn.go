@@ -289,12 +289,12 @@ func (s *SASL) AWSRegionFor(host string) (string, error) {
 	if h, _, err := net.SplitHostPort(host); err == nil {
 		host = h
 	}
-	labels := strings.Split(host, ".")
+	labels := strings.Split(strings.ToLower(host), ".") // DNS names ignore case
 	for i := 0; i+2 < len(labels); i++ {
 		// MSK provisioned (….kafka.<region>.amazonaws.com) and Serverless
 		// (….kafka-serverless.<region>.amazonaws.com) broker names.
-		// The domain after the region is one of AWS's partitions, exactly
-		// as franz-go's signer knows them (no trailing dot): what it
+		// The domain after the region is one of AWS's partitions, as
+		// franz-go's signer matches them (no trailing dot): what it
 		// cannot sign must not pass for signable here.
 		domain := strings.Join(labels[i+2:], ".")
 		aws := domain == "amazonaws.com" || domain == "amazonaws.com.cn" || domain == "c2s.ic.gov" || domain == "sc2s.sgov.gov"
