@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"strings"
 	"sync"
@@ -137,14 +138,37 @@ func retryUntilNotInProgress(t *testing.T, srv string, req request) response {
 	}
 }
 
-func TestLeasedClaimWhoseClientLeftBeforeItsAnswerDoesNotHoldTheKey(t *testing.T) {
-	t.Parallel()
+// heldAnswerLeasedServer is a Leased server on a pool whose next claim's
+// answer is held, and the count of its handler's runs (each answers 201).
+func heldAnswerLeasedServer(t *testing.T) (*httptest.Server, *heldAnswers, *atomic.Int64) {
+	t.Helper()
 	b, answers := heldAnswerBundle(t, setup(t))
-	var runs atomic.Int64
+	runs := &atomic.Int64{}
 	srv := newServer(t, b, idempotency.Config{Mode: idempotency.Leased, Lease: time.Minute}, func(w http.ResponseWriter, r *http.Request) {
 		runs.Add(1)
 		w.WriteHeader(http.StatusCreated)
 	})
+	return srv, answers, runs
+}
+
+// wantRetryRunsOnce sends a request under key whose claim meets what
+// happened (5xx), then its retry, which must run the handler at once.
+func wantRetryRunsOnce(t *testing.T, srv *httptest.Server, runs *atomic.Int64, key, what string) {
+	t.Helper()
+	if r := send(t, srv, request{key: key, body: "{}"}); r.status < 500 {
+		t.Fatalf("request %s: %d, want a 5xx", what, r.status)
+	}
+	if r := retryUntilNotInProgress(t, srv.URL, request{key: key, body: "{}"}); r.status != http.StatusCreated {
+		t.Fatalf("retry of a request %s: %d for 10 s, want 201", what, r.status)
+	}
+	if n := runs.Load(); n != 1 {
+		t.Fatalf("handler ran %d times, want 1 (the retry)", n)
+	}
+}
+
+func TestLeasedClaimWhoseClientLeftBeforeItsAnswerDoesNotHoldTheKey(t *testing.T) {
+	t.Parallel()
+	srv, answers, runs := heldAnswerLeasedServer(t)
 
 	ctx, cancel := context.WithCancel(context.Background())
 	sent := make(chan error, 1)
@@ -177,23 +201,10 @@ func TestLeasedClaimWhoseClientLeftBeforeItsAnswerDoesNotHoldTheKey(t *testing.T
 
 func TestLeasedClaimWhoseAnswerWasLostDoesNotHoldTheKey(t *testing.T) {
 	t.Parallel()
-	b, answers := heldAnswerBundle(t, setup(t))
-	var runs atomic.Int64
-	srv := newServer(t, b, idempotency.Config{Mode: idempotency.Leased, Lease: time.Minute}, func(w http.ResponseWriter, r *http.Request) {
-		runs.Add(1)
-		w.WriteHeader(http.StatusCreated)
-	})
+	srv, answers, runs := heldAnswerLeasedServer(t)
 	answers.lose.Store(true)
 	close(answers.release)
-	if r := send(t, srv, request{key: "k-lost", body: "{}"}); r.status < 500 {
-		t.Fatalf("request whose claim's answer was lost: %d, want a 5xx", r.status)
-	}
-	if r := retryUntilNotInProgress(t, srv.URL, request{key: "k-lost", body: "{}"}); r.status != http.StatusCreated {
-		t.Fatalf("retry of a request whose claim's answer was lost: %d for 10 s, want 201", r.status)
-	}
-	if n := runs.Load(); n != 1 {
-		t.Fatalf("handler ran %d times, want 1 (the retry)", n)
-	}
+	wantRetryRunsOnce(t, srv, runs, "k-lost", "whose claim's answer was lost")
 	// The claim may have been an heir's, or a takeover's: the key stays the
 	// same request's, so another body under it is refused.
 	if r := send(t, srv, request{key: "k-lost", body: `{"other":1}`}); r.status != http.StatusUnprocessableEntity {
@@ -376,21 +387,8 @@ func TestDoCancelledWithACauseIsStillCanceled(t *testing.T) {
 // key for a lease.
 func TestLeasedClaimAnsweredWithAFatalErrorDoesNotHoldTheKey(t *testing.T) {
 	t.Parallel()
-	b, answers := heldAnswerBundle(t, setup(t))
-	var runs atomic.Int64
-	srv := newServer(t, b, idempotency.Config{Mode: idempotency.Leased, Lease: time.Minute}, func(w http.ResponseWriter, r *http.Request) {
-		runs.Add(1)
-		w.WriteHeader(http.StatusCreated)
-	})
+	srv, answers, runs := heldAnswerLeasedServer(t)
 	answers.fatal.Store(true)
 	close(answers.release)
-	if r := send(t, srv, request{key: "k-fatal", body: "{}"}); r.status < 500 {
-		t.Fatalf("request whose claim was answered FATAL: %d, want a 5xx", r.status)
-	}
-	if r := retryUntilNotInProgress(t, srv.URL, request{key: "k-fatal", body: "{}"}); r.status != http.StatusCreated {
-		t.Fatalf("retry of a request whose claim was answered FATAL after its commit: %d for 10 s, want 201", r.status)
-	}
-	if n := runs.Load(); n != 1 {
-		t.Fatalf("handler ran %d times, want 1 (the retry)", n)
-	}
+	wantRetryRunsOnce(t, srv, runs, "k-fatal", "whose claim was answered FATAL after its commit")
 }

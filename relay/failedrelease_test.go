@@ -29,6 +29,24 @@ func (f *failFirstRelease) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d p
 
 func (*failFirstRelease) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
+// handBackFrom256 starts relay "a" on a pool traced by tracer, reporting to
+// the returned observer, waits until it owns every shard, then starts relay
+// "b": a hands back its excess (128 shards).
+func handBackFrom256(t *testing.T, tracer pgx.QueryTracer) (relay.Config, *relay.Relay, *shardsObserver) {
+	t.Helper()
+	b := setup(t)
+	cfg := relay.Config{Schema: b.schema, LeaseDuration: 600 * time.Millisecond, PollInterval: 20 * time.Millisecond}
+	obs := &shardsObserver{}
+	cfgA := cfg
+	cfgA.InstanceID, cfgA.Observer = "a", obs
+	a, _ := b.startRelayOn(t, pgtest.TracedPool(t, tracer, 4), cfgA)
+	waitFor(t, "a to own every shard", 10*time.Second, func() bool { return len(a.OwnedShards()) == relay.NumShards })
+	cfgB := cfg
+	cfgB.InstanceID = "b"
+	b.startRelay(t, cfgB)
+	return cfg, a, obs
+}
+
 // helper 115: releaseExcess trims the shards it hands back from the
 // relay's own set before it sends the hand-back, but reported the new count
 // (ObserveShards) only when the statement succeeded. After a failed one the
@@ -38,17 +56,8 @@ func (*failFirstRelease) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQuer
 // relays was above 256.
 func TestOwnedShardsAreReportedAfterAFailedHandBack(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	cfg := relay.Config{Schema: b.schema, LeaseDuration: 600 * time.Millisecond, PollInterval: 20 * time.Millisecond}
-	obs := &shardsObserver{}
-	cfgA := cfg
-	cfgA.InstanceID, cfgA.Observer = "a", obs
 	fail := &failFirstRelease{}
-	a, _ := b.startRelayOn(t, pgtest.TracedPool(t, fail, 4), cfgA)
-	waitFor(t, "a to own every shard", 10*time.Second, func() bool { return len(a.OwnedShards()) == relay.NumShards })
-	cfgB := cfg
-	cfgB.InstanceID = "b"
-	b.startRelay(t, cfgB)
+	cfg, a, obs := handBackFrom256(t, fail)
 	waitFor(t, "a's hand-back to fail", 10*time.Second, func() bool { return fail.failed.Load() })
 	time.Sleep(3 * cfg.LeaseDuration) // a few lease ticks
 	if owned, reported := len(a.OwnedShards()), obs.owned.Load(); int64(owned) != reported {
@@ -98,14 +107,9 @@ func cancelledContext(ctx context.Context) context.Context {
 // 128 shards for the rest of the outage.
 func TestAFailedHandBackAfterTheLeasesLapsedReportsNoShard(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	cfg := relay.Config{Schema: b.schema, LeaseDuration: 600 * time.Millisecond, PollInterval: 20 * time.Millisecond}
-	obs := &shardsObserver{}
-	cfgA := cfg
-	cfgA.InstanceID, cfgA.Observer = "a", obs
 	outage := &outageDuringRelease{held: make(chan struct{}), release: make(chan struct{})}
-	a, _ := b.startRelayOn(t, pgtest.TracedPool(t, outage, 4), cfgA)
-	t.Cleanup(func() {
+	cfg, _, obs := handBackFrom256(t, outage)
+	t.Cleanup(func() { // before the relays stop: a's held hand-back must end
 		outage.down.Store(false)
 		select {
 		case <-outage.release:
@@ -113,10 +117,6 @@ func TestAFailedHandBackAfterTheLeasesLapsedReportsNoShard(t *testing.T) {
 			close(outage.release)
 		}
 	})
-	waitFor(t, "a to own every shard", 10*time.Second, func() bool { return len(a.OwnedShards()) == relay.NumShards })
-	cfgB := cfg
-	cfgB.InstanceID = "b"
-	b.startRelay(t, cfgB)
 	<-outage.held
 	waitFor(t, "a's leases to be reported lapsed", 10*time.Second, func() bool { return obs.owned.Load() == 0 })
 	close(outage.release) // the hand-back fails, the database still unreachable
