@@ -462,28 +462,21 @@ func (s *store) claimOwned(ctx context.Context, db querier, c *claim, lease, win
 		conn, release = pc, pc.Release
 	}
 	sctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	// Once ctx ends, the statement has a lease more (timer); a statement
-	// that ends first stops the timer, which would hold sctx meanwhile.
-	var timerMu sync.Mutex
-	var timer *time.Timer
-	finished := false
+	// Once ctx ends, the statement has a lease more; the wait ends with
+	// the statement (cancel).
 	stopWatch := context.AfterFunc(ctx, func() {
-		timerMu.Lock()
-		defer timerMu.Unlock()
-		if !finished {
-			timer = time.AfterFunc(lease, cancel)
+		t := time.NewTimer(lease)
+		defer t.Stop()
+		select {
+		case <-t.C:
+			cancel()
+		case <-sctx.Done():
 		}
 	})
 	done := make(chan claimResult, 1)
 	go func(r claimResult) {
 		r.claimed, r.rec, r.err = s.tryClaim(sctx, conn, &r.c, lease, window)
 		stopWatch()
-		timerMu.Lock()
-		finished = true
-		if timer != nil {
-			timer.Stop()
-		}
-		timerMu.Unlock()
 		cancel()
 		release()
 		done <- r
