@@ -395,18 +395,27 @@ func (p *Processor) attempt(ctx context.Context, stop <-chan struct{}, msg Messa
 // the check fails, or gets no connection within a few seconds (a pool
 // held by handlers), the commit is assumed.
 func (p *Processor) endedByHandler(ctx context.Context, id string, err error) error {
-	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	defer cancel()
-	check, cerr := p.db.Begin(ctx)
-	if cerr != nil {
-		return Permanent(err)
-	}
-	defer rollback(ctx, check)
-	tag, cerr := check.Exec(ctx, p.insertOne, p.name, id)
-	if cerr != nil || tag.RowsAffected() == 0 {
+	if in, cerr := p.recorded(ctx, id); cerr != nil || in {
 		return Permanent(err)
 	}
 	return err
+}
+
+// recorded reports whether id's dedup record is in, asked in a transaction
+// of its own that inserts it and rolls back (a duplicate inserts nothing).
+func (p *Processor) recorded(ctx context.Context, id string) (bool, error) {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	check, err := p.db.Begin(ctx)
+	if err != nil {
+		return false, err
+	}
+	defer rollback(ctx, check)
+	tag, err := check.Exec(ctx, p.insertOne, p.name, id)
+	if err != nil {
+		return false, err
+	}
+	return tag.RowsAffected() == 0, nil
 }
 
 // acquirer is *pgxpool.Pool: with a connection of its own, the Processor
@@ -643,16 +652,8 @@ func (p *Processor) rolledBackBySQL(ctx context.Context, tx pgx.Tx, id string) e
 	if c := tx.Conn(); c == nil || c.PgConn().TxStatus() != 'I' {
 		return nil
 	}
-	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	defer cancel()
-	check, err := p.db.Begin(ctx)
-	if err == nil {
-		defer rollback(ctx, check)
-		var tag pgconn.CommandTag
-		tag, err = check.Exec(ctx, p.insertOne, p.name, id)
-		if err == nil && tag.RowsAffected() == 0 {
-			return nil // committed by the handler's own COMMIT
-		}
+	if in, err := p.recorded(ctx, id); err == nil && in {
+		return nil // committed by the handler's own COMMIT
 	}
 	return Permanent(fmt.Errorf("the handler ended its transaction with SQL of its own (ROLLBACK): what it wrote after committed outside it: %w", pgx.ErrTxClosed))
 }

@@ -82,10 +82,10 @@ func (k *kafkaFlags) conn(brokers []string) ([]string, kafkaconn.Config, error) 
 	// One trailing newline is dropped, as from the password file: a secret
 	// made with `echo … | base64` carries one.
 	password := trimNewline(os.Getenv("ONCEFLOW_KAFKA_SASL_PASSWORD"))
-	k.username = trimNewline(k.username)
+	username := trimNewline(k.username)
 	fromEnv := password != "" // empty counts as unset, as for every setting
 	if k.mechanism == "" {
-		if k.username != "" || k.passwordFile != "" || fromEnv {
+		if username != "" || k.passwordFile != "" || fromEnv {
 			return nil, c, errors.New("--kafka-sasl-mechanism: required when a SASL user or password is given")
 		}
 	} else {
@@ -100,7 +100,7 @@ func (k *kafkaFlags) conn(brokers []string) ([]string, kafkaconn.Config, error) 
 		}
 		// The file is read for every new connection (Validate reads it
 		// once now): a secret rotated in place is used without a restart.
-		c.SASL = &kafkaconn.SASL{Mechanism: m, Username: k.username, Password: password, PasswordFile: k.passwordFile, AWSRegion: k.awsRegion}
+		c.SASL = &kafkaconn.SASL{Mechanism: m, Username: username, Password: password, PasswordFile: k.passwordFile, AWSRegion: k.awsRegion}
 		if m == kafkaconn.AWSMSKIAM {
 			region := k.awsRegion
 			if region != "" {
